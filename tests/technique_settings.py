@@ -1,0 +1,21 @@
+"""One row per registered technique: the settings the shared, parametrized tests use.
+
+Adding a technique = adding its module under workbench/techniques/ and one row here;
+test_every_registered_technique_has_a_row fails until the row exists.
+
+config   what the tests pass as the technique's settings (small, fast values)
+models   the built-in models it applies to (the trains-a-few-steps test runs each)
+slow     True when one run costs more than a few seconds (compilation)
+"""
+
+ALL_MODELS = ("mlp", "resnet-mini", "gpt-mini")
+
+TECHNIQUE_SETTINGS = {
+    "dataloader": {"config": {"num_workers": 1}, "models": ALL_MODELS},
+    "tf32": {"config": True, "models": ALL_MODELS},
+    "checkpointing": {"config": True, "models": ALL_MODELS},
+    "channels_last": {"config": True, "models": ("resnet-mini",)},
+    "amp": {"config": {"dtype": "bfloat16"}, "models": ALL_MODELS},
+    "grad_accum": {"config": {"steps": 2}, "models": ALL_MODELS},
+    "compile": {"config": True, "models": ALL_MODELS, "slow": True},
+}

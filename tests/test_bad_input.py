@@ -1,0 +1,149 @@
+"""Bad input: one clear line naming the valid choices, before any time is spent."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import workbench as wb
+from workbench.config import RunConfig
+
+QUIET = {"progress": False, "out": False}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"techniques": {"ampp": True}},
+            r"unknown technique 'ampp'; valid techniques: dataloader, .*amp.* \(did you mean 'amp'\?\)",
+        ),
+        ({"model": "resnet"}, r"unknown model 'resnet'; valid models: mlp, resnet-mini, gpt-mini"),
+        (
+            {"data": "cifar10"},
+            r"unknown dataset 'cifar10'; valid datasets: digits, textures, text, synthetic",
+        ),
+        ({"mode": "sweep"}, r"unknown mode 'sweep'; valid modes: one-at-a-time, leave-one-out, grid"),
+        ({"device": "tpu"}, r"unknown device 'tpu'; valid devices: auto, cpu, cuda, cuda:N"),
+        ({"optimizer": "lion"}, r"unknown optimizer 'lion'; valid optimizers: adamw, sgd"),
+        ({"steps": 0}, r"ablate: steps must be >= 1; got 0"),
+        ({"steps": 2.5}, r"ablate: steps must be an integer >= 1; got 2.5"),
+        ({"warmup": 0}, r"ablate: warmup must be >= 1; got 0 \(the first steps pay one-off costs"),
+        ({"repeats": 0}, r"ablate: repeats must be >= 1; got 0"),
+        ({"batch_size": -32}, r"ablate: batch_size must be >= 1; got -32"),
+        ({"lr": 0}, r"ablate: lr must be > 0.0; got 0"),
+        (
+            {"techniques": {"amp": {"dtype": "fp8"}}},
+            r"amp: dtype must be one of 'bfloat16' \| 'float16'; got 'fp8'",
+        ),
+        ({"techniques": {"grad_accum": {"steps": 0}}}, r"grad_accum: steps must be >= 1; got 0"),
+        (
+            {"techniques": {"grad_accum": {"steps": 64}}, "batch_size": 32},
+            r"grad_accum: steps=64 exceeds batch_size=32",
+        ),
+        (
+            {"techniques": {"amp": "yes"}},
+            r"amp: settings must be True, False, or a dict of options; got 'yes'",
+        ),
+        ({"techniques": ["amp"]}, r"techniques must be a dict like"),
+        (
+            {"model": "gpt-mini", "data": "digits"},
+            r"model 'gpt-mini' cannot train on dataset 'digits' \(image data\); "
+            r"datasets it accepts: text, synthetic",
+        ),
+        ({"model": torch.nn.Linear(2, 2)}, r"model must be a built-in name or a zero-argument callable"),
+        (
+            {"model": 42},
+            r"model must be a built-in name \(mlp, resnet-mini, gpt-mini\) or a zero-argument callable",
+        ),
+        ({"model": lambda: torch.nn.Linear(2, 2)}, r"data is required with your own model"),
+        (
+            {"model": lambda: torch.nn.Linear(2, 2), "data": "digits"},
+            r"built-in dataset 'digits' is sized for the built-in",
+        ),
+        ({"data": [(torch.zeros(2, 64), torch.zeros(2))]}, r"built-in model 'mlp' trains on built-in data"),
+        ({"model": lambda: torch.nn.Linear(2, 2), "data": (b for b in [])}, r"one-shot iterator"),
+        ({"model": lambda: torch.nn.Linear(2, 2), "data": 3}, r"data must be a built-in name"),
+        ({"loss_fn": "mse"}, r"loss_fn must be a callable"),
+    ],
+)
+def test_bad_input_gives_one_clear_line(kwargs, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        wb.ablate(**{"model": "mlp", "techniques": {}, **kwargs}, **QUIET)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_model_factory_that_returns_no_module():
+    with pytest.raises(ValueError, match="returned int, not an nn.Module"):
+        wb.ablate(model=lambda: 3, data=[(torch.zeros(2, 2), torch.zeros(2))], techniques={}, **QUIET)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.one_of(st.integers(-3, 50), st.floats(), st.booleans(), st.none(), st.text(max_size=3)),
+    warmup=st.one_of(st.integers(-3, 5), st.floats(allow_nan=True)),
+    repeats=st.one_of(st.integers(-3, 5), st.none()),
+    batch_size=st.one_of(st.integers(-64, 256), st.sampled_from([1.0, "32"])),
+    device=st.one_of(st.sampled_from(["auto", "cpu", "cuda", "cuda:0", "cuda:x", "gpu", ""]), st.integers()),
+    mode=st.sampled_from(["one-at-a-time", "leave-one-out", "grid", "all", ""]),
+    lr=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-1, 1)),
+)
+def test_run_config_validation_fuzz(steps, warmup, repeats, batch_size, device, mode, lr):
+    """Whatever the values, RunConfig either validates them or raises one ValueError line."""
+    try:
+        config = RunConfig(
+            steps=steps,
+            warmup=warmup,
+            repeats=repeats,
+            batch_size=batch_size,
+            device=device,
+            mode=mode,
+            lr=lr,
+        )
+    except ValueError as error:
+        assert "\n" not in str(error)
+        return
+    assert config.steps >= 1 and config.warmup >= 1 and config.repeats >= 1 and config.batch_size >= 1
+    assert config.mode in ("one-at-a-time", "leave-one-out", "grid") and config.lr > 0
+
+
+def test_missing_gpu_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="no CUDA device is visible; use device='cpu'"):
+        wb.ablate(model="mlp", techniques={}, device="cuda", **QUIET)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["ablate", "-t", "ampp"], "unknown technique 'ampp'; valid techniques:"),
+        (["ablate", "--model", "vit"], "unknown model 'vit'; valid models:"),
+        (["ablate", "--steps", "0"], "ablate: steps must be >= 1; got 0"),
+        (["ablate", "-t", "amp:dtype=fp8"], "amp: dtype must be one of"),
+        (["ablate", "-t", "amp:dtype"], "cannot read technique option 'dtype'"),
+        (["ablate", "--techniques", "{not json"], "--techniques is not valid JSON"),
+        (["show", "/no/such/folder"], "no results at /no/such/folder"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(arguments, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench", *arguments], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("workbench: error: ") and message in lines[0], done.stderr
+
+
+def test_cli_unknown_flag_is_argparse_exit_2():
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench", "ablate", "--stepz", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "unrecognized arguments: --stepz" in done.stderr

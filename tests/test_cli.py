@@ -1,0 +1,73 @@
+"""The workbench command, used as a person would: list, env, ablate, show."""
+
+import subprocess
+import sys
+
+from workbench.cli import parse_technique_flag
+
+
+def run(*arguments, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "workbench", *arguments], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_list_shows_availability_with_reasons():
+    done = run("list", "--device", "cpu")
+    assert done.returncode == 0
+    line = next(line for line in done.stdout.splitlines() if line.strip().startswith("tf32"))
+    assert "False" in line and "needs a CUDA device" in line
+    assert run("list", "--models").stdout.count("gpt-mini") >= 1
+
+
+def test_env_names_versions_and_cores():
+    done = run("env")
+    assert done.returncode == 0
+    for word in ("torch", "cpu", "usable of", "cupy", "dali", "cuda"):
+        assert word in done.stdout
+    assert '"usable_cores"' in run("env", "--json").stdout
+
+
+def test_ablate_prints_the_table_and_writes_results_and_plot(tmp_path):
+    out = tmp_path / "cli"
+    done = run(
+        "ablate",
+        "--model",
+        "mlp",
+        "-t",
+        "amp:dtype=bfloat16",
+        "-t",
+        "tf32",
+        "--steps",
+        "5",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Plan: 3 arms x 2 repeats = 6 runs" in done.stdout
+    assert "baseline (control)" in done.stdout and "tf32: unavailable" in done.stdout
+    for name in ("results.json", "table.csv", "losses.csv", "telemetry.csv", "plot.png"):
+        assert (out / name).exists(), name
+    shown = run("show", str(out))
+    assert shown.returncode == 0 and "amp" in shown.stdout
+
+
+def test_dry_run_plans_without_running():
+    done = run("ablate", "--preset", "quick", "--dry-run")
+    assert done.returncode == 0
+    for arm in ("baseline", "amp", "channels_last", "checkpointing", "grad_accum", "dataloader"):
+        assert arm in done.stdout
+
+
+def test_technique_flag_parsing():
+    assert parse_technique_flag("compile") == ("compile", True)
+    assert parse_technique_flag("amp:off") == ("amp", False)
+    assert parse_technique_flag("dataloader:num_workers=2,pin_memory=false,prefetch_factor=none") == (
+        "dataloader",
+        {"num_workers": 2, "pin_memory": False, "prefetch_factor": None},
+    )

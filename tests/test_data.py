@@ -1,0 +1,109 @@
+"""Built-in datasets (from data shipped in packages) and the adapters for the user's data."""
+
+import numpy as np
+import pytest
+import torch
+from workbench.datasets import builders, ensure_built, load
+
+from workbench.data import (
+    BUILTIN_DATA,
+    DataSource,
+    builtin_spec,
+    endless_batches,
+    list_datasets,
+    resolve_data,
+)
+
+
+@pytest.mark.parametrize("name", ["digits", "textures", "text"])
+def test_builtin_dataset_builds_and_loads_without_pickle(name):
+    path = ensure_built(name)
+    arrays = load(path)  # np.load(allow_pickle=False) inside
+    spec = builtin_spec(name)
+    if name == "text":
+        assert arrays["corpus"].dtype == np.uint8 and len(arrays["corpus"]) == 2_000_000
+        assert b"def " in arrays["corpus"][:200_000].tobytes()  # it really is Python source
+    else:
+        assert arrays["inputs"].shape[1:] == spec.shape
+        assert sorted(set(arrays["targets"].tolist())) == list(range(spec.num_classes))
+
+
+def test_textures_are_six_real_photo_classes():
+    arrays = load(ensure_built("textures"))
+    assert list(arrays["classes"]) == ["brick", "grass", "gravel", "moon", "cell", "coins"]
+    means = [arrays["inputs"][arrays["targets"] == k].std() for k in range(6)]
+    assert all(m > 5 for m in means), "each class must have texture, not flat crops"
+
+
+def test_builders_are_deterministic(tmp_path):
+    first, second = builders()["textures"].build(), builders()["textures"].build()
+    assert np.array_equal(first["inputs"], second["inputs"])
+
+
+@pytest.mark.parametrize(
+    "model,data,kind",
+    [
+        ("mlp", "digits", "image"),
+        ("resnet-mini", "textures", "image"),
+        ("gpt-mini", "text", "tokens"),
+        ("gpt-mini", "synthetic", "tokens"),
+        ("resnet-mini", "synthetic", "image"),
+    ],
+)
+def test_builtin_batches_have_the_model_shapes(model, data, kind):
+    source = resolve_data(data, model, 0)
+    inputs, targets = next(endless_batches(source, 8, 0, {}))
+    assert source.spec.kind == kind and inputs.shape == (8, *source.spec.shape)
+    assert targets.dtype == torch.int64
+    if kind == "tokens":
+        assert torch.equal(inputs[:, 1:], targets[:, :-1]), "targets are the inputs shifted by one"
+
+
+def test_every_arm_sees_the_same_batches():
+    source = resolve_data("textures", "resnet-mini", 0)
+    a = next(endless_batches(source, 16, 7, {}))
+    b = next(endless_batches(source, 16, 7, {"num_workers": 1}))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_batches_continue_past_the_end_of_an_epoch():
+    source = resolve_data("digits", "mlp", 0)
+    stream = endless_batches(source, 512, 0, {})
+    assert len([next(stream) for _ in range(10)]) == 10  # 1,797 samples = 3 batches per epoch
+
+
+def test_user_dataset_list_of_batches_and_callable():
+    dataset = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randint(0, 2, (20,)))
+    source = resolve_data(dataset, lambda: torch.nn.Linear(3, 2), 0)
+    assert source.is_dataset and next(endless_batches(source, 4, 0, {}))[0].shape == (4, 3)
+
+    batches = [(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))] * 2
+    source = resolve_data(batches, lambda: torch.nn.Linear(3, 2), 0)
+    assert not source.is_dataset
+    stream = endless_batches(source, 999, 0, {})
+    assert [next(stream)[0].shape[0] for _ in range(5)] == [5] * 5  # cycled; batch_size does not apply
+
+    def fresh_generator():
+        return ((torch.randn(2, 3), torch.zeros(2, dtype=torch.long)) for _ in range(3))
+
+    source = resolve_data(fresh_generator, lambda: torch.nn.Linear(3, 2), 0)
+    stream = endless_batches(source, 2, 0, {})
+    with pytest.raises(ValueError, match="ran out after 3 batches and cannot be replayed"):
+        for _ in range(4):
+            next(stream)
+
+
+def test_bad_batches_and_small_datasets_are_explained():
+    bad = DataSource(label="bad", user=[torch.zeros(3)], is_dataset=False)
+    with pytest.raises(ValueError, match=r"each batch must be an \(inputs, targets\) pair"):
+        next(endless_batches(bad, 2, 0, {}))
+    small = torch.utils.data.TensorDataset(torch.zeros(3, 2), torch.zeros(3))
+    with pytest.raises(ValueError, match="the dataset has 3 samples, fewer than batch_size=8"):
+        next(endless_batches(DataSource(label="small", user=small), 8, 0, {}))
+    with pytest.raises(ValueError, match="returned int"):
+        resolve_data(lambda: 3, lambda: torch.nn.Linear(1, 1), 0)
+
+
+def test_list_datasets():
+    table = list_datasets()
+    assert list(table.name) == list(BUILTIN_DATA)

@@ -1,0 +1,121 @@
+"""Planning: which arms each mode runs, in what order, and which combinations are refused."""
+
+from dataclasses import dataclass
+
+import pytest
+
+import workbench as wb
+from workbench.ablation import _schedule, plan_arms
+from workbench.techniques import Technique, parse_techniques, register_technique, unregister_technique
+
+
+def test_one_at_a_time():
+    table = wb.plan(
+        model="resnet-mini", techniques={"amp": True, "channels_last": True, "tf32": True}, device="cpu"
+    )
+    assert list(table.name) == ["baseline", "baseline (control)", "channels_last", "amp", "tf32"]
+    assert list(table.role) == ["baseline", "control", "treatment", "treatment", "treatment"]
+    assert list(table.runs) == [3, 3, 3, 3, 0]
+    assert "CUDA" in table.set_index("name").loc["tf32", "unavailable"]
+    assert table.set_index("name").loc["amp", "techniques"] == "amp(dtype=bfloat16)"
+
+
+def test_leave_one_out():
+    table = wb.plan(
+        model="gpt-mini",
+        techniques={"amp": True, "checkpointing": True, "grad_accum": {"steps": 2}},
+        mode="leave-one-out",
+        control=False,
+        device="cpu",
+    )
+    assert list(table.name) == ["baseline", "all", "all - checkpointing", "all - amp", "all - grad_accum"]
+    techniques = table.set_index("name").techniques
+    assert techniques["all - amp"] == "checkpointing(select=None), grad_accum(steps=2)"
+
+
+def test_grid_shows_every_combination_and_its_size():
+    table = wb.plan(
+        model="mlp",
+        techniques={"amp": True, "checkpointing": True, "grad_accum": True},
+        mode="grid",
+        control=False,
+        device="cpu",
+    )
+    assert len(table) == 2**3
+    assert "checkpointing+amp+grad_accum" in set(table.name)
+    assert table.runs.sum() == 8 * 3
+
+
+def test_unavailable_techniques_stay_out_of_combinations():
+    table = wb.plan(
+        model="mlp",
+        techniques={"amp": True, "tf32": True, "channels_last": True},
+        mode="grid",
+        control=False,
+        device="cpu",
+    )
+    combined = [name for name in table.name if "+" in name]
+    assert combined == [] and set(table.name) == {"baseline", "amp", "tf32", "channels_last"}
+    reasons = table.set_index("name").unavailable
+    assert "no Conv2d" in reasons["channels_last"] and "CUDA" in reasons["tf32"]
+
+
+def test_interleaved_schedule_rotates_the_order_each_repeat():
+    arms = plan_arms("one-at-a-time", parse_techniques({"amp": True, "grad_accum": True}), control=False)
+    order = [(arm.name, repeat) for arm, repeat in _schedule(arms, 3)]
+    assert order == [
+        ("baseline", 0),
+        ("amp", 0),
+        ("grad_accum", 0),
+        ("amp", 1),
+        ("grad_accum", 1),
+        ("baseline", 1),
+        ("grad_accum", 2),
+        ("baseline", 2),
+        ("amp", 2),
+    ]
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    pass
+
+
+class Exclusive(Technique):
+    summary = "test-only"
+    Config = NoOptions
+
+    def __init__(self, name, order, conflicts):
+        self.name, self.order, self.conflicts = name, order, conflicts
+
+    def apply(self, setup, config):
+        return "nothing"
+
+
+@pytest.fixture
+def conflicting():
+    register_technique(Exclusive("left", 300, {"right": "both replace the data loader"}))
+    register_technique(Exclusive("right", 301, {}))
+    yield
+    unregister_technique("left")
+    unregister_technique("right")
+
+
+def test_incompatible_combinations_are_rejected_naming_both(conflicting):
+    chosen = {"left": True, "right": True, "amp": True}
+    with pytest.raises(ValueError, match="left and right cannot be combined: both replace the data loader"):
+        wb.plan(model="mlp", techniques=chosen, mode="leave-one-out", device="cpu")
+    grid = wb.plan(model="mlp", techniques=chosen, mode="grid", control=False, device="cpu").set_index("name")
+    assert (
+        grid.loc["left+right", "unavailable"]
+        == "left and right cannot be combined: both replace the data loader"
+    )
+    assert grid.loc["amp+left+right", "runs"] == 0
+    assert grid.loc["amp+left", "runs"] == 3
+    # one at a time never combines them
+    assert wb.plan(model="mlp", techniques=chosen, device="cpu").unavailable.isna().all()
+
+
+def test_none_selects_every_technique():
+    table = wb.plan(model="resnet-mini", techniques=None, device="cpu", control=False)
+    assert set(table.name) == {"baseline"} | {t.name for t in wb.list_techniques().itertuples()}

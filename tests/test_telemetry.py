@@ -1,0 +1,71 @@
+"""The measuring instruments: clocks, memory, utilization, sampler."""
+
+import time
+
+import pytest
+import torch
+from helpers import train
+
+from workbench.telemetry import PHASES, CpuUsage, PeakMemory, Sampler, StepClock
+
+
+def test_step_clock_attributes_time_to_phases():
+    clock = StepClock(torch.device("cpu"))
+    for _ in range(3):
+        clock.start()
+        for phase, seconds in zip(PHASES, (0.002, 0.004, 0.006, 0.001), strict=True):
+            time.sleep(seconds)
+            clock.lap(phase)
+        clock.stop()
+    per_step = clock.phase_ms_per_step()
+    for phase, expected_ms in zip(PHASES, (2, 4, 6, 1), strict=True):
+        assert expected_ms <= per_step[phase] < expected_ms + 2.5
+    assert len(clock.step_s) == 3 and all(0.013 <= s < 0.025 for s in clock.step_s)
+
+
+def test_cpu_peak_memory_sees_a_known_allocation():
+    memory = PeakMemory(torch.device("cpu"))
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        block = torch.ones(16, 2**20)  # 64 MiB of float32, freed before the step ends
+        return block.add_(1)[0, 0].item()  # in place: no hidden copy (a uint8 .sum() would add 512 MiB)
+
+    peak = memory.tensor_peak_mib(step, model, optimizer)
+    assert 64 <= peak < 70
+
+
+def test_rss_growth_sees_a_known_allocation():
+    memory = PeakMemory(torch.device("cpu"))
+    memory.mark_before_model()
+    memory.begin_window()
+    block = torch.ones(100, 2**20, dtype=torch.uint8)
+    grown = memory.rss_growth_mib()
+    del block
+    assert grown >= 95
+
+
+@pytest.mark.parametrize("technique", ["checkpointing", "grad_accum"])
+def test_memory_savings_show_up_where_activations_dominate(technique):
+    baseline = train("gpt-mini", {}, steps=2, warmup=1, batch_size=32)["peak_mem_mib"]
+    saved = train("gpt-mini", {technique: True}, steps=2, warmup=1, batch_size=32)["peak_mem_mib"]
+    assert saved < 0.7 * baseline, (technique, saved, baseline)
+
+
+def test_cpu_usage_of_a_busy_loop():
+    usage = CpuUsage()
+    usage.begin()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        pass
+    assert usage.percent() > 20  # one busy core out of the usable ones (2 here)
+
+
+def test_sampler_collects_samples_in_the_background():
+    sampler = Sampler(interval_s=0.05).start()
+    time.sleep(0.4)
+    samples = sampler.stop()
+    assert len(samples) >= 4
+    assert {"time", "cpu_percent", "memory_used_mib"} <= set(samples[0])
+    assert all(0 <= s["cpu_percent"] <= 100 for s in samples)

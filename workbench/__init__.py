@@ -1,0 +1,65 @@
+"""workbench: honest, controlled ablations of PyTorch training-acceleration techniques.
+
+    import workbench as wb
+    wb.list_techniques()
+    res = wb.ablate(model="gpt-mini", techniques={"amp": {"dtype": "bfloat16"}, "compile": True})
+    res.table, res.plot()
+
+Public names are loaded on first use, so that the process which runs each arm imports
+only what training needs (torch), not pandas or matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ablate": "workbench.ablation",
+    "plan": "workbench.ablation",
+    "list_techniques": "workbench.techniques",
+    "describe": "workbench.techniques",
+    "register_technique": "workbench.techniques",
+    "Technique": "workbench.techniques",
+    "Results": "workbench.results",
+    "load_results": "workbench.results",
+    "environment": "workbench.environment",
+    "list_models": "workbench.models",
+    "list_datasets": "workbench.data",
+}
+
+__all__ = [
+    "Results",
+    "Technique",
+    "ablate",
+    "describe",
+    "environment",
+    "list_datasets",
+    "list_models",
+    "list_techniques",
+    "load_results",
+    "plan",
+    "register_technique",
+]
+
+if TYPE_CHECKING:
+    from workbench.ablation import ablate, plan
+    from workbench.data import list_datasets
+    from workbench.environment import environment
+    from workbench.models import list_models
+    from workbench.results import Results, load_results
+    from workbench.techniques import Technique, describe, list_techniques, register_technique
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

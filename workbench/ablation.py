@@ -1,0 +1,477 @@
+"""Controlled ablations: plan the arms, run them isolated and interleaved, summarise.
+
+Design, in the order a run happens:
+
+1. Validate everything up front (names, values, combinations), so bad input fails in
+   one line before any time is spent.
+2. Plan the arms. ``one-at-a-time``: the baseline, then each technique alone.
+   ``leave-one-out``: the baseline, all techniques, then all minus each one. ``grid``: every
+   combination. Unless ``control=False``, the baseline runs a second time as a control arm:
+   the A/A check that shows the machine's noise floor. Techniques that cannot run here
+   become ``unavailable`` rows and are left out of the combinations.
+3. Interleave: repeat r runs every arm once, in an order rotated by r (A B C, B C A, C A B),
+   so drift of the machine (heat, other load) and position effects hit every arm alike.
+4. Isolate: each (arm, repeat) runs in a fresh process (see workbench.worker), with its
+   own warm-up excluded from the clock.
+5. Persist: each finished (arm, repeat) is written to ``out/units/`` atomically, and the
+   summary is rewritten after it. Ctrl-C keeps everything finished; running again with the
+   same ``out`` resumes, skipping what is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from workbench.config import RunConfig
+from workbench.data import DataSource, resolve_data
+from workbench.devices import resolve_device
+from workbench.environment import environment
+from workbench.models import inspect_model, model_label
+from workbench.process import Interrupted, run_in_fresh_process
+from workbench.results import SCHEMA, Results, summarize, write_json_atomic
+from workbench.techniques import Context, Technique, conflict_reason, parse_techniques
+from workbench.telemetry import Sampler
+from workbench.worker import UnitSpec
+
+
+@dataclass
+class Arm:
+    name: str
+    role: str  # "baseline", "control" or "treatment"
+    techniques: list[tuple[Technique, Any]] = field(default_factory=list)
+    unavailable: str | None = None  # why it cannot run here; None when it can
+
+    def record(self) -> dict:
+        described = ", ".join(t.describe(c) for t, c in self.techniques) or "none"
+        return {
+            "name": self.name,
+            "role": self.role,
+            "techniques": described,
+            "technique_names": [t.name for t, _ in self.techniques],
+            "unavailable": self.unavailable,
+        }
+
+
+def plan_arms(mode: str, techniques: list[tuple[Technique, Any]], control: bool) -> list[Arm]:
+    """The arms of one ablation, baseline first. Raises ValueError for impossible combinations."""
+    arms = [Arm("baseline", "baseline")]
+    if control:
+        arms.append(Arm("baseline (control)", "control"))
+    if mode == "one-at-a-time":
+        arms += [Arm(t.name, "treatment", [(t, c)]) for t, c in techniques]
+    elif mode == "leave-one-out":
+        names = [t.name for t, _ in techniques]
+        reason = conflict_reason(names)
+        if reason:
+            raise ValueError(f"leave-one-out needs every technique together, but {reason}")
+        if techniques:
+            arms.append(Arm("all", "treatment", list(techniques)))
+        if len(techniques) > 1:
+            for index, (technique, _) in enumerate(techniques):
+                rest = techniques[:index] + techniques[index + 1 :]
+                arms.append(Arm(f"all - {technique.name}", "treatment", rest))
+    else:  # grid
+        for size in range(1, len(techniques) + 1):
+            for combination in itertools.combinations(techniques, size):
+                chosen = list(combination)
+                name = "+".join(t.name for t, _ in chosen)
+                arms.append(Arm(name, "treatment", chosen, conflict_reason([t.name for t, _ in chosen])))
+    return arms
+
+
+@dataclass
+class Prepared:
+    """A validated ablation, ready to run (or to show as a plan)."""
+
+    run: RunConfig
+    model: Any
+    data: DataSource
+    loss_fn: Callable | None
+    arms: list[Arm]
+    config: dict
+
+
+def prepare(
+    model: Any,
+    data: Any,
+    loss_fn: Callable | None,
+    techniques: Mapping[str, Any] | None,
+    run: RunConfig,
+) -> Prepared:
+    device = resolve_device(run.device)
+    instance, label = inspect_model(model)
+    source = resolve_data(data, model, run.seed)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
+    chosen = parse_techniques(techniques)
+    ctx = Context(
+        device=device,
+        model=instance,
+        model_name=label,
+        data_is_dataset=source.is_dataset,
+        batch_size=run.batch_size,
+    )
+    runnable, unavailable = [], []
+    for technique, config in chosen:
+        technique.validate(ctx, config)
+        reason = technique.unavailable_reason(ctx, config)
+        if reason:
+            unavailable.append(Arm(technique.name, "treatment", [(technique, config)], reason))
+        else:
+            runnable.append((technique, config))
+    arms = plan_arms(run.mode, runnable, run.control) + unavailable
+    config = {
+        "model": label,
+        "data": source.label,
+        "loss_fn": model_label(loss_fn) if loss_fn else "cross_entropy",
+        "techniques": {t.name: t.describe(c) for t, c in chosen},
+        **asdict(run),
+        "device": str(device),
+    }
+    return Prepared(run, model, source, loss_fn, arms, config)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
+def _fingerprint(prepared: Prepared) -> dict:
+    """What must match for a rerun with the same ``out`` to resume rather than start over."""
+    settings = {k: v for k, v in prepared.config.items() if k != "timeout_s"}
+    settings["arms"] = [
+        [arm.name, arm.record()["techniques"]] for arm in prepared.arms if not arm.unavailable
+    ]
+    text = json.dumps(settings, sort_keys=True, default=str)
+    # Compare in the form it is stored in (JSON), so a reloaded plan equals a fresh one.
+    return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16], "settings": json.loads(text)}
+
+
+def _schedule(arms: list[Arm], repeats: int) -> list[tuple[Arm, int]]:
+    """(arm, repeat) in run order: every repeat runs each arm once, rotated by one each time."""
+    runnable = [arm for arm in arms if not arm.unavailable]
+    order = []
+    for repeat in range(repeats):
+        shift = repeat % len(runnable)
+        order += [(arm, repeat) for arm in runnable[shift:] + runnable[:shift]]
+    return order
+
+
+def _default_out(label: str) -> Path:
+    return Path("workbench-results") / f"{datetime.now():%Y%m%d-%H%M%S}-{_slug(label)}"
+
+
+class _Progress:
+    """A tqdm.auto bar over (arm, repeat) runs, with the arm and phase in flight."""
+
+    def __init__(self, enabled: bool, total: int, already: int):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=already, desc="ablate", unit="run", dynamic_ncols=True)
+
+    def show(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=True)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _open_out(out: Any, prepared: Prepared, overwrite: bool) -> tuple[Path, list[dict]]:
+    """The output folder, and the units a previous run of this same ablation finished there."""
+    folder = Path(out)
+    fingerprint = _fingerprint(prepared)
+    plan_file = folder / "plan.json"
+    if plan_file.exists() and overwrite:
+        shutil.rmtree(folder)
+    if plan_file.exists():
+        previous = json.loads(plan_file.read_text())
+        if previous.get("digest") != fingerprint["digest"]:
+            old, new = previous.get("settings", {}), fingerprint["settings"]
+            differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            raise ValueError(
+                f"out={str(folder)!r} holds a different ablation (differs in: {', '.join(differing)}); "
+                "choose another out, or pass overwrite=True to discard it"
+            )
+        units = [json.loads(p.read_text()) for p in sorted((folder / "units").glob("*.json"))]
+        return folder, units
+    write_json_atomic(plan_file, fingerprint)
+    return folder, []
+
+
+def ablate(
+    model: Any = "mlp",
+    data: Any = None,
+    loss_fn: Callable | None = None,
+    techniques: Mapping[str, Any] | None = None,
+    mode: str = "one-at-a-time",
+    steps: int = 30,
+    warmup: int = 5,
+    repeats: int = 3,
+    batch_size: int = 32,
+    device: str = "auto",
+    seed: int = 0,
+    out: str | Path | None | bool = None,
+    progress: bool = True,
+    *,
+    control: bool = True,
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+    timeout_s: float = 1800.0,
+    overwrite: bool = False,
+    on_event: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+) -> Results:
+    """Run a controlled ablation and return its Results (``.table``, ``.plot()``, ``.save()``).
+
+    model       a built-in name (``mlp``, ``resnet-mini``, ``gpt-mini``) or a zero-argument
+                callable returning an nn.Module
+    data        a built-in dataset (``digits``, ``textures``, ``text``, ``synthetic``), a Dataset,
+                an iterable of (inputs, targets) batches, or a callable returning one;
+                None picks the built-in model's own dataset
+    loss_fn     ``(outputs, targets) -> loss``; default cross-entropy
+    techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``; None = all, defaults
+    mode        ``one-at-a-time`` | ``leave-one-out`` | ``grid``
+    steps       timed optimizer steps per repeat; ``warmup`` untimed steps before them
+    repeats     fresh-process runs per arm, interleaved across arms
+    batch_size  samples per optimizer step (grad_accum splits it; it never grows)
+    out         folder for results (written after every run, resumable); None = a new folder
+                under ./workbench-results; False = keep nothing on disk
+    control     also rerun the baseline (an A/A check of the machine's noise)
+    timeout_s   limit for one (arm, repeat); past it the arm is recorded as failed
+    on_event    called with dicts describing progress (for live UIs)
+    stop        a threading.Event; setting it ends the run like Ctrl-C, returning partial results
+    """
+    run = RunConfig(
+        steps=steps,
+        warmup=warmup,
+        repeats=repeats,
+        batch_size=batch_size,
+        device=device,
+        seed=seed,
+        mode=mode,
+        optimizer=optimizer,
+        lr=lr,
+        control=control,
+        timeout_s=timeout_s,
+    )
+    prepared = prepare(model, data, loss_fn, techniques, run)
+    temporary = None
+    if out is False:
+        temporary = tempfile.TemporaryDirectory(prefix="workbench-")
+        out = temporary.name
+    elif out is None or out is True:
+        out = _default_out(prepared.config["model"])
+    try:
+        folder, finished = _open_out(out, prepared, overwrite)
+        results = _run(prepared, folder, finished, progress, on_event or (lambda event: None), stop)
+    finally:
+        if temporary is not None:
+            temporary.cleanup()
+    if temporary is not None:
+        results.path = None
+    return results
+
+
+def plan(
+    model: Any = "mlp",
+    data: Any = None,
+    loss_fn: Callable | None = None,
+    techniques: Mapping[str, Any] | None = None,
+    mode: str = "one-at-a-time",
+    repeats: int = 3,
+    batch_size: int = 32,
+    device: str = "auto",
+    control: bool = True,
+):
+    """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them."""
+    import pandas as pd
+
+    run = RunConfig(repeats=repeats, batch_size=batch_size, device=device, mode=mode, control=control)
+    prepared = prepare(model, data, loss_fn, techniques, run)
+    rows = [{**arm.record(), "runs": 0 if arm.unavailable else repeats} for arm in prepared.arms]
+    return pd.DataFrame(rows)[["name", "role", "techniques", "unavailable", "runs"]]
+
+
+def describe_plan(event: dict) -> str:
+    """One line saying what will run: arms, repeats, what is unavailable, what is resumed."""
+    unavailable = sum(1 for arm in event["arms"] if arm["unavailable"])
+    runnable = len(event["arms"]) - unavailable
+    text = (
+        f"Plan: {runnable} arms x {event['repeats']} repeats = {event['runs']} runs, interleaved, "
+        f"each in a fresh process"
+    )
+    if unavailable:
+        text += f"; {unavailable} unavailable"
+    if event["remaining"] < event["runs"]:
+        text += f"; resuming: {event['runs'] - event['remaining']} already done"
+    return text + f". Results: {event['out']}"
+
+
+def _run(
+    prepared: Prepared,
+    folder: Path,
+    finished: list[dict],
+    progress: bool,
+    on_event: Callable[[dict], None],
+    stop: threading.Event | None,
+) -> Results:
+    run = prepared.run
+    env = environment()
+    units = list(finished)
+    done = {(u["arm"], u["repeat"]) for u in units}
+    schedule = _schedule(prepared.arms, run.repeats)
+    arm_records = [arm.record() for arm in prepared.arms]
+    sampler = Sampler().start()
+    record = {
+        "schema": SCHEMA,
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "config": prepared.config,
+        "environment": env,
+        "arms": arm_records,
+    }
+
+    def save(complete: bool) -> Results:
+        record.update(
+            units=units,
+            complete=complete,
+            telemetry=sampler.samples,
+            table=summarize(arm_records, units, run.repeats, complete),
+        )
+        write_json_atomic(folder / "results.json", record)
+        return Results(record, folder)
+
+    remaining = [(arm, r) for arm, r in schedule if (arm.name, r) not in done]
+    bar = _Progress(progress, total=len(schedule), already=len(schedule) - len(remaining))
+    plan_event = {
+        "type": "plan",
+        "arms": arm_records,
+        "runs": len(schedule),
+        "remaining": len(remaining),
+        "repeats": run.repeats,
+        "out": str(folder),
+    }
+    on_event(plan_event)
+    if progress:
+        print(describe_plan(plan_event), flush=True)
+    failed_arms: dict[str, str] = {u["arm"]: u["reason"] for u in units if u["status"] in ("failed", "oom")}
+    try:
+        with tempfile.TemporaryDirectory(prefix="workbench-inductor-") as compile_cache:
+            for arm, repeat in remaining:
+                unit = {"arm": arm.name, "repeat": repeat, "log": f"logs/{_slug(arm.name)}-r{repeat}.log"}
+                if arm.name in failed_arms:
+                    # A failure that happened once (an import error, an OOM) happens again: skip, say why.
+                    unit.update(
+                        status="skipped",
+                        reason=f"not run: an earlier repeat failed ({failed_arms[arm.name]})",
+                        result=None,
+                    )
+                else:
+                    unit.update(_run_unit(prepared, arm, repeat, folder, compile_cache, bar, on_event, stop))
+                    if unit["status"] in ("failed", "oom"):
+                        failed_arms[arm.name] = unit["reason"]
+                unit["finished_at"] = time.time()
+                write_json_atomic(folder / "units" / f"{_slug(arm.name)}-r{repeat}.json", unit)
+                units.append(unit)
+                save(complete=False)
+                bar.advance()
+                on_event(
+                    {
+                        "type": "unit",
+                        **{k: v for k, v in unit.items() if k != "result"},
+                        "samples_per_s": (unit.get("result") or {}).get("samples_per_s"),
+                    }
+                )
+    except (Interrupted, KeyboardInterrupt):
+        sampler.stop()
+        bar.close()
+        results = save(complete=False)
+        finished_count = sum(1 for u in units if u["status"] != "skipped")
+        print(
+            f"\nStopped: {finished_count} of {len(schedule)} runs are saved in {folder}. "
+            "Run the same ablation with the same out to resume.",
+            flush=True,
+        )
+        on_event({"type": "stopped", "out": str(folder)})
+        if stop is not None and stop.is_set():
+            return results
+        raise KeyboardInterrupt from None
+    sampler.stop()
+    bar.close()
+    results = save(complete=True)
+    on_event({"type": "done", "out": str(folder)})
+    return results
+
+
+def _run_unit(
+    prepared: Prepared,
+    arm: Arm,
+    repeat: int,
+    folder: Path,
+    compile_cache: str,
+    bar: _Progress,
+    on_event: Callable[[dict], None],
+    stop: threading.Event | None,
+) -> dict:
+    run = prepared.run
+    spec = UnitSpec(
+        model=prepared.model,
+        data=prepared.data,
+        loss_fn=prepared.loss_fn,
+        techniques=arm.techniques,
+        steps=run.steps,
+        warmup=run.warmup,
+        batch_size=run.batch_size,
+        device=prepared.config["device"],
+        seed=run.seed,
+        optimizer=run.optimizer,
+        lr=run.lr,
+        labels={"arm": arm.name, "repeat": repeat},
+    )
+    label = f"{arm.name} (repeat {repeat + 1}/{run.repeats})"
+    bar.show(f"{label}: starting")
+
+    def relay(message: dict) -> None:
+        phase = message.get("phase", "measure")
+        detail = f" {message['step']}/{message['of']}" if "step" in message else ""
+        bar.show(f"{label}: {phase}{detail}")
+        on_event({**message, "arm": arm.name, "repeat": repeat})
+
+    on_event({"type": "start", "arm": arm.name, "repeat": repeat})
+    answer = run_in_fresh_process(
+        spec,
+        log_path=folder / "logs" / f"{_slug(arm.name)}-r{repeat}.log",
+        timeout_s=run.timeout_s,
+        # Each arm gets its own compiled-code cache, empty for its first repeat: startup_s (taken
+        # from that repeat) is a cold compile, and no arm's compile time benefits from another's.
+        env={"TORCHINDUCTOR_CACHE_DIR": str(Path(compile_cache) / _slug(arm.name))},
+        on_message=relay,
+        should_stop=(lambda: stop.is_set()) if stop is not None else (lambda: False),
+    )
+    if answer["type"] == "result":
+        result = {k: v for k, v in answer.items() if k != "type"}
+        return {"status": "ok", "reason": "", "result": result}
+    return {
+        "status": answer["status"],
+        "reason": answer["reason"],
+        "traceback": answer.get("traceback", ""),
+        "result": None,
+    }

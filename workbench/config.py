@@ -1,0 +1,107 @@
+"""Run settings and the validation helpers every config dataclass shares.
+
+Every error a user can trigger with a bad value goes through these helpers, so the
+messages look alike: ``<owner>: <field> must be <rule>; got <value>``. Unknown names
+(technique, model, dataset, mode...) list the valid choices and suggest the closest.
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MODES = ("one-at-a-time", "leave-one-out", "grid")
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def unknown_name_error(kind: str, name: object, valid: Iterable[str]) -> ValueError:
+    """A one-line error for an unknown name, listing the valid ones."""
+    valid = list(valid)
+    message = f"unknown {kind} {name!r}; valid {kind}s: {', '.join(valid)}"
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    if close:
+        message += f" (did you mean {close[0]!r}?)"
+    return ValueError(message)
+
+
+def check_int(owner: str, field: str, value: object, minimum: int, why: str = "") -> int:
+    # bool is an int subclass in Python; `steps=True` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{owner}: {field} must be an integer >= {minimum}; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}: {field} must be >= {minimum}; got {value!r}{why}")
+    return int(value)
+
+
+def check_number(owner: str, field: str, value: object, *, above: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        raise ValueError(f"{owner}: {field} must be a number > {above}; got {value!r}")
+    if not value > above:
+        raise ValueError(f"{owner}: {field} must be > {above}; got {value!r}")
+    return float(value)
+
+
+def check_bool(owner: str, field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: {field} must be True or False; got {value!r}")
+    return value
+
+
+def check_choice(owner: str, field: str, value: object, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if value not in choices:
+        listed = " | ".join(repr(c) for c in choices)
+        raise ValueError(f"{owner}: {field} must be one of {listed}; got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_device(value: object) -> str:
+    if isinstance(value, str) and (value in ("auto", "cpu", "cuda") or _is_cuda_index(value)):
+        return value
+    raise ValueError(f"unknown device {value!r}; valid devices: {', '.join(DEVICES)}")
+
+
+def _is_cuda_index(value: str) -> bool:
+    prefix, _, index = value.partition(":")
+    return prefix == "cuda" and index.isdigit()
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How each arm is trained and timed. Everything here is the same for every arm."""
+
+    steps: int = 30  # timed optimizer steps per repeat
+    warmup: int = 5  # untimed optimizer steps before the clock starts
+    repeats: int = 3  # independent runs per arm, interleaved across arms
+    batch_size: int = 32  # samples per optimizer step (grad_accum splits it, never grows it)
+    device: str = "auto"
+    seed: int = 0
+    mode: str = "one-at-a-time"
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    control: bool = True  # also run the baseline a second time: the A/A noise check
+    timeout_s: float = 1800.0  # one repeat of one arm; past it the arm is recorded as failed
+
+    def __post_init__(self) -> None:
+        check_int("ablate", "steps", self.steps, 1)
+        check_int(
+            "ablate",
+            "warmup",
+            self.warmup,
+            1,
+            why=" (the first steps pay one-off costs: allocation, compilation, autotuning)",
+        )
+        check_int("ablate", "repeats", self.repeats, 1)
+        check_int("ablate", "batch_size", self.batch_size, 1)
+        check_int("ablate", "seed", self.seed, 0)
+        check_device(self.device)
+        if self.mode not in MODES:
+            raise unknown_name_error("mode", self.mode, MODES)
+        if self.optimizer not in OPTIMIZERS:
+            raise unknown_name_error("optimizer", self.optimizer, OPTIMIZERS)
+        check_number("ablate", "lr", self.lr, above=0.0)
+        check_bool("ablate", "control", self.control)
+        check_number("ablate", "timeout_s", self.timeout_s, above=0.0)

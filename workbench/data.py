@@ -1,0 +1,281 @@
+"""Built-in datasets and adapters for the user's own data.
+
+``data`` may be
+- a built-in name: ``digits``, ``textures``, ``text`` (real data shipped inside packages,
+  see datasets/) or ``synthetic`` (random tensors shaped like the model's default data,
+  for speed-only runs);
+- a ``torch.utils.data.Dataset`` yielding (input, target) samples: it is wrapped in a
+  DataLoader, so the ``dataloader`` technique applies;
+- an iterable of ready-made (inputs, targets) batches, e.g. a list: it is cycled as is;
+- a zero-argument callable returning either of the above (it runs in each arm's process,
+  which is how to pass data that cannot be pickled, such as a generator).
+
+Every arm sees the same samples in the same order: shuffling uses a generator seeded
+from the run's seed, and batches are always full (drop_last) so shapes never change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from workbench.config import unknown_name_error
+
+BUILTIN_DATA = ("digits", "textures", "text", "synthetic")
+SYNTHETIC_SAMPLES = 2048
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What one sample looks like, so a built-in model can size itself."""
+
+    kind: str  # "image" (C, H, W floats) or "tokens" (T int64 ids)
+    shape: tuple[int, ...]
+    num_classes: int  # classes, or the vocabulary size for tokens
+
+
+def builtin_spec(name: str) -> DataSpec:
+    from workbench.datasets import digits, text, textures
+
+    specs = {
+        "digits": DataSpec("image", digits.SHAPE, digits.NUM_CLASSES),
+        "textures": DataSpec("image", textures.SHAPE, textures.NUM_CLASSES),
+        "text": DataSpec("tokens", text.SHAPE, text.VOCAB),
+    }
+    if name not in specs:
+        raise unknown_name_error("dataset", name, BUILTIN_DATA)
+    return specs[name]
+
+
+def list_datasets():
+    """A DataFrame of the built-in datasets: name, kind, sample shape, classes, summary."""
+    import pandas as pd
+
+    from workbench.datasets import builders
+
+    rows = []
+    for name in BUILTIN_DATA:
+        if name == "synthetic":
+            rows.append(
+                {
+                    "name": name,
+                    "kind": "any",
+                    "shape": "like the model's own dataset",
+                    "classes": None,
+                    "summary": "random tensors, for speed-only runs",
+                }
+            )
+            continue
+        spec = builtin_spec(name)
+        rows.append(
+            {
+                "name": name,
+                "kind": spec.kind,
+                "shape": "x".join(map(str, spec.shape)),
+                "classes": spec.num_classes,
+                "summary": builders()[name].summary,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+class ImageArrays(Dataset):
+    """Images held as arrays; uint8 images are converted and normalised per sample."""
+
+    def __init__(self, inputs: np.ndarray, targets: np.ndarray):
+        self.inputs, self.targets = inputs, targets
+        if inputs.dtype == np.uint8:
+            scaled = inputs.astype(np.float32) / 255.0
+            self.mean, self.std = float(scaled.mean()), float(scaled.std())
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = torch.from_numpy(self.inputs[index])
+        if image.dtype == torch.uint8:
+            image = (image.float() / 255.0 - self.mean) / self.std
+            # A horizontal flip on every other sample: per-sample work like a real pipeline's
+            # augmentation, fixed per index so that every arm sees identical data.
+            if index % 2:
+                image = image.flip(-1)
+        return image, torch.tensor(self.targets[index])
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of a byte corpus; the target is the input shifted by one."""
+
+    def __init__(self, corpus: np.ndarray, context: int):
+        self.corpus, self.context = corpus, context
+
+    def __len__(self) -> int:
+        return (len(self.corpus) - 1) // self.context
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.context
+        window = torch.from_numpy(self.corpus[start : start + self.context + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+def synthetic_dataset(spec: DataSpec, seed: int) -> Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    if spec.kind == "tokens":  # random sequences, still shaped as next-token prediction
+        sequences = torch.randint(
+            0, spec.num_classes, (SYNTHETIC_SAMPLES, spec.shape[0] + 1), generator=generator
+        )
+        inputs, targets = sequences[:, :-1], sequences[:, 1:]
+    else:
+        inputs = torch.randn(SYNTHETIC_SAMPLES, *spec.shape, generator=generator)
+        targets = torch.randint(0, spec.num_classes, (SYNTHETIC_SAMPLES,), generator=generator)
+    return torch.utils.data.TensorDataset(inputs, targets)
+
+
+@dataclass
+class DataSource:
+    """What to load, resolved in the ablation process and opened in each arm's process."""
+
+    label: str
+    spec: DataSpec | None = None  # None for user data: the user's model sizes itself
+    builtin: str | None = None
+    path: str | None = None  # cached .npz of a built-in dataset
+    user: Any = None  # a Dataset, an iterable of batches, or a callable returning one
+    is_dataset: bool = True  # False when batches arrive ready-made (no DataLoader to tune)
+
+    def open_dataset(self, seed: int) -> Dataset | Iterable:
+        if self.builtin == "synthetic":
+            return synthetic_dataset(self.spec, seed)
+        if self.builtin is not None:
+            from workbench.datasets import load
+
+            arrays = load(self.path)
+            if self.builtin == "text":
+                return TokenWindows(arrays["corpus"], self.spec.shape[0])
+            return ImageArrays(arrays["inputs"], arrays["targets"])
+        return self.user() if callable(self.user) and not _is_data(self.user) else self.user
+
+
+def _is_data(obj: object) -> bool:
+    return isinstance(obj, Dataset) or (isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)))
+
+
+def resolve_data(data: object, model: object, seed: int) -> DataSource:
+    """Check ``data`` against ``model`` and describe how each arm will load it."""
+    from workbench.datasets import ensure_built
+    from workbench.models import get_builtin_model
+
+    builtin_model = get_builtin_model(model) if isinstance(model, str) else None
+    if data is None:
+        if builtin_model is None:
+            raise ValueError(
+                "data is required with your own model: pass a Dataset, an iterable of batches, or a callable"
+            )
+        data = builtin_model.default_data
+    if isinstance(data, str):
+        if data not in BUILTIN_DATA:
+            raise unknown_name_error("dataset", data, BUILTIN_DATA)
+        if builtin_model is None:
+            raise ValueError(
+                f"built-in dataset {data!r} is sized for the built-in models; with your own model, pass your own data"
+            )
+        spec = builtin_spec(builtin_model.default_data if data == "synthetic" else data)
+        if spec.kind not in builtin_model.accepts:
+            fitting = [
+                d for d in BUILTIN_DATA if d == "synthetic" or builtin_spec(d).kind in builtin_model.accepts
+            ]
+            raise ValueError(
+                f"model {builtin_model.name!r} cannot train on dataset {data!r} ({spec.kind} data); "
+                f"datasets it accepts: {', '.join(fitting)}"
+            )
+        path = None if data == "synthetic" else str(ensure_built(data))
+        return DataSource(label=data, spec=spec, builtin=data, path=path)
+    if builtin_model is not None:
+        raise ValueError(
+            f"built-in model {builtin_model.name!r} trains on built-in data ({', '.join(BUILTIN_DATA)}); "
+            "to use your own data, also pass your own model factory"
+        )
+    if isinstance(data, Dataset):
+        return DataSource(label=type(data).__name__, user=data, is_dataset=True)
+    if isinstance(data, Iterator):
+        raise ValueError(
+            "data is a one-shot iterator (e.g. a generator), which cannot be replayed for every arm; "
+            "pass a list of batches, or a callable that returns a fresh iterator"
+        )
+    if isinstance(data, Iterable):
+        return DataSource(label=type(data).__name__, user=data, is_dataset=False)
+    if callable(data):
+        # Called once here only to learn whether it gives a Dataset; each arm calls it again.
+        sample = data()
+        if not _is_data(sample):
+            raise ValueError(
+                f"the data factory {getattr(data, '__name__', data)!r} returned {type(sample).__name__}; "
+                "it must return a Dataset or an iterable of (inputs, targets) batches"
+            )
+        return DataSource(
+            label=getattr(data, "__name__", "data"), user=data, is_dataset=isinstance(sample, Dataset)
+        )
+    raise ValueError(
+        f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), a Dataset, an iterable of "
+        f"(inputs, targets) batches, or a callable returning one; got {data!r}"
+    )
+
+
+def endless_batches(
+    source: DataSource, batch_size: int, seed: int, loader_options: dict[str, Any]
+) -> Iterator[tuple[Any, Any]]:
+    """Batches forever: a new epoch starts when the data runs out."""
+    data = source.open_dataset(seed)
+    if isinstance(data, Dataset):
+        if hasattr(data, "__len__") and len(data) < batch_size:
+            raise ValueError(f"the dataset has {len(data)} samples, fewer than batch_size={batch_size}")
+        loader = DataLoader(
+            data,
+            batch_size=batch_size,
+            shuffle=True,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(seed),
+            worker_init_fn=_seed_worker,
+            **loader_options,
+        )
+        return _cycle(loader, replayable=True)
+    return _cycle(data, replayable=iter(data) is not data)
+
+
+def _cycle(iterable: Iterable, replayable: bool) -> Iterator[tuple[Any, Any]]:
+    served = 0
+    while True:
+        before = served
+        for batch in iterable:
+            if served == 0:
+                _check_batch(batch)
+            served += 1
+            yield batch
+        if served == before:
+            raise ValueError(
+                "the data yielded no batches" if served == 0 else "the data stopped yielding batches"
+            )
+        if not replayable:
+            raise ValueError(
+                f"the data ran out after {served} batches and cannot be replayed; pass a list, "
+                "a Dataset, or a callable that returns a fresh iterable"
+            )
+
+
+def _check_batch(batch: object) -> None:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ValueError(f"each batch must be an (inputs, targets) pair; got {type(batch).__name__}")
+    if not isinstance(batch[1], torch.Tensor):
+        raise ValueError(f"batch targets must be a tensor; got {type(batch[1]).__name__}")
+
+
+def _seed_worker(worker_id: int) -> None:
+    # DataLoader seeds torch in each worker; numpy and random are ours to seed.
+    import random
+
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)

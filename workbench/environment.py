@@ -1,0 +1,128 @@
+"""What machine and software produced a set of numbers. Saved with every result."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from workbench.telemetry import usable_cores
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _first_version(*distributions: str) -> str | None:
+    for name in distributions:
+        version = _version(name)
+        if version:
+            return f"{name} {version}"
+    return None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_revision() -> str | None:
+    """The workbench checkout's commit (with ``-dirty`` for local changes), if it is a git checkout."""
+    source = Path(__file__).resolve().parent.parent
+    try:
+        revision = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return revision + ("-dirty" if dirty else "")
+
+
+def _gpu_info() -> dict:
+    if not torch.cuda.is_available():
+        return {"cuda_available": False}
+    info = {
+        "cuda_available": True,
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+    }
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        info["driver_version"] = pynvml.nvmlSystemGetDriverVersion()
+        pynvml.nvmlShutdown()
+    except Exception:  # nvidia-ml-py missing or NVML unusable: the driver version stays unknown
+        info["driver_version"] = None
+    return info
+
+
+def environment() -> dict:
+    """Versions, device, CPU and cores: a JSON-ready dict."""
+    import workbench
+
+    return {
+        "workbench": workbench.__version__,
+        "git_revision": git_revision(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numpy": _version("numpy"),
+        "cupy": _first_version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+        "dali": _first_version(
+            "nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110", "nvidia-dali"
+        ),
+        **_gpu_info(),
+    }
+
+
+def format_environment(env: dict) -> str:
+    lines = [
+        f"workbench {env['workbench']}"
+        + (f" (git {env['git_revision']})" if env.get("git_revision") else ""),
+        f"python    {env['python']} on {env['platform']}",
+        f"cpu       {env['cpu']}: {env['usable_cores']} usable of {env['logical_cores']} logical cores",
+        f"torch     {env['torch']} ({env['torch_threads']} intra-op threads)",
+        f"cupy      {env['cupy'] or 'not installed'}",
+        f"dali      {env['dali'] or 'not installed'}",
+    ]
+    if env.get("cuda_available"):
+        lines.append(
+            f"cuda      {env['cuda_version']}, cuDNN {env['cudnn_version']}, driver {env.get('driver_version') or 'unknown'}"
+        )
+        lines.append(f"gpu       {', '.join(env['gpus'])} (compute capability {env['capability']})")
+    else:
+        lines.append("cuda      no CUDA device visible (GPU-only techniques are reported as unavailable)")
+    return "\n".join(lines)

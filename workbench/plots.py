@@ -1,0 +1,86 @@
+"""The results figure: speedup with interval whiskers, step-time breakdown, peak memory.
+
+Built on matplotlib's object API (``Figure``), never pyplot's global state, so it is safe
+from threads and shows once in a notebook (returned, not also auto-displayed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from matplotlib.figure import Figure
+
+PHASE_COLORS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
+STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
+
+
+def plot_results(results) -> Figure:
+    table = results.table.iloc[::-1].reset_index(drop=True)  # first arm at the top
+    labels = list(table.arm)
+    y = np.arange(len(table))
+    figure = Figure(figsize=(13, 1.2 + 0.42 * len(table)), layout="constrained")
+    speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
+
+    # Speedup: point and 95% interval per arm; rows that did not run say why.
+    measured = table.speedup.notna()
+    colors = [STATUS_COLORS.get(s, "#c44e52") for s in table.status]
+    speed_ax.barh(
+        y[measured],
+        table.speedup[measured] - 1,
+        left=1,
+        color=[colors[i] for i in y[measured]],
+        alpha=0.35,
+        height=0.6,
+    )
+    speed_ax.errorbar(
+        table.speedup[measured],
+        y[measured],
+        xerr=[
+            table.speedup[measured] - table.speedup_low[measured],
+            table.speedup_high[measured] - table.speedup[measured],
+        ],
+        fmt="o",
+        color="black",
+        capsize=3,
+        markersize=4,
+    )
+    speed_ax.axvline(1.0, color="black", linewidth=0.8)
+    for index in y[~measured]:
+        speed_ax.text(
+            1.0, index, f"  {table.status[index]}", va="center", ha="left", color="#c44e52", fontsize=9
+        )
+    speed_ax.set_xlabel("speedup vs baseline (95% interval)")
+    speed_ax.set_yticks(y, labels)
+    speed_ax.set_title("Throughput")
+
+    # Step breakdown: where the time of one optimizer step goes.
+    left = np.zeros(len(table))
+    for phase, color in PHASE_COLORS.items():
+        values = table[f"{phase}_ms"].fillna(0).to_numpy()
+        phase_ax.barh(y, values, left=left, color=color, label=phase, height=0.6)
+        left += values
+    other = np.clip(table.step_ms.fillna(0).to_numpy() - left, 0, None)
+    phase_ax.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
+    phase_ax.set_xlabel("ms per optimizer step")
+    phase_ax.legend(loc="lower right", fontsize=8, frameon=False)
+    phase_ax.set_title("Step breakdown")
+
+    memory = table.peak_mem_mb.to_numpy(dtype=float)
+    memory_ax.barh(y, np.nan_to_num(memory), color="#8172b3", height=0.6)
+    for index, value in enumerate(memory):
+        if math.isfinite(value):
+            memory_ax.text(value, index, f" {value:.0f}", va="center", fontsize=8)
+    device = results.config.get("device", "")
+    memory_ax.set_xlabel("peak memory, MiB" + (" (RSS growth)" if device == "cpu" else ""))
+    memory_ax.set_title("Memory")
+
+    env = results.environment
+    where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")
+    config = results.config
+    figure.suptitle(
+        f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps x "
+        f"{config['repeats']} repeats, batch {config['batch_size']}, {device} ({where})",
+        fontsize=10,
+    )
+    return figure

@@ -1,0 +1,304 @@
+"""Results: the table, the raw measurements behind it, and saving/loading them.
+
+Everything is stored as JSON (``results.json``) and CSV (``table.csv``, ``losses.csv``,
+``telemetry.csv``). Loading reads JSON only; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workbench import stats
+
+SCHEMA = "workbench-results/1"
+STATUSES = ("ok", "unavailable", "failed", "oom", "diverged", "interrupted")
+TABLE_COLUMNS = [
+    "arm",
+    "techniques",
+    "status",
+    "reason",
+    "samples_per_s",
+    "samples_per_s_spread",
+    "speedup",
+    "speedup_low",
+    "speedup_high",
+    "step_ms",
+    "data_ms",
+    "forward_ms",
+    "backward_ms",
+    "optimizer_ms",
+    "peak_mem_mb",
+    "peak_rss_mb",
+    "startup_s",
+    "final_loss",
+    "loss_vs_baseline",
+    "cpu_util_pct",
+    "repeats",
+    "noisy",
+    "notes",
+]
+SHORT_WINDOW_S = 0.5  # below this, timer and scheduler noise weigh on each window
+FINAL_LOSS_STEPS = 5  # final_loss averages the last few steps, so one noisy batch does not decide it
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values)) if values else math.nan
+
+
+def _final_loss(result: dict) -> float:
+    return float(np.mean(result["losses"][-FINAL_LOSS_STEPS:]))
+
+
+def _divergence(result: dict) -> str | None:
+    for index, loss in enumerate(result["losses"]):
+        if loss is None or not math.isfinite(loss):
+            return f"loss became {loss} at step {index + 1} (counting warm-up)"
+    return None
+
+
+def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complete: bool) -> list[dict]:
+    """One row per arm, from the arms' plan and the finished units (see workbench.stats)."""
+    by_arm: dict[str, list[dict]] = {arm["name"]: [] for arm in arms}
+    for unit in units:
+        by_arm.setdefault(unit["arm"], []).append(unit)
+    baseline = next((arm["name"] for arm in arms if arm["role"] == "baseline"), None)
+    base_ok = {u["repeat"]: u["result"] for u in by_arm.get(baseline, []) if u["status"] == "ok"}
+    base_loss = _median([_final_loss(r) for r in base_ok.values()])
+    rows = []
+    for arm in arms:
+        row: dict[str, Any] = dict.fromkeys(TABLE_COLUMNS, math.nan)
+        row.update(
+            arm=arm["name"],
+            techniques=arm["techniques"],
+            status="ok",
+            reason="",
+            repeats=0,
+            noisy=False,
+            notes="",
+        )
+        if arm.get("unavailable"):
+            row.update(status="unavailable", reason=arm["unavailable"])
+            rows.append(row)
+            continue
+        arm_units = sorted(by_arm[arm["name"]], key=lambda u: u["repeat"])
+        ok = [u for u in arm_units if u["status"] == "ok"]
+        bad = [u for u in arm_units if u["status"] not in ("ok", "skipped")]
+        results = [u["result"] for u in ok]
+        notes = list(ok[0]["result"]["notes"]) if ok else []
+        if bad:
+            row.update(status=bad[0]["status"], reason=f"repeat {bad[0]['repeat'] + 1}: {bad[0]['reason']}")
+        elif len(ok) < planned_repeats:
+            row.update(
+                status="interrupted" if not complete else "failed",
+                reason=f"{len(ok)} of {planned_repeats} repeats finished before the run was stopped",
+            )
+        for result in results:
+            divergence = _divergence(result)
+            if divergence and row["status"] == "ok":
+                row.update(status="diverged", reason=divergence)
+        if results:
+            throughputs = [r["samples_per_s"] for r in results]
+            row["samples_per_s"], row["samples_per_s_spread"] = stats.median_and_spread(throughputs)
+            row["step_ms"] = _median([1e3 * r["wall_s"] / r["steps"] for r in results])
+            for phase in ("data", "forward", "backward", "optimizer"):
+                row[f"{phase}_ms"] = _median([r["phase_ms"][phase] for r in results])
+            row["peak_mem_mb"] = _median([r["peak_mem_mib"] for r in results])
+            row["peak_rss_mb"] = _median([r["peak_rss_mib"] for r in results])
+            row["startup_s"] = results[0]["startup_s"]  # the first repeat: a cold compile cache
+            row["final_loss"] = _median([_final_loss(r) for r in results if not _divergence(r)])
+            row["cpu_util_pct"] = _median([r["cpu_util_pct"] for r in results])
+            row["repeats"] = len(results)
+            row["loss_vs_baseline"] = row["final_loss"] / base_loss if base_loss else math.nan
+            paired = [(base_ok[u["repeat"]], u["result"]) for u in ok if u["repeat"] in base_ok]
+            if arm["name"] == baseline:
+                row.update(speedup=1.0, speedup_low=1.0, speedup_high=1.0)
+            elif paired:
+                windows = [
+                    [stats.Window(r["samples_per_s"], r["step_s"]) for r in side]
+                    for side in zip(*paired, strict=True)
+                ]
+                row["speedup"], row["speedup_low"], row["speedup_high"] = stats.speedup_interval(*windows)
+            else:
+                notes.append("no baseline repeat to compare with")
+            row["noisy"] = stats.is_noisy(
+                throughputs, row["speedup"], row["speedup_low"], row["speedup_high"]
+            )
+            if len(results) == 1:
+                notes.append("1 repeat: the interval ignores run-to-run variation")
+            window_s = _median([r["wall_s"] for r in results])
+            if window_s < SHORT_WINDOW_S:
+                notes.append(
+                    f"timed windows last only {1e3 * window_s:.0f} ms; more steps give tighter intervals"
+                )
+            if arm["role"] == "control" and not row["speedup_low"] <= 1.0 <= row["speedup_high"]:
+                notes.append(
+                    "A/A check failed: this rerun of the baseline is outside its own interval, so the machine "
+                    "is noisier than the intervals say; distrust small speedups"
+                )
+        row["notes"] = "; ".join(notes)
+        rows.append(row)
+    return rows
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/Infinity: store them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _clean(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(item) for item in value]
+    if isinstance(value, np.generic):
+        return _clean(value.item())
+    return value
+
+
+def write_json_atomic(path: Path, record: Any) -> None:
+    """Write to a temporary file and rename it into place: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(_clean(record), file, indent=1, allow_nan=False)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+class Results:
+    """The outcome of an ablation. ``table`` is the summary; the rest is what it came from."""
+
+    def __init__(self, record: dict, path: Path | None = None):
+        self.record = record
+        self.path = path
+
+    @property
+    def table(self):
+        import pandas as pd
+
+        table = pd.DataFrame(self.record["table"], columns=TABLE_COLUMNS)
+        numeric = [
+            c for c in TABLE_COLUMNS if c not in ("arm", "techniques", "status", "reason", "notes", "noisy")
+        ]
+        table[numeric] = table[numeric].astype(float)
+        table["noisy"] = table["noisy"].astype(bool)
+        return table
+
+    @property
+    def config(self) -> dict:
+        return self.record["config"]
+
+    @property
+    def environment(self) -> dict:
+        return self.record["environment"]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.record.get("complete"))
+
+    @property
+    def losses(self):
+        """Long-format loss curves: arm, repeat, step (1 = first warm-up step), loss, timed."""
+        import pandas as pd
+
+        rows = []
+        for unit in self.record["units"]:
+            if unit["status"] != "ok":
+                continue
+            warmup = unit["result"]["warmup"]
+            for index, loss in enumerate(unit["result"]["losses"]):
+                rows.append(
+                    {
+                        "arm": unit["arm"],
+                        "repeat": unit["repeat"],
+                        "step": index + 1,
+                        "loss": loss,
+                        "timed": index >= warmup,
+                    }
+                )
+        return pd.DataFrame(rows, columns=["arm", "repeat", "step", "loss", "timed"])
+
+    @property
+    def telemetry(self):
+        """Machine-wide samples taken while the ablation ran (time, cpu_percent, memory_used_mib)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.record.get("telemetry", []))
+
+    def plot(self):
+        from workbench.plots import plot_results
+
+        return plot_results(self)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write results.json, table.csv, losses.csv and telemetry.csv into the folder ``path``."""
+        folder = Path(path)
+        write_json_atomic(folder / "results.json", self.record)
+        self.table.to_csv(folder / "table.csv", index=False)
+        self.losses.to_csv(folder / "losses.csv", index=False)
+        self.telemetry.to_csv(folder / "telemetry.csv", index=False)
+        return folder
+
+    def summary(self) -> str:
+        """The table as text, with the columns people read first."""
+        columns = [
+            "arm",
+            "status",
+            "samples_per_s",
+            "speedup",
+            "speedup_low",
+            "speedup_high",
+            "step_ms",
+            "peak_mem_mb",
+            "startup_s",
+            "final_loss",
+            "loss_vs_baseline",
+        ]
+        table = self.table[columns].copy()
+        table["speedup"] = [
+            f"{s:.2f} [{lo:.2f}, {hi:.2f}]" if math.isfinite(s) else "-"
+            for s, lo, hi in zip(table.speedup, table.speedup_low, table.speedup_high, strict=True)
+        ]
+        table = table.drop(columns=["speedup_low", "speedup_high"])
+        text = table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
+        problems = [
+            f"  {row.arm}: {row.status}: {row.reason}" for row in self.table.itertuples() if row.reason
+        ]
+        flagged = [f"  {row.arm}: {row.notes}" for row in self.table.itertuples() if row.notes]
+        if problems:
+            text += "\n\nNot run or not ok:\n" + "\n".join(problems)
+        if flagged:
+            text += "\n\nNotes:\n" + "\n".join(flagged)
+        return text
+
+    def __repr__(self) -> str:
+        state = "complete" if self.complete else "partial"
+        return f"<workbench Results ({state}, {len(self.record['table'])} arms)>\n{self.summary()}"
+
+    def _repr_html_(self) -> str:
+        return self.table.to_html(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
+
+
+def load_results(path: str | os.PathLike) -> Results:
+    """Load results saved by ``ablate(out=...)`` or ``Results.save``: a folder or its results.json."""
+    path = Path(path)
+    file = path / "results.json" if path.is_dir() else path
+    if not file.exists():
+        raise FileNotFoundError(
+            f"no results at {path} (expected a folder with results.json, or the file itself)"
+        )
+    with open(file) as handle:
+        record = json.load(handle)
+    if record.get("schema") != SCHEMA:
+        raise ValueError(
+            f"{file} is not a workbench results file (schema {record.get('schema')!r}, expected {SCHEMA!r})"
+        )
+    return Results(record, file.parent)

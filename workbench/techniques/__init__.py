@@ -1,0 +1,140 @@
+"""The technique registry.
+
+Every module in this package that defines a module-level ``TECHNIQUE`` is registered
+automatically, so adding a technique means adding one file (plus its row in
+tests/technique_settings.py). The registry is kept sorted by each technique's ``order``:
+that is the order in which techniques are applied when several are combined.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from typing import Any
+
+from workbench.config import unknown_name_error
+from workbench.techniques.base import Context, Technique
+
+_REGISTRY: dict[str, Technique] = {}
+
+
+def _discover() -> None:
+    for module_info in pkgutil.iter_modules(__path__):
+        if module_info.name == "base":
+            continue
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        technique = getattr(module, "TECHNIQUE", None)
+        if technique is not None:
+            register_technique(technique)
+
+
+def register_technique(technique: Technique) -> Technique:
+    """Add a technique (a built-in one, or your own Technique subclass instance)."""
+    if not isinstance(technique, Technique):
+        raise TypeError(f"register_technique needs a Technique instance; got {technique!r}")
+    _REGISTRY[technique.name] = technique
+    ordered = sorted(_REGISTRY.values(), key=lambda t: (t.order, t.name))
+    _REGISTRY.clear()
+    _REGISTRY.update((t.name, t) for t in ordered)
+    return technique
+
+
+def unregister_technique(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def all_techniques() -> list[Technique]:
+    """Every registered technique, in composition order."""
+    return list(_REGISTRY.values())
+
+
+def get_technique(name: str) -> Technique:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise unknown_name_error("technique", name, _REGISTRY) from None
+
+
+def parse_techniques(techniques: Mapping[str, Any] | None) -> list[tuple[Technique, Any]]:
+    """``{"amp": {"dtype": "bfloat16"}, "compile": True}`` -> [(technique, config)], in order.
+
+    ``None`` selects every registered technique with its default settings; a value of
+    False or None switches one off.
+    """
+    if techniques is None:
+        return [(t, t.Config()) for t in all_techniques()]
+    if not isinstance(techniques, Mapping):
+        raise ValueError(
+            f"techniques must be a dict like {{'amp': {{'dtype': 'bfloat16'}}, 'compile': True}}; got {techniques!r}"
+        )
+    chosen = []
+    for name, value in techniques.items():
+        technique = get_technique(name)
+        if value is False or value is None:
+            continue
+        chosen.append((technique, technique.configure(value)))
+    return sorted(chosen, key=lambda pair: list(_REGISTRY).index(pair[0].name))
+
+
+def conflict_reason(names: list[str]) -> str | None:
+    """Why these techniques cannot all be combined (naming both sides), or None."""
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            reason = _REGISTRY[first].conflicts.get(second) or _REGISTRY[second].conflicts.get(first)
+            if reason:
+                return f"{first} and {second} cannot be combined: {reason}"
+    return None
+
+
+def list_techniques(device: str = "auto", model: Any = None):
+    """A DataFrame of every technique: name, available, reason, summary (plus order, requires).
+
+    Availability is judged for ``device`` and, when given, ``model`` (a built-in name or a
+    factory); without a model, model-specific conditions are not checked.
+    """
+    import pandas as pd
+
+    from workbench.devices import resolve_device
+    from workbench.models import inspect_model
+
+    resolved = resolve_device(device)
+    instance, model_name = inspect_model(model) if model is not None else (None, "")
+    ctx = Context(device=resolved, model=instance, model_name=model_name)
+    rows = []
+    for technique in all_techniques():
+        reason = technique.unavailable_reason(ctx, technique.Config())
+        rows.append(
+            {
+                "name": technique.name,
+                "available": reason is None,
+                "reason": reason or "",
+                "summary": technique.summary,
+                "order": technique.order,
+                "requires": ", ".join(technique.requires),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def describe(name: str) -> str:
+    """The method card (module docstring) of a technique."""
+    technique = get_technique(name)
+    module = importlib.import_module(type(technique).__module__)
+    return (module.__doc__ or technique.summary).strip()
+
+
+__all__ = [
+    "Context",
+    "Technique",
+    "all_techniques",
+    "conflict_reason",
+    "describe",
+    "get_technique",
+    "list_techniques",
+    "parse_techniques",
+    "register_technique",
+    "unregister_technique",
+]
+
+_discover()

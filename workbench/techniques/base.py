@@ -1,0 +1,135 @@
+"""The contract every technique module fulfils.
+
+A technique is a small class with
+- ``name``, ``summary`` and an explicit ``order`` (lower applies first, like fastai's
+  callback ``order``), so composing several is never ambiguous;
+- ``Config``: a frozen dataclass that validates itself in ``__post_init__``;
+- ``requires``: named needs (``"cuda"``, ``"conv"``, ``"dataset"``, a package...) checked
+  in one place, each failing with a human reason;
+- ``check()``: any further condition, also answered with a reason;
+- ``validate()``: settings that contradict the run (bad input) raise ValueError;
+- ``conflicts``: other techniques it cannot be combined with, and why;
+- ``apply()``: how it changes the run, by editing a :class:`~workbench.loop.TrainSetup`.
+
+The module docstring of each technique is its method card: what it does, when it helps,
+when it hurts, its settings, and where the idea comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Context:
+    """What an availability check may look at. ``model`` is None when no model was named."""
+
+    device: torch.device
+    model: nn.Module | None = None
+    model_name: str = ""
+    data_is_dataset: bool = True  # False when the user passed ready-made batches
+    batch_size: int = 32
+
+
+def _needs_package(module: str, hint: str) -> Callable[[Context], str | None]:
+    def check(ctx: Context) -> str | None:
+        if importlib.util.find_spec(module) is None:
+            return f"needs the {module} package, which is not installed ({hint})"
+        return None
+
+    return check
+
+
+def _needs_cuda(ctx: Context) -> str | None:
+    if ctx.device.type != "cuda":
+        return f"needs a CUDA device; this run is on {ctx.device.type}"
+    return None
+
+
+def _needs_conv(ctx: Context) -> str | None:
+    if ctx.model is None:
+        return None
+    if not any(isinstance(m, nn.Conv2d) for m in ctx.model.modules()):
+        return f"{ctx.model_name or 'the model'} has no Conv2d layers, so there is no conv memory layout to change"
+    return None
+
+
+def _needs_dataset(ctx: Context) -> str | None:
+    if not ctx.data_is_dataset:
+        return "needs a map-style Dataset to build a DataLoader from; this data arrives as ready-made batches"
+    return None
+
+
+# One place that turns a named requirement into a human reason (None = satisfied).
+REQUIREMENTS: dict[str, Callable[[Context], str | None]] = {
+    "cuda": _needs_cuda,
+    "conv": _needs_conv,
+    "dataset": _needs_dataset,
+    "cupy": _needs_package("cupy", "pip install 'workbench[gpu]'"),
+    "dali": _needs_package("nvidia.dali", "pip install 'workbench[gpu]'"),
+}
+
+
+class Technique:
+    """Base class for a toggleable acceleration technique. See the module docstring."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    order: ClassVar[int]
+    Config: ClassVar[type]
+    requires: ClassVar[tuple[str, ...]] = ()
+    conflicts: ClassVar[Mapping[str, str]] = {}
+
+    def configure(self, value: Any) -> Any:
+        """Turn what a user wrote (True, a dict, or a Config) into a validated Config."""
+        if value is True:
+            return self.Config()
+        if isinstance(value, self.Config):
+            return value
+        if isinstance(value, Mapping):
+            fields = [f.name for f in dataclasses.fields(self.Config)]
+            unknown = [key for key in value if key not in fields]
+            if unknown:
+                valid = ", ".join(fields) if fields else "none (use True)"
+                raise ValueError(f"{self.name}: unknown option {unknown[0]!r}; valid options: {valid}")
+            return self.Config(**value)
+        raise ValueError(f"{self.name}: settings must be True, False, or a dict of options; got {value!r}")
+
+    def unavailable_reason(self, ctx: Context, config: Any) -> str | None:
+        """None when the technique can run in this context, else why it cannot."""
+        for requirement in self.requires:
+            reason = REQUIREMENTS[requirement](ctx)
+            if reason:
+                return reason
+        return self.check(ctx, config)
+
+    def check(self, ctx: Context, config: Any) -> str | None:
+        return None
+
+    def validate(self, ctx: Context, config: Any) -> None:
+        """Raise ValueError when the settings cannot make sense for this run (bad input)."""
+
+    def apply(self, setup: Any, config: Any) -> str:
+        """Change the run (a TrainSetup) and say in a few words what was done."""
+        raise NotImplementedError
+
+    def describe(self, config: Any) -> str:
+        """``amp(dtype=bfloat16)``: the technique with the options that differ from none."""
+        options = ", ".join(f"{f.name}={_short(getattr(config, f.name))}" for f in dataclasses.fields(config))
+        return f"{self.name}({options})" if options else self.name
+
+    def __repr__(self) -> str:
+        return f"<technique {self.name}>"
+
+
+def _short(value: Any) -> str:
+    if callable(value):
+        return getattr(value, "__name__", type(value).__name__)
+    return str(value)

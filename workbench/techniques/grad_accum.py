@@ -1,0 +1,60 @@
+"""grad_accum: gradient accumulation over micro-batches.
+
+What it does
+    Splits each batch into ``steps`` micro-batches, runs forward and backward on each,
+    lets the gradients add up, and updates the weights once. Each micro-batch's loss is
+    weighted by its share of the batch (1/k when it divides evenly), so the update equals
+    the full batch's: the effective batch and the maths are unchanged.
+
+When it helps
+    Memory: activations are held for one micro-batch at a time, so a batch that does not
+    fit can still be trained (the ByteTrending overview "Accelerate Model Training", 2025,
+    describes it as simulating a larger batch than memory allows). In data-parallel
+    training it also cuts communication to once per accumulation window (the Baidu
+    AIAK-Training write-up lists lower communication frequency among its levers).
+
+When it hurts
+    Throughput: k smaller forward/backward passes keep the device less busy than one
+    large one, and each pays the per-launch overhead again. Expect a slowdown on a single
+    device; the payoff is memory (``peak_mem_mb``), not speed. Layers that look across
+    the batch (BatchNorm) see smaller batches, so their statistics differ slightly.
+
+Settings
+    ``steps``: micro-batches per optimizer step (default 4; at most the batch size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.config import check_int
+from workbench.techniques.base import Context, Technique
+
+
+@dataclass(frozen=True)
+class GradAccumConfig:
+    steps: int = 4
+
+    def __post_init__(self) -> None:
+        check_int("grad_accum", "steps", self.steps, 1)
+
+
+class GradAccum(Technique):
+    name = "grad_accum"
+    summary = "split each batch into k micro-batches; same effective batch, less activation memory"
+    order = 50
+    Config = GradAccumConfig
+
+    def validate(self, ctx: Context, config: GradAccumConfig) -> None:
+        if config.steps > ctx.batch_size:
+            raise ValueError(
+                f"grad_accum: steps={config.steps} exceeds batch_size={ctx.batch_size}; "
+                "every micro-batch needs at least one sample"
+            )
+
+    def apply(self, setup, config: GradAccumConfig) -> str:
+        setup.micro_batches = config.steps
+        return f"{config.steps} micro-batches per optimizer step"
+
+
+TECHNIQUE = GradAccum()

@@ -1,0 +1,85 @@
+"""tf32: TensorFloat-32 for float32 matmuls and convolutions on NVIDIA GPUs.
+
+What it does
+    Lets float32 matmuls and cuDNN convolutions run on tensor cores in TF32: inputs are
+    rounded to a 10-bit mantissa (float16's precision) while keeping float32's 8-bit
+    exponent, and products accumulate in float32. The model code does not change.
+
+When it helps
+    Ampere and newer GPUs (compute capability 8.0+) run TF32 matmuls several times faster
+    than IEEE float32; the Baidu AIAK-Training write-up names TF32 among the Tensor Core
+    options. It is a one-line switch for float32 models that cannot adopt amp yet.
+
+When it hurts
+    Results differ from float32 in the fourth significant digit; most training does not
+    notice, some scientific workloads do. There is no gain on CPUs or older GPUs, so on
+    those it is reported as unavailable rather than as a 1.0x "speedup".
+
+Settings
+    ``matmul`` (default True) and ``cudnn`` (default True): which kernels may use TF32.
+    The process-wide flags are restored when the arm ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workbench.config import check_bool
+from workbench.techniques.base import Context, Technique
+
+
+@dataclass(frozen=True)
+class Tf32Config:
+    matmul: bool = True
+    cudnn: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool("tf32", "matmul", self.matmul)
+        check_bool("tf32", "cudnn", self.cudnn)
+        if not (self.matmul or self.cudnn):
+            raise ValueError("tf32: matmul and cudnn are both False, which would change nothing")
+
+
+def _set_precision(matmul: bool, cudnn: bool) -> None:
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # PyTorch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if matmul else "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "tf32" if cudnn else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def _current_precision() -> tuple[bool, bool]:
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        return (
+            torch.backends.cuda.matmul.fp32_precision == "tf32",
+            torch.backends.cudnn.conv.fp32_precision == "tf32",
+        )
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+class Tf32(Technique):
+    name = "tf32"
+    summary = "TensorFloat-32 tensor-core math for float32 matmuls/convs (Ampere+ GPUs)"
+    order = 15
+    Config = Tf32Config
+    requires = ("cuda",)
+
+    def check(self, ctx: Context, config: Tf32Config) -> str | None:
+        major, minor = torch.cuda.get_device_capability(ctx.device)
+        if major < 8:
+            name = torch.cuda.get_device_name(ctx.device)
+            return f"{name} (compute capability {major}.{minor}) has no TF32 tensor cores; they start at 8.0 (Ampere)"
+        return None
+
+    def apply(self, setup, config: Tf32Config) -> str:
+        previous = _current_precision()
+        _set_precision(config.matmul, config.cudnn)
+        setup.settings.callback(_set_precision, *previous)
+        kernels = " and ".join(k for k, on in (("matmul", config.matmul), ("cuDNN conv", config.cudnn)) if on)
+        return f"TF32 enabled for {kernels}"
+
+
+TECHNIQUE = Tf32()
