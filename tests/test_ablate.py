@@ -353,6 +353,13 @@ def test_stop_keeps_finished_runs_and_a_rerun_resumes(tmp_path):
     again = wb.ablate(**{**arguments, "steps": 5}, overwrite=True, **QUIET)
     assert again.complete
 
+    foreign = tmp_path / "my-notes"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    with pytest.raises(ValueError, match="already holds files that are not workbench results"):
+        wb.ablate(**{**arguments, "out": foreign}, **QUIET)
+    assert (foreign / "thesis.tex").read_text() == "precious"
+
 
 def test_ctrl_c_keeps_finished_runs_on_disk_and_leaves_no_orphans(tmp_path):
     out = tmp_path / "ctrl-c"

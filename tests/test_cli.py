@@ -60,7 +60,7 @@ def test_ablate_prints_the_table_and_writes_results_and_plot(tmp_path):
 def test_dry_run_plans_without_running():
     done = run("ablate", "--preset", "quick", "--dry-run")
     assert done.returncode == 0
-    for arm in ("baseline", "amp", "channels_last", "checkpointing", "grad_accum", "dataloader"):
+    for arm in ("baseline", "amp", "channels_last", "checkpointing", "grad_accum"):
         assert arm in done.stdout
 
 

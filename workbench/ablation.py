@@ -110,12 +110,13 @@ def prepare(
     techniques: Mapping[str, Any] | None,
     run: RunConfig,
 ) -> Prepared:
+    # Cheap checks first: building a dataset or a model takes time bad input should not cost.
     device = resolve_device(run.device)
-    instance, label = inspect_model(model)
-    source = resolve_data(data, model, run.seed)
+    chosen = parse_techniques(techniques)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
-    chosen = parse_techniques(techniques)
+    instance, label = inspect_model(model)
+    source = resolve_data(data, model, run.seed)
     ctx = Context(
         device=device,
         model=instance,
@@ -202,6 +203,10 @@ def _open_out(out: Any, prepared: Prepared, overwrite: bool) -> tuple[Path, list
     plan_file = folder / "plan.json"
     if plan_file.exists() and overwrite:
         shutil.rmtree(folder)
+    if not plan_file.exists() and folder.is_dir() and any(folder.iterdir()):
+        raise ValueError(
+            f"out={str(folder)!r} already holds files that are not workbench results; choose a new or empty folder"
+        )
     if plan_file.exists():
         previous = json.loads(plan_file.read_text())
         if previous.get("digest") != fingerprint["digest"]:
@@ -282,7 +287,15 @@ def ablate(
         out = _default_out(prepared.config["model"])
     try:
         folder, finished = _open_out(out, prepared, overwrite)
-        results = _run(prepared, folder, finished, progress, on_event or (lambda event: None), stop)
+        results = _run(
+            prepared,
+            folder,
+            finished,
+            progress,
+            on_event or (lambda event: None),
+            stop,
+            kept=temporary is None,
+        )
     finally:
         if temporary is not None:
             temporary.cleanup()
@@ -323,7 +336,9 @@ def describe_plan(event: dict) -> str:
         text += f"; {unavailable} unavailable"
     if event["remaining"] < event["runs"]:
         text += f"; resuming: {event['runs'] - event['remaining']} already done"
-    return text + f". Results: {event['out']}"
+    return text + (
+        f". Results: {event['out']}" if event["out"] else ". Results are kept in memory only (out=False)."
+    )
 
 
 def _run(
@@ -333,6 +348,7 @@ def _run(
     progress: bool,
     on_event: Callable[[dict], None],
     stop: threading.Event | None,
+    kept: bool = True,
 ) -> Results:
     run = prepared.run
     env = environment()
@@ -367,7 +383,7 @@ def _run(
         "runs": len(schedule),
         "remaining": len(remaining),
         "repeats": run.repeats,
-        "out": str(folder),
+        "out": str(folder) if kept else None,
     }
     on_event(plan_event)
     if progress:
@@ -405,11 +421,12 @@ def _run(
         bar.close()
         results = save(complete=False)
         finished_count = sum(1 for u in units if u["status"] != "skipped")
-        print(
-            f"\nStopped: {finished_count} of {len(schedule)} runs are saved in {folder}. "
-            "Run the same ablation with the same out to resume.",
-            flush=True,
+        where = (
+            f"are saved in {folder}. Run the same ablation with the same out to resume."
+            if kept
+            else "are in the returned results only (out=False)."
         )
+        print(f"\nStopped: {finished_count} of {len(schedule)} runs {where}", flush=True)
         on_event({"type": "stopped", "out": str(folder)})
         if stop is not None and stop.is_set():
             return results

@@ -81,7 +81,9 @@ def list_datasets():
                 "summary": builders()[name].summary,
             }
         )
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    table["classes"] = table["classes"].astype("Int64")  # synthetic has none: keep the others integers
+    return table
 
 
 class ImageArrays(Dataset):

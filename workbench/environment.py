@@ -108,6 +108,13 @@ def environment() -> dict:
     }
 
 
+def machine_summary(env: dict | None = None) -> dict:
+    """The few facts a recorded benchmark figure must carry: which machine, which software."""
+    env = env or environment()
+    keys = ("cpu", "usable_cores", "torch", "python", "platform", "gpus", "driver_version", "git_revision")
+    return {key: env[key] for key in keys if key in env}
+
+
 def format_environment(env: dict) -> str:
     lines = [
         f"workbench {env['workbench']}"

@@ -6,20 +6,31 @@ from threads and shows once in a notebook (returned, not also auto-displayed).
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
 from matplotlib.figure import Figure
 
+
+class ResultsFigure(Figure):
+    """A Figure that renders itself in notebooks, with no pyplot state behind it."""
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=90)
+        return buffer.getvalue()
+
+
 PHASE_COLORS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
 
 
-def plot_results(results) -> Figure:
+def plot_results(results) -> ResultsFigure:
     table = results.table.iloc[::-1].reset_index(drop=True)  # first arm at the top
     labels = list(table.arm)
     y = np.arange(len(table))
-    figure = Figure(figsize=(13, 1.2 + 0.42 * len(table)), layout="constrained")
+    figure = ResultsFigure(figsize=(13, 1.2 + 0.42 * len(table)), layout="constrained")
     speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
 
     # Speedup: point and 95% interval per arm; rows that did not run say why.
@@ -63,7 +74,7 @@ def plot_results(results) -> Figure:
     other = np.clip(table.step_ms.fillna(0).to_numpy() - left, 0, None)
     phase_ax.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
     phase_ax.set_xlabel("ms per optimizer step")
-    phase_ax.legend(loc="lower right", fontsize=8, frameon=False)
+    phase_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=5, fontsize=8, frameon=False)
     phase_ax.set_title("Step breakdown")
 
     memory = table.peak_mem_mb.to_numpy(dtype=float)
@@ -72,7 +83,7 @@ def plot_results(results) -> Figure:
         if math.isfinite(value):
             memory_ax.text(value, index, f" {value:.0f}", va="center", fontsize=8)
     device = results.config.get("device", "")
-    memory_ax.set_xlabel("peak memory, MiB" + (" (RSS growth)" if device == "cpu" else ""))
+    memory_ax.set_xlabel("peak tensor memory per step, MiB")
     memory_ax.set_title("Memory")
 
     env = results.environment

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 KILL_GRACE_S = 3.0
+POLL_S = 0.5
 
 
 class Interrupted(Exception):
@@ -122,7 +123,9 @@ def run_in_fresh_process(
                 }
                 break
             try:
-                message = messages.get(timeout=0.1)
+                # Waiting blocks; the timeout only bounds how late a Stop or a timeout is noticed,
+                # and waking rarely keeps this process off the cores the arm is measured on.
+                message = messages.get(timeout=POLL_S)
             except queue.Empty:
                 continue
             if message is None:

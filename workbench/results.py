@@ -185,10 +185,10 @@ class Results:
         import pandas as pd
 
         table = pd.DataFrame(self.record["table"], columns=TABLE_COLUMNS)
-        numeric = [
-            c for c in TABLE_COLUMNS if c not in ("arm", "techniques", "status", "reason", "notes", "noisy")
-        ]
+        text = ("arm", "techniques", "status", "reason", "notes", "noisy", "repeats")
+        numeric = [c for c in TABLE_COLUMNS if c not in text]
         table[numeric] = table[numeric].astype(float)
+        table["repeats"] = table["repeats"].fillna(0).astype(int)
         table["noisy"] = table["noisy"].astype(bool)
         return table
 
@@ -248,31 +248,39 @@ class Results:
         return folder
 
     def summary(self) -> str:
-        """The table as text, with the columns people read first."""
+        """The table as text, with the columns people read first, and a legend."""
         columns = [
             "arm",
             "status",
             "samples_per_s",
-            "speedup",
-            "speedup_low",
-            "speedup_high",
             "step_ms",
             "peak_mem_mb",
             "startup_s",
             "final_loss",
             "loss_vs_baseline",
         ]
-        table = self.table[columns].copy()
-        table["speedup"] = [
-            f"{s:.2f} [{lo:.2f}, {hi:.2f}]" if math.isfinite(s) else "-"
-            for s, lo, hi in zip(table.speedup, table.speedup_low, table.speedup_high, strict=True)
-        ]
-        table = table.drop(columns=["speedup_low", "speedup_high"])
-        text = table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
-        problems = [
-            f"  {row.arm}: {row.status}: {row.reason}" for row in self.table.itertuples() if row.reason
-        ]
-        flagged = [f"  {row.arm}: {row.notes}" for row in self.table.itertuples() if row.notes]
+        table = self.table
+        text_table = table[columns].copy()
+        text_table["samples_per_s"] = [f"{v:,.0f}" if math.isfinite(v) else "-" for v in table.samples_per_s]
+        text_table.insert(
+            3,
+            "speedup [95% interval]",
+            [
+                f"{row.speedup:.2f} [{row.speedup_low:.2f}, {row.speedup_high:.2f}]"
+                + (" *" if row.noisy else "")
+                if math.isfinite(row.speedup)
+                else "-"
+                for row in table.itertuples()
+            ],
+        )
+        text = text_table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
+        text += (
+            "\n\nspeedup: vs baseline, paired by repeat; an interval that contains 1.00 is no measurable change."
+            "\n* noisy: repeats spread or the interval reaches more than 10% from the speedup; more repeats help."
+            "\npeak_mem_mb: most memory held by tensors in a step (MiB); peak_rss_mb in the table: what the OS saw."
+        )
+        problems = [f"  {row.arm}: {row.status}: {row.reason}" for row in table.itertuples() if row.reason]
+        flagged = [f"  {row.arm}: {row.notes}" for row in table.itertuples() if row.notes]
         if problems:
             text += "\n\nNot run or not ok:\n" + "\n".join(problems)
         if flagged:

@@ -20,8 +20,8 @@ Peak memory (``peak_mem_mb``): the most bytes live tensors held at once during a
 
 Resident memory (``peak_rss_mb``): what the operating system sees, the growth of the
     process's resident set: the high-water mark (``VmHWM``, reset at the start of the window
-    through ``/proc/self/clear_refs``, after ``malloc_trim`` returns free heap pages) minus
-    the resident size measured just before the model was built. It includes allocator
+    through ``/proc/self/clear_refs``) minus the resident size measured just before the model
+    was built (after ``malloc_trim`` returned the free heap pages left by data loading). It includes allocator
     slack: glibc keeps freed blocks, which hides much of what activation checkpointing
     saves (measured here: 9% less RSS where live tensors drop by 41%). It is what the
     out-of-memory killer looks at. DataLoader worker processes are not included. Where the
@@ -126,8 +126,9 @@ def _reset_rss_peak() -> bool:
 def _return_free_heap_to_os() -> None:
     """glibc keeps freed memory mapped; malloc_trim(0) hands whole free pages back.
 
-    Done just before the high-water mark is reset, so the window's peak reflects what
-    its own steps hold, not what warm-up left behind in the heap.
+    Done once, before the model is built, so the RSS baseline is not inflated by free heap
+    left over from loading data. Never at the start of the timed window: the steps would
+    then pay page faults to get that memory back, and the clock would count them.
     """
     try:
         import ctypes
@@ -180,12 +181,12 @@ class PeakMemory:
         self._base_kb = 0
 
     def mark_before_model(self) -> None:
+        _return_free_heap_to_os()  # as in begin_window, so both readings see a trimmed heap
         self._base_kb = _read_status_kb("VmRSS") or _maxrss_kb()
 
     def begin_window(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        _return_free_heap_to_os()
         if not _reset_rss_peak():
             self.rss_method = "ru_maxrss-growth (lifetime peak: the high-water mark could not be reset)"
 
@@ -248,10 +249,10 @@ class Sampler:
     """Background sampler of machine-wide CPU utilization and memory, at ``interval_s``.
 
     Runs in a daemon thread of the process that drives the ablation, so it never competes
-    with the measured arm for the GIL. Samples are plain dicts, stored with the results.
+    with the measured arm for the GIL; once a second, so it takes next to no CPU from it. Samples are plain dicts, stored with the results.
     """
 
-    interval_s: float = 0.5
+    interval_s: float = 1.0
     samples: list[dict] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None

@@ -1,0 +1,286 @@
+"""Harness overhead: a hand-written PyTorch loop against the same model run by workbench.
+
+Goal: the harness delivers >= 0.99 of the bare loop's throughput.
+
+Two designs, both interleaved, both reported:
+
+end-to-end
+    Each round runs two fresh processes back to back, in an order that alternates between
+    rounds: (a) a plain loop written here with no workbench code in the timed window, and
+    (b) ``wb.ablate``'s baseline arm on the same model, data, seed, warm-up and steps.
+    This is the honest user-level comparison, but on a machine where identical processes
+    differ by up to 2x, its interval is wide.
+
+in-process
+    One fresh process per round builds the model once, then alternates windows of the bare
+    loop and of workbench's timed window (``workbench.worker.timed_window``: Trainer.step
+    with its clock, the kept loss, the progress throttle) over the same model, optimizer
+    and batch stream: A B A B ... The process's own speed cancels in each A/B ratio, so
+    the interval isolates what the harness adds per step.
+
+per-step cost
+    The most precise figure: the same A/B alternation on a trivial model (Linear(4, 2), 8
+    samples, one thread), where a step takes tens of microseconds and the harness's own
+    work (clock marks, the disabled GradScaler, the kept loss) is a large share. Its cost
+    in microseconds, set against the bare loop's step time on the benchmark model, gives
+    the throughput ratio that cost implies: bare_step / (bare_step + cost).
+
+Run:  python benchmarks/overhead.py [--model mlp] [--rounds 10] [--json benchmarks/results/overhead-mlp.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def _bare_setup(model_name: str, batch_size: int, seed: int):
+    import torch
+
+    from workbench.data import endless_batches, resolve_data
+    from workbench.models import build_model
+    from workbench.worker import _initialize_runtime, _seed_everything
+
+    _initialize_runtime(torch.device("cpu"))  # the harness pays this outside its clock too
+    _seed_everything(seed)
+    source = resolve_data(None, model_name, seed)
+    model = build_model(model_name, source.spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = endless_batches(source, batch_size, seed, {})
+    return model, optimizer, batches
+
+
+def bare_window(model, optimizer, batches, steps: int) -> float:
+    """The loop a person would write. Nothing of workbench runs between the clock reads."""
+    import torch.nn.functional as F
+
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        outputs = model(inputs)
+        loss = (
+            F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
+            if outputs.dim() > 2
+            else F.cross_entropy(outputs, targets)
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def run_bare_process(args) -> None:
+    """Child mode for end-to-end rounds: warm up, time one window, print samples/s as JSON."""
+    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0)
+    bare_window(model, optimizer, batches, args.warmup)
+    wall = bare_window(model, optimizer, batches, args.steps)
+    print(json.dumps({"samples_per_s": args.steps * args.batch_size / wall}))
+
+
+def run_paired_process(args) -> None:
+    """Child mode for in-process rounds: alternate bare and harness windows on one model."""
+    import torch
+
+    from workbench.loop import Trainer, TrainSetup, default_loss
+    from workbench.telemetry import StepClock
+    from workbench.worker import timed_window
+
+    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0)
+    setup = TrainSetup(
+        model=model, device=torch.device("cpu"), loss_fn=default_loss, make_optimizer=lambda _: optimizer
+    )
+    trainer = Trainer(setup, batches)
+    bare_window(model, optimizer, batches, args.warmup)
+    ratios = []
+    for pair in range(args.pairs):
+        order = ("bare", "harness") if pair % 2 == 0 else ("harness", "bare")
+        walls = {}
+        for kind in order:
+            if kind == "bare":
+                walls[kind] = bare_window(model, optimizer, batches, args.steps)
+            else:
+                walls[kind] = timed_window(trainer, StepClock(torch.device("cpu")), args.steps, [])
+        ratios.append(walls["bare"] / walls["harness"])  # harness throughput / bare throughput
+    print(json.dumps({"ratios": ratios}))
+
+
+def run_cost_process(args) -> None:
+    """Child mode: microseconds the harness adds per step, on a model too small to hide them."""
+    import torch
+
+    from workbench.loop import Trainer, TrainSetup, default_loss
+    from workbench.telemetry import StepClock
+    from workbench.worker import timed_window
+
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+
+    class SameBatch:
+        def __next__(self):
+            return batch
+
+    batches = SameBatch()
+    setup = TrainSetup(
+        model=model, device=torch.device("cpu"), loss_fn=default_loss, make_optimizer=lambda _: optimizer
+    )
+    trainer = Trainer(setup, batches)
+    steps = 5000
+    bare_window(model, optimizer, batches, steps)
+    timed_window(trainer, StepClock(torch.device("cpu")), steps, [])
+    bare, harness = [], []
+    for _ in range(10):
+        bare.append(bare_window(model, optimizer, batches, steps) / steps)
+        harness.append(timed_window(trainer, StepClock(torch.device("cpu")), steps, []) / steps)
+    print(
+        json.dumps(
+            {
+                "cost_us": 1e6 * (float(np.median(harness)) - float(np.median(bare))),
+                "bare_us": 1e6 * float(np.median(bare)),
+            }
+        )
+    )
+
+
+def run_step_time_process(args) -> None:
+    """Child mode: the bare loop's step time on the benchmark model."""
+    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0)
+    bare_window(model, optimizer, batches, args.warmup)
+    walls = [bare_window(model, optimizer, batches, args.steps) / args.steps for _ in range(3)]
+    print(json.dumps({"step_us": 1e6 * float(np.median(walls))}))
+
+
+def _child(mode: str, args) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        mode,
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--pairs",
+        str(args.pairs),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _harness_round(args) -> float:
+    import workbench as wb
+
+    res = wb.ablate(
+        model=args.model,
+        techniques={},
+        steps=args.steps,
+        warmup=args.warmup,
+        repeats=1,
+        batch_size=args.batch_size,
+        control=False,
+        out=False,
+        progress=False,
+    )
+    return float(res.table.samples_per_s.iloc[0])
+
+
+def _interval(log_ratios: list[float]) -> tuple[float, float, float]:
+    from workbench.stats import t_quantile
+
+    values = np.asarray(log_ratios)
+    half = t_quantile(0.95, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values))
+    return math.exp(values.mean()), math.exp(values.mean() - half), math.exp(values.mean() + half)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "mode",
+        nargs="?",
+        default="compare",
+        choices=["compare", "bare-child", "paired-child", "cost-child", "step-time-child"],
+    )
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=8, help="A/B window pairs per in-process round")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    if args.mode == "bare-child":
+        return run_bare_process(args)
+    if args.mode == "paired-child":
+        return run_paired_process(args)
+    if args.mode == "cost-child":
+        return run_cost_process(args)
+    if args.mode == "step-time-child":
+        return run_step_time_process(args)
+
+    from workbench.environment import machine_summary
+
+    started = time.time()
+    end_to_end, in_process = [], []
+    for index in range(args.rounds):
+        order = ("bare", "harness") if index % 2 == 0 else ("harness", "bare")
+        rates = {}
+        for kind in order:
+            rates[kind] = (
+                _child("bare-child", args)["samples_per_s"] if kind == "bare" else _harness_round(args)
+            )
+        end_to_end.append(math.log(rates["harness"] / rates["bare"]))
+        ratios = _child("paired-child", args)["ratios"]
+        in_process.append(float(np.mean(np.log(ratios))))  # one value per process: pairs within it correlate
+        print(
+            f"round {index + 1}/{args.rounds}: end-to-end {rates['harness'] / rates['bare']:.3f}, "
+            f"in-process {math.exp(in_process[-1]):.4f}",
+            flush=True,
+        )
+    e2e, paired = _interval(end_to_end), _interval(in_process)
+    costs = [_child("cost-child", args) for _ in range(3)]
+    cost_us = float(np.median([c["cost_us"] for c in costs]))
+    step_us = float(np.median([_child("step-time-child", args)["step_us"] for _ in range(3)]))
+    implied = step_us / (step_us + cost_us)
+    report = {
+        "benchmark": "overhead",
+        "model": args.model,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+        "rounds": args.rounds,
+        "pairs_per_round": args.pairs,
+        "end_to_end": {"ratio": e2e[0], "low": e2e[1], "high": e2e[2]},
+        "in_process": {"ratio": paired[0], "low": paired[1], "high": paired[2]},
+        "per_step_cost": {
+            "harness_cost_us": cost_us,
+            "trivial_bare_step_us": float(np.median([c["bare_us"] for c in costs])),
+            "model_bare_step_us": step_us,
+            "implied_ratio": implied,
+        },
+        "machine": machine_summary(),
+        "wall_s": time.time() - started,
+    }
+    print(f"\nharness / bare-loop throughput, {args.model}, {args.rounds} rounds (95% paired t-intervals):")
+    print(f"  end-to-end (fresh processes): {e2e[0]:.3f} [{e2e[1]:.3f}, {e2e[2]:.3f}]")
+    print(f"  in-process (A/B windows):     {paired[0]:.4f} [{paired[1]:.4f}, {paired[2]:.4f}]")
+    print(
+        f"  per-step cost: the harness adds {cost_us:.1f} us to a step; the bare {args.model} step takes "
+        f"{step_us:.0f} us, so the implied ratio is {implied:.4f}"
+    )
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
