@@ -382,7 +382,16 @@ def test_ctrl_c_keeps_finished_runs_on_disk_and_leaves_no_orphans(tmp_path):
         str(out),
         "--no-progress",
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A person's terminal delivers SIGINT. Background jobs of a non-interactive shell (as CI may
+    # run this) start with SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler; restore the default so this process behaves like one started from a terminal.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list((out / "units").glob("*.json"))) < 2:
         time.sleep(0.2)

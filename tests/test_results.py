@@ -137,6 +137,38 @@ def test_plot_has_speedup_breakdown_and_memory(small_results, tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
+def test_loss_drift_is_called_out():
+    from workbench.results import summarize
+
+    def unit(arm, losses):
+        result = {
+            "samples_per_s": 100.0,
+            "step_s": [0.01] * 4,
+            "wall_s": 0.04,
+            "steps": 4,
+            "losses": losses,
+            "phase_ms": dict.fromkeys(("data", "forward", "backward", "optimizer"), 1.0),
+            "peak_mem_mib": 1.0,
+            "peak_rss_mib": 1.0,
+            "startup_s": 0.1,
+            "cpu_util_pct": 50.0,
+            "notes": [],
+            "warmup": 1,
+        }
+        return {"arm": arm, "repeat": 0, "status": "ok", "reason": "", "result": result}
+
+    arms = [
+        {"name": "baseline", "role": "baseline", "techniques": "none", "unavailable": None},
+        {"name": "amp", "role": "treatment", "techniques": "amp", "unavailable": None},
+    ]
+    rows = summarize(
+        arms, [unit("baseline", [1.0] * 5), unit("amp", [1.5] * 5)], planned_repeats=1, complete=True
+    )
+    assert rows[1]["loss_vs_baseline"] == 1.5
+    assert "convergence: final loss 50% above the baseline's" in rows[1]["notes"]
+    assert "convergence" not in rows[0]["notes"]
+
+
 def test_summary_and_repr_mention_what_did_not_run(small_results):
     text = repr(small_results)
     assert "tf32: unavailable: needs a CUDA device" in text

@@ -45,7 +45,8 @@ TABLE_COLUMNS = [
     "notes",
 ]
 SHORT_WINDOW_S = 0.5  # below this, timer and scheduler noise weigh on each window
-FINAL_LOSS_STEPS = 5  # final_loss averages the last few steps, so one noisy batch does not decide it
+FINAL_LOSS_STEPS = 5
+LOSS_DRIFT = 0.10  # a final loss further than this from the baseline's is called out  # final_loss averages the last few steps, so one noisy batch does not decide it
 
 
 def _median(values: list[float]) -> float:
@@ -136,6 +137,12 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
             if window_s < SHORT_WINDOW_S:
                 notes.append(
                     f"timed windows last only {1e3 * window_s:.0f} ms; more steps give tighter intervals"
+                )
+            drift = row["loss_vs_baseline"] - 1.0
+            if arm["name"] != baseline and abs(drift) > LOSS_DRIFT:
+                notes.append(
+                    f"convergence: final loss {abs(drift):.0%} {'above' if drift > 0 else 'below'} the baseline's "
+                    "after the same steps; the technique changed the numerics"
                 )
             if arm["role"] == "control" and not row["speedup_low"] <= 1.0 <= row["speedup_high"]:
                 notes.append(
