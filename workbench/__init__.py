@@ -28,6 +28,7 @@ _EXPORTS = {
     "environment": "workbench.environment",
     "list_models": "workbench.models",
     "list_datasets": "workbench.data",
+    "panel": "workbench.widgets",
 }
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "list_models",
     "list_techniques",
     "load_results",
+    "panel",
     "plan",
     "register_technique",
 ]
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from workbench.models import list_models
     from workbench.results import Results, load_results
     from workbench.techniques import Technique, describe, list_techniques, register_technique
+    from workbench.widgets import panel
 
 
 def __getattr__(name: str):

@@ -262,7 +262,10 @@ def ablate(
                 under ./workbench-results; False = keep nothing on disk
     control     also rerun the baseline (an A/A check of the machine's noise)
     timeout_s   limit for one (arm, repeat); past it the arm is recorded as failed
-    on_event    called with dicts describing progress (for live UIs)
+    on_event    called with a dict per event, for live UIs: ``plan``, then per run ``start``,
+                ``phase``, ``progress`` (throttled: step, loss, samples/s), ``unit`` (the finished
+                run, with its measurements in ``result``), ``telemetry`` (one sampler reading,
+                1 Hz), and finally ``done`` or ``stopped``
     stop        a threading.Event; setting it ends the run like Ctrl-C, returning partial results
     """
     run = RunConfig(
@@ -356,7 +359,7 @@ def _run(
     done = {(u["arm"], u["repeat"]) for u in units}
     schedule = _schedule(prepared.arms, run.repeats)
     arm_records = [arm.record() for arm in prepared.arms]
-    sampler = Sampler().start()
+    sampler = Sampler(on_sample=lambda sample: on_event({"type": "telemetry", **sample})).start()
     record = {
         "schema": SCHEMA,
         "created": datetime.now().isoformat(timespec="seconds"),
@@ -409,13 +412,7 @@ def _run(
                 units.append(unit)
                 save(complete=False)
                 bar.advance()
-                on_event(
-                    {
-                        "type": "unit",
-                        **{k: v for k, v in unit.items() if k != "result"},
-                        "samples_per_s": (unit.get("result") or {}).get("samples_per_s"),
-                    }
-                )
+                on_event({"type": "unit", **unit})
     except (Interrupted, KeyboardInterrupt):
         sampler.stop()
         bar.close()

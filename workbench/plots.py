@@ -95,3 +95,116 @@ def plot_results(results) -> ResultsFigure:
         fontsize=10,
     )
     return figure
+
+
+def _arm_colors(arms: list[str]) -> dict[str, tuple]:
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10"]
+    return {arm: palette(index % 10) for index, arm in enumerate(arms)}
+
+
+def plot_live(snapshot: dict) -> ResultsFigure:
+    """The panel's live view of a running ablation (a LiveRun snapshot): throughput over time,
+    step breakdown and loss curves per arm, and machine utilization (CPU; GPU through NVML)."""
+    figure = ResultsFigure(figsize=(13, 6), layout="constrained")
+    (speed_ax, phase_ax, loss_ax), (cpu_ax, gpu_ax, gpu_detail_ax) = figure.subplots(2, 3)
+    arms = snapshot["arms"] or sorted(snapshot["throughput"])
+    colors = _arm_colors(arms)
+    started = snapshot["started"]
+
+    for arm, points in snapshot["throughput"].items():
+        seconds, rates = zip(*points, strict=True)
+        speed_ax.plot(seconds, rates, "o-", markersize=3, color=colors.get(arm), label=arm)
+    speed_ax.set_title("Throughput while running")
+    speed_ax.set_xlabel("seconds since start")
+    speed_ax.set_ylabel("samples/s")
+    if snapshot["throughput"]:
+        speed_ax.legend(fontsize=7, frameon=False)
+
+    finished = [unit for unit in snapshot["finished"] if unit.get("result")]
+    per_arm: dict[str, list[dict]] = {}
+    for unit in finished:
+        per_arm.setdefault(unit["arm"], []).append(unit["result"])
+    names = [arm for arm in arms if arm in per_arm]
+    left = np.zeros(len(names))
+    for phase, color in PHASE_COLORS.items():
+        values = np.array([np.median([r["phase_ms"][phase] for r in per_arm[arm]]) for arm in names])
+        phase_ax.barh(names, values, left=left, color=color, label=phase, height=0.6)
+        left += values
+    phase_ax.invert_yaxis()
+    phase_ax.set_title("Step breakdown (finished runs)")
+    phase_ax.set_xlabel("ms per optimizer step")
+    if names:
+        phase_ax.legend(fontsize=7, frameon=False, ncol=2)
+
+    for unit in finished:
+        loss_ax.plot(
+            range(1, len(unit["result"]["losses"]) + 1),
+            unit["result"]["losses"],
+            color=colors.get(unit["arm"]),
+            alpha=0.7,
+            linewidth=1,
+        )
+    loss_ax.set_title("Loss (finished runs)")
+    loss_ax.set_xlabel("optimizer step, warm-up included")
+
+    samples = snapshot["telemetry"]
+    seconds = [s["time"] - started for s in samples]
+    cpu_ax.plot(seconds, [s["cpu_percent"] for s in samples], color="#4c72b0")
+    cpu_ax.set_ylim(0, 105)
+    cpu_ax.set_title("CPU utilization (whole machine)")
+    cpu_ax.set_ylabel("%")
+    cpu_ax.set_xlabel("seconds since start")
+
+    gpu_keys = sorted(
+        {key for s in samples for key in s if key.startswith("gpu") and key.endswith("_util_percent")}
+    )
+    if gpu_keys:
+        for key in gpu_keys:
+            index = key[3 : key.index("_")]
+            gpu_ax.plot(seconds, [s.get(key, np.nan) for s in samples], label=f"GPU {index} util %")
+            gpu_ax.plot(
+                seconds,
+                [s.get(f"gpu{index}_memory_used_mib", np.nan) / 1024 for s in samples],
+                "--",
+                label=f"GPU {index} memory, GiB",
+            )
+            gpu_detail_ax.plot(
+                seconds, [s.get(f"gpu{index}_power_w", np.nan) for s in samples], label=f"GPU {index} W"
+            )
+            gpu_detail_ax.plot(
+                seconds,
+                [s.get(f"gpu{index}_sm_clock_mhz", np.nan) / 10 for s in samples],
+                ":",
+                label=f"GPU {index} SM clock, x10 MHz",
+            )
+        gpu_ax.legend(fontsize=7, frameon=False)
+        gpu_detail_ax.legend(fontsize=7, frameon=False)
+        gpu_ax.set_title("GPU utilization and memory (NVML)")
+        gpu_detail_ax.set_title("GPU power and SM clock (NVML)")
+    else:
+        gpu_ax.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color="#8172b3")
+        gpu_ax.set_title("Memory used (whole machine)")
+        gpu_ax.set_ylabel("GiB")
+        gpu_detail_ax.axis("off")
+        gpu_detail_ax.text(
+            0.5,
+            0.5,
+            "No GPU telemetry: NVML readings of GPU\nutilization, memory, power and SM clock\n"
+            "appear here on a CUDA machine\nwith nvidia-ml-py installed.",
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="#666",
+        )
+    for axes in (gpu_ax, gpu_detail_ax):
+        axes.set_xlabel("seconds since start")
+
+    done = len(snapshot["finished"])
+    figure.suptitle(
+        f"{snapshot['state']}: {done} of {snapshot['runs'] or '?'} runs finished"
+        + (f"; now {snapshot['current']}" if snapshot["state"] == "running" and snapshot["current"] else ""),
+        fontsize=10,
+    )
+    return figure

@@ -244,15 +244,63 @@ class CpuUsage:
         return 100.0 * (self._cpu_seconds() - self._start_cpu) / max(wall, 1e-9) / usable_cores()
 
 
+class _NvmlReader:
+    """GPU utilization, memory, power and SM clock of every visible GPU, through NVML.
+
+    Needs nvidia-ml-py (the ``gpu`` extra) and an NVIDIA driver; otherwise ``available`` is
+    False and the sampler records CPU figures only.
+    """
+
+    def __init__(self):
+        self.available = False
+        self.reason = ""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self.available = bool(self._handles)
+            self.reason = "" if self.available else "NVML sees no GPU"
+        except ImportError:
+            self.reason = "nvidia-ml-py is not installed (pip install 'workbench[gpu]')"
+        except Exception as error:  # pynvml.NVMLError: no driver, no device
+            self.reason = f"NVML unavailable: {error}"
+
+    def read(self) -> dict:
+        sample = {}
+        for index, handle in enumerate(self._handles):
+            utilization = self._nvml.nvmlDeviceGetUtilizationRates(handle)
+            memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            sample[f"gpu{index}_util_percent"] = float(utilization.gpu)
+            sample[f"gpu{index}_memory_used_mib"] = memory.used / 2**20
+            sample[f"gpu{index}_power_w"] = self._nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+            sample[f"gpu{index}_sm_clock_mhz"] = float(
+                self._nvml.nvmlDeviceGetClockInfo(handle, self._nvml.NVML_CLOCK_SM)
+            )
+        return sample
+
+    def close(self) -> None:
+        if self.available:
+            self._nvml.nvmlShutdown()
+
+
 @dataclass
 class Sampler:
-    """Background sampler of machine-wide CPU utilization and memory, at ``interval_s``.
+    """Background sampler of machine-wide utilization, at ``interval_s`` (1 Hz by default).
 
-    Runs in a daemon thread of the process that drives the ablation, so it never competes
-    with the measured arm for the GIL; once a second, so it takes next to no CPU from it. Samples are plain dicts, stored with the results.
+    Every sample has ``time``, ``cpu_percent`` and ``memory_used_mib``; with a GPU and
+    nvidia-ml-py, also ``gpu<i>_util_percent``, ``gpu<i>_memory_used_mib``, ``gpu<i>_power_w``
+    and ``gpu<i>_sm_clock_mhz``. It runs in a daemon thread of the process that drives the
+    ablation, so it never competes with the measured arm for the GIL, and it wakes once a
+    second, so it takes next to no CPU from it. Samples are plain dicts, stored with the
+    results (``Results.telemetry``, ``telemetry.csv``); ``on_sample`` sees each one as it
+    is taken (the notebook panel plots them live).
     """
 
     interval_s: float = 1.0
+    on_sample: Callable[[dict], None] | None = None
+    gpu: bool = True
     samples: list[dict] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -260,16 +308,24 @@ class Sampler:
     def _sample_forever(self) -> None:
         import psutil
 
+        nvml = _NvmlReader() if self.gpu else None
         psutil.cpu_percent(interval=None)  # the first reading only primes the counter
-        while not self._stop.wait(self.interval_s):
-            memory = psutil.virtual_memory()
-            self.samples.append(
-                {
+        try:
+            while not self._stop.wait(self.interval_s):
+                memory = psutil.virtual_memory()
+                sample = {
                     "time": time.time(),
                     "cpu_percent": psutil.cpu_percent(interval=None),
                     "memory_used_mib": (memory.total - memory.available) / 2**20,
                 }
-            )
+                if nvml is not None and nvml.available:
+                    sample.update(nvml.read())
+                self.samples.append(sample)
+                if self.on_sample is not None:
+                    self.on_sample(sample)
+        finally:
+            if nvml is not None:
+                nvml.close()
 
     def start(self) -> Sampler:
         self._thread = threading.Thread(target=self._sample_forever, name="workbench-sampler", daemon=True)

@@ -31,7 +31,7 @@ Watch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,7 +43,7 @@ DTYPES = ("bfloat16", "float16")
 
 @dataclass(frozen=True)
 class AmpConfig:
-    dtype: str = "bfloat16"
+    dtype: str = field(default="bfloat16", metadata={"choices": DTYPES})
 
     def __post_init__(self) -> None:
         check_choice("amp", "dtype", self.dtype, DTYPES)

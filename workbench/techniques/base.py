@@ -3,7 +3,9 @@
 A technique is a small class with
 - ``name``, ``summary`` and an explicit ``order`` (lower applies first, like fastai's
   callback ``order``), so composing several is never ambiguous;
-- ``Config``: a frozen dataclass that validates itself in ``__post_init__``;
+- ``Config``: a frozen dataclass that validates itself in ``__post_init__`` (a string field
+  with a fixed set of values lists them in ``metadata={"choices": ...}``, so the notebook
+  panel can offer a dropdown);
 - ``requires``: named needs (``"cuda"``, ``"conv"``, ``"dataset"``, a package...) checked
   in one place, each failing with a human reason;
 - ``check()``: any further condition, also answered with a reason;

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,7 +38,7 @@ MODES = ("default", "reduce-overhead", "max-autotune")
 
 @dataclass(frozen=True)
 class CompileConfig:
-    mode: str = "default"
+    mode: str = field(default="default", metadata={"choices": MODES})
     fullgraph: bool = False
 
     def __post_init__(self) -> None:

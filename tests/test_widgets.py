@@ -1,0 +1,246 @@
+"""The notebook panel, driven from Python the way a click would drive it."""
+
+import html
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+
+import ipywidgets as w
+import pytest
+
+import workbench as wb
+from workbench.plots import plot_live
+from workbench.techniques import Technique, all_techniques, register_technique, unregister_technique
+from workbench.telemetry import Sampler, _NvmlReader
+from workbench.widgets import LiveRun
+
+
+def test_the_panel_is_generated_from_the_registry():
+    panel = wb.panel(model="resnet-mini", techniques={"amp": {"dtype": "float16"}, "checkpointing": True})
+    assert list(panel.rows) == [t.name for t in all_techniques()]
+    assert panel.rows["amp"].toggle.value and panel.rows["checkpointing"].toggle.value
+    assert not panel.rows["compile"].toggle.value
+    dtype = panel.rows["amp"].fields["dtype"][1]
+    assert (
+        isinstance(dtype, w.Dropdown)
+        and dtype.options == ("bfloat16", "float16")
+        and dtype.value == "float16"
+    )
+    assert isinstance(panel.rows["dataloader"].fields["num_workers"][1], w.IntText)
+    tf32 = panel.rows["tf32"]
+    if tf32.unavailable:  # on a CPU machine: shown, disabled, with the reason
+        assert tf32.toggle.disabled and "needs a CUDA device" in tf32.note.value
+
+
+def test_availability_follows_the_chosen_model():
+    panel = wb.panel(model="resnet-mini")
+    assert not panel.rows["channels_last"].toggle.disabled
+    panel.model.value = "gpt-mini"
+    assert panel.rows["channels_last"].toggle.disabled
+    assert "no Conv2d layers" in panel.rows["channels_last"].note.value
+
+
+@dataclass(frozen=True)
+class LaterConfig:
+    flavour: str = field(default="sweet", metadata={"choices": ("sweet", "sour")})
+    strength: int = 3
+    enabled_extra: bool = False
+
+
+class LaterTechnique(Technique):
+    name = "later"
+    summary = "a technique added after the panel was written"
+    order = 95
+    Config = LaterConfig
+
+    def apply(self, setup, config):
+        return "nothing"
+
+
+def test_a_technique_added_later_appears_without_editing_the_panel():
+    register_technique(LaterTechnique())
+    try:
+        row = wb.panel().rows["later"]
+        kinds = {name: type(widget) for name, (_, widget) in row.fields.items()}
+        assert kinds == {"flavour": w.Dropdown, "strength": w.IntText, "enabled_extra": w.Checkbox}
+        row.toggle.value = True
+        row.fields["strength"][1].value = 7
+        assert row.setting() == {"flavour": "sweet", "strength": 7, "enabled_extra": False}
+    finally:
+        unregister_technique("later")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda p: setattr(p.steps, "value", 0), "ablate: steps must be >= 1; got 0"),
+        (lambda p: setattr(p.warmup, "value", 0), "ablate: warmup must be >= 1; got 0"),
+        (
+            lambda p: (
+                setattr(p.rows["grad_accum"].toggle, "value", True),
+                setattr(p.rows["grad_accum"].fields["steps"][1], "value", 64),
+            ),
+            "grad_accum: steps=64 exceeds batch_size=32",
+        ),
+        (
+            lambda p: (
+                setattr(p.rows["dataloader"].toggle, "value", True),
+                setattr(p.rows["dataloader"].fields["num_workers"][1], "value", 0),
+                setattr(p.rows["dataloader"].fields["prefetch_factor"][1], "value", "4"),
+            ),
+            "dataloader: prefetch_factor needs num_workers > 0",
+        ),
+    ],
+)
+def test_invalid_combinations_show_the_api_message(change, message):
+    panel = wb.panel(model="mlp", techniques={})
+    change(panel)
+    assert panel.run() is False
+    assert html.escape(message) in panel.status.value and "Error" in panel.status.value
+    assert not panel.running
+
+
+def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
+    panel = wb.panel(
+        model="mlp", techniques={"amp": True}, steps=200, warmup=2, repeats=2, out=tmp_path / "panel"
+    )
+    assert panel.run() is True
+    assert panel.run() is False and "already in progress" in panel.status.value
+    results = panel.wait(timeout=300)
+    assert results is not None and results.complete
+    assert set(results.table.status) == {"ok"}
+    assert panel.live_image.value[:4] == b"\x89PNG" and panel.final_image.value[:4] == b"\x89PNG"
+    assert "baseline (control)" in panel.table.value and "Done" in panel.status.value
+    assert len(panel.live.snapshot()["finished"]) == 6
+    assert not panel.run_button.disabled and panel.stop_button.disabled
+
+
+def test_stop_keeps_finished_runs(tmp_path):
+    panel = wb.panel(
+        model="mlp", techniques={"amp": True}, steps=300, warmup=2, repeats=3, out=tmp_path / "stop"
+    )
+    panel.run()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(panel.live.snapshot()["finished"]) < 2:
+        time.sleep(0.2)
+    panel.stop()
+    results = panel.wait(timeout=120)
+    assert results is not None and not results.complete
+    assert "Stopped" in panel.status.value
+    saved = wb.load_results(tmp_path / "stop")
+    assert len(saved.record["units"]) >= 2
+
+
+def test_live_run_gathers_events_and_the_live_plot_renders():
+    live = LiveRun()
+    live(
+        {
+            "type": "plan",
+            "arms": [{"name": "baseline", "unavailable": None}, {"name": "amp", "unavailable": None}],
+            "runs": 4,
+        }
+    )
+    live(
+        {
+            "type": "progress",
+            "arm": "amp",
+            "repeat": 0,
+            "samples_per_s": 120.0,
+            "step": 5,
+            "of": 10,
+            "loss": 1.0,
+        }
+    )
+    result = {
+        "samples_per_s": 130.0,
+        "losses": [2.0, 1.5, 1.2],
+        "phase_ms": {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0},
+    }
+    live({"type": "unit", "arm": "amp", "repeat": 0, "status": "ok", "result": result})
+    live({"type": "telemetry", "time": time.time(), "cpu_percent": 80.0, "memory_used_mib": 2048.0})
+    snapshot = live.snapshot()
+    assert snapshot["state"] == "running" and len(snapshot["finished"]) == 1
+    assert [rate for _, rate in snapshot["throughput"]["amp"]] == [120.0, 130.0]
+    figure = plot_live(snapshot)
+    assert figure._repr_png_()[:4] == b"\x89PNG"
+    gpu = {
+        "type": "telemetry",
+        "time": time.time(),
+        "cpu_percent": 50.0,
+        "memory_used_mib": 1.0,
+        "gpu0_util_percent": 90.0,
+        "gpu0_memory_used_mib": 4096.0,
+        "gpu0_power_w": 300.0,
+        "gpu0_sm_clock_mhz": 1800.0,
+    }
+    live(gpu)
+    titles = [axes.get_title() for axes in plot_live(live.snapshot()).axes]
+    assert "GPU utilization and memory (NVML)" in titles and "GPU power and SM clock (NVML)" in titles
+
+
+def _fake_pynvml():
+    fake = types.ModuleType("pynvml")
+    fake.NVML_CLOCK_SM = 1
+    fake.nvmlInit = lambda: None
+    fake.nvmlShutdown = lambda: None
+    fake.nvmlDeviceGetCount = lambda: 1
+    fake.nvmlDeviceGetHandleByIndex = lambda index: f"gpu{index}"
+    fake.nvmlDeviceGetUtilizationRates = lambda handle: types.SimpleNamespace(gpu=87, memory=40)
+    fake.nvmlDeviceGetMemoryInfo = lambda handle: types.SimpleNamespace(used=8 * 2**30, total=80 * 2**30)
+    fake.nvmlDeviceGetPowerUsage = lambda handle: 312_500  # milliwatts
+    fake.nvmlDeviceGetClockInfo = lambda handle, kind: 1755
+    return fake
+
+
+def test_the_sampler_reads_nvml_when_a_gpu_is_there(monkeypatch):
+    """The NVML path, against a stand-in for nvidia-ml-py (no GPU here; verified on a device separately)."""
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
+    reader = _NvmlReader()
+    assert reader.available
+    assert reader.read() == {
+        "gpu0_util_percent": 87.0,
+        "gpu0_memory_used_mib": 8192.0,
+        "gpu0_power_w": 312.5,
+        "gpu0_sm_clock_mhz": 1755.0,
+    }
+    seen = []
+    sampler = Sampler(interval_s=0.05, on_sample=seen.append).start()
+    time.sleep(0.3)
+    sampler.stop()
+    assert seen and all(sample["gpu0_util_percent"] == 87.0 for sample in seen)
+
+
+def test_without_nvidia_ml_py_the_reason_is_given(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # importing it raises ImportError
+    reader = _NvmlReader()
+    assert not reader.available and "nvidia-ml-py is not installed" in reader.reason
+
+
+def test_telemetry_is_stored_with_results_and_exported_to_csv(tmp_path):
+    res = wb.ablate(
+        model="mlp",
+        techniques={},
+        steps=400,
+        warmup=2,
+        repeats=1,
+        control=False,
+        out=tmp_path / "t",
+        progress=False,
+    )
+    assert len(res.telemetry) >= 1 and {"time", "cpu_percent", "memory_used_mib"} <= set(
+        res.telemetry.columns
+    )
+    res.save(tmp_path / "t")
+    assert (tmp_path / "t" / "telemetry.csv").read_text().startswith("time,cpu_percent")
+
+
+def test_out_false_keeps_nothing_on_disk(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    panel = wb.panel(model="mlp", techniques={}, steps=5, warmup=1, repeats=1, control=False, out=False)
+    assert panel.arguments()["out"] is False
+    assert panel.run()
+    results = panel.wait(timeout=120)
+    assert results is not None and results.path is None
+    assert list(tmp_path.iterdir()) == [], "out=False must not create a results folder"
+    assert panel.live_image.layout.display is None and panel.final_image.layout.display is None

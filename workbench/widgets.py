@@ -1,0 +1,468 @@
+"""The notebook control panel: toggle techniques, press Run, watch the ablation live.
+
+``wb.panel(...)`` takes the same arguments as ``wb.ablate`` as its defaults and returns an
+ipywidgets panel generated from the technique registry: one toggle per technique, with a
+control per field of its Config dataclass (a dropdown where the field lists its choices),
+disabled with its reason when it cannot run here. A technique added later appears
+without any change to this module.
+
+The ablation runs in a background thread, so the kernel stays responsive; its events
+(``ablate(on_event=...)``) are gathered by a LiveRun, and a second thread redraws the live
+figure about once a second. Widgets are updated only by setting their traits (an Image's
+PNG bytes, an HTML's text), which is safe from a thread, unlike an Output widget's
+context manager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import threading
+import time
+import types
+import typing
+from typing import Any
+
+import ipywidgets as w
+
+from workbench.config import MODES
+from workbench.data import BUILTIN_DATA
+from workbench.models import BUILTIN_MODELS, model_label
+from workbench.techniques import Technique, all_techniques
+
+REDRAW_S = 1.0
+
+
+class LiveRun:
+    """Everything a running ablation has reported so far, gathered from its events (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.arms: list[str] = []
+        self.runs = 0
+        self.finished: list[dict] = []  # "unit" events: finished (arm, repeat) runs
+        self.throughput: dict[str, list[tuple[float, float]]] = {}  # arm -> [(seconds, samples/s)]
+        self.telemetry: list[dict] = []
+        self.current = ""
+        self.state = "idle"  # idle, running, done, stopped, failed
+        self.version = 0  # bumped by every event, so the redraw thread knows when to redraw
+
+    def __call__(self, event: dict) -> None:
+        with self._lock:
+            self.version += 1
+            kind = event["type"]
+            elapsed = time.time() - self.started
+            if kind == "plan":
+                self.arms = [arm["name"] for arm in event["arms"] if not arm["unavailable"]]
+                self.runs = event["runs"]
+                self.state = "running"
+            elif kind in ("start", "phase"):
+                self.current = (
+                    f"{event['arm']} (repeat {event['repeat'] + 1}): {event.get('phase', 'starting')}"
+                )
+            elif kind == "progress":
+                self.throughput.setdefault(event["arm"], []).append((elapsed, event["samples_per_s"]))
+            elif kind == "unit":
+                self.finished.append(event)
+                result = event.get("result")
+                if result:
+                    self.throughput.setdefault(event["arm"], []).append((elapsed, result["samples_per_s"]))
+            elif kind == "telemetry":
+                self.telemetry.append(event)
+            elif kind in ("done", "stopped"):
+                self.state = kind
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "started": self.started,
+                "arms": list(self.arms),
+                "runs": self.runs,
+                "finished": list(self.finished),
+                "throughput": {arm: list(points) for arm, points in self.throughput.items()},
+                "telemetry": list(self.telemetry),
+                "current": self.current,
+                "state": self.state,
+            }
+
+
+def _field_widget(config_field: dataclasses.Field, value: Any, hints: dict) -> w.Widget:
+    """A control for one Config field, chosen from its type and declared choices."""
+    annotation = hints.get(config_field.name, str)
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+    layout = w.Layout(width="170px")
+    label = config_field.name
+    if "choices" in config_field.metadata:
+        return w.Dropdown(
+            options=list(config_field.metadata["choices"]),
+            value=value,
+            description=label,
+            layout=layout,
+            style={"description_width": "initial"},
+        )
+    if base is bool and not optional:
+        return w.Checkbox(value=bool(value), description=label, indent=False, layout=w.Layout(width="150px"))
+    if base is bool:
+        return w.Dropdown(
+            options=[("auto", None), ("True", True), ("False", False)],
+            value=value,
+            description=label,
+            layout=layout,
+            style={"description_width": "initial"},
+        )
+    if base is int and not optional:
+        return w.IntText(
+            value=value, description=label, layout=layout, style={"description_width": "initial"}
+        )
+    shown = "" if value is None or callable(value) else str(value)
+    return w.Text(
+        value=shown,
+        placeholder="default",
+        description=label,
+        layout=w.Layout(width="220px"),
+        style={"description_width": "initial"},
+    )
+
+
+def _read_field(widget: w.Widget, config_field: dataclasses.Field, hints: dict) -> Any:
+    if not isinstance(widget, w.Text):
+        return widget.value
+    text = widget.value.strip()
+    if not text:
+        return None
+    annotation = hints.get(config_field.name, str)
+    if int in typing.get_args(annotation):
+        try:
+            return int(text)
+        except ValueError:
+            return text  # the Config's own validation names the field and the rule
+    return text
+
+
+class TechniqueRow(w.HBox):
+    """One technique: its toggle, a control per Config field, and why it is unavailable (if so)."""
+
+    def __init__(self, technique: Technique, setting: Any):
+        self.technique = technique
+        self.hints = typing.get_type_hints(technique.Config)
+        enabled = setting is not None and setting is not False
+        config = technique.configure(setting) if enabled else technique.Config()
+        self.toggle = w.Checkbox(
+            value=enabled, description=technique.name, indent=False, layout=w.Layout(width="140px")
+        )
+        self.toggle.add_class(f"workbench-technique-{technique.name}")
+        self.fields = {
+            f.name: (f, _field_widget(f, getattr(config, f.name), self.hints))
+            for f in dataclasses.fields(technique.Config)
+        }
+        self.note = w.HTML(layout=w.Layout(width="auto"))
+        self.summary = technique.summary
+        super().__init__([self.toggle, *(widget for _, widget in self.fields.values()), self.note])
+        self.set_reason(None)
+
+    def set_reason(self, reason: str | None) -> None:
+        """Disable the row, showing why, when the technique cannot run here."""
+        self.unavailable = reason
+        self.toggle.disabled = reason is not None
+        for _, widget in self.fields.values():
+            widget.disabled = reason is not None
+        if reason:
+            self.toggle.value = False
+            self.note.value = f"<span style='color:#a33'>unavailable: {html.escape(reason)}</span>"
+        else:
+            self.note.value = f"<span style='color:#666'>{html.escape(self.summary)}</span>"
+
+    def setting(self) -> Any:
+        """False when off; otherwise the dict of options (validated later, by the API)."""
+        if not self.toggle.value:
+            return False
+        return {name: _read_field(widget, f, self.hints) for name, (f, widget) in self.fields.items()}
+
+
+class AblationPanel(w.VBox):
+    """Run settings, technique toggles, Run/Stop, live plots and the final results."""
+
+    def __init__(
+        self,
+        model: Any = "mlp",
+        data: Any = None,
+        loss_fn: Any = None,
+        techniques: Any = None,
+        mode: str = "one-at-a-time",
+        steps: int = 30,
+        warmup: int = 5,
+        repeats: int = 3,
+        batch_size: int = 32,
+        device: str = "auto",
+        seed: int = 0,
+        out: Any = None,
+        **ablate_kwargs: Any,
+    ):
+        self.custom_model = None if isinstance(model, str) else model
+        self.custom_data = None if data is None or isinstance(data, str) else data
+        self.loss_fn = loss_fn
+        self.seed = seed
+        self.keep_on_disk = out is not False  # out=False: results live in memory only
+        self.ablate_kwargs = ablate_kwargs
+        self.results = None
+        self.error: str | None = None
+        self.live = LiveRun()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+        small = {"style": {"description_width": "initial"}, "layout": w.Layout(width="190px")}
+        model_options = list(BUILTIN_MODELS) + (
+            [f"custom: {model_label(model)}"] if self.custom_model else []
+        )
+        data_options = [("model's own", None), *[(d, d) for d in BUILTIN_DATA]]
+        if self.custom_data is not None:
+            data_options.append((f"custom: {type(self.custom_data).__name__}", "custom"))
+        self.model = w.Dropdown(
+            options=model_options,
+            value=model if isinstance(model, str) else model_options[-1],
+            description="model",
+            **small,
+        )
+        self.data = w.Dropdown(
+            options=data_options,
+            value="custom" if self.custom_data is not None else data,
+            description="data",
+            **small,
+        )
+        self.mode = w.Dropdown(options=list(MODES), value=mode, description="mode", **small)
+        self.device = w.Dropdown(options=_device_options(device), value=device, description="device", **small)
+        self.steps = w.IntText(value=steps, description="steps", **small)
+        self.warmup = w.IntText(value=warmup, description="warmup", **small)
+        self.repeats = w.IntText(value=repeats, description="repeats", **small)
+        self.batch_size = w.IntText(value=batch_size, description="batch size", **small)
+        self.out = w.Text(
+            value="" if out in (None, False) else str(out),
+            placeholder="new folder under workbench-results"
+            if self.keep_on_disk
+            else "none: results kept in memory",
+            description="out",
+            style={"description_width": "initial"},
+            layout=w.Layout(width="390px"),
+        )
+
+        chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
+        self.rows = {t.name: TechniqueRow(t, chosen.get(t.name, False)) for t in all_techniques()}
+
+        self.run_button = w.Button(description="Run ablation", button_style="success", icon="play")
+        self.stop_button = w.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
+        self.run_button.add_class("workbench-run")
+        self.stop_button.add_class("workbench-stop")
+        self.status = w.HTML("Choose the techniques, then press <b>Run ablation</b>.")
+        self.status.add_class("workbench-status")
+        self.live_image = w.Image(
+            format="png", layout=w.Layout(width="100%", max_width="1200px", display="none")
+        )
+        self.live_image.add_class("workbench-live-plot")
+        self.final_image = w.Image(
+            format="png", layout=w.Layout(width="100%", max_width="1200px", display="none")
+        )
+        self.table = w.HTML()
+        self.table.add_class("workbench-results")
+
+        self.run_button.on_click(lambda _: self.run())
+        self.stop_button.on_click(lambda _: self.stop())
+        for control in (self.model, self.device):
+            control.observe(lambda _: self.refresh_availability(), names="value")
+
+        settings = w.VBox(
+            [
+                w.HBox([self.model, self.data, self.mode, self.device]),
+                w.HBox([self.steps, self.warmup, self.repeats, self.batch_size]),
+                self.out,
+            ]
+        )
+        technique_box = w.VBox([w.HTML("<b>Techniques</b> (applied top to bottom)"), *self.rows.values()])
+        super().__init__(
+            [
+                w.HTML("<h3 style='margin:4px 0'>workbench: controlled ablation</h3>"),
+                settings,
+                technique_box,
+                w.HBox([self.run_button, self.stop_button]),
+                self.status,
+                self.live_image,
+                self.final_image,
+                self.table,
+            ]
+        )
+        self.refresh_availability()
+
+    # ----- settings -> ablate arguments --------------------------------------------------
+
+    def _model_value(self) -> Any:
+        return self.custom_model if self.model.value.startswith("custom:") else self.model.value
+
+    def _data_value(self) -> Any:
+        return self.custom_data if self.data.value == "custom" else self.data.value
+
+    def refresh_availability(self) -> None:
+        """Re-check every technique against the chosen model and device."""
+        from workbench.devices import resolve_device
+        from workbench.models import inspect_model
+        from workbench.techniques import Context
+
+        try:
+            instance, label = inspect_model(self._model_value())
+            ctx = Context(
+                device=resolve_device(self.device.value),
+                model=instance,
+                model_name=label,
+                data_is_dataset=self.custom_data is None or not _is_batches(self.custom_data),
+            )
+        except ValueError as error:
+            self.status.value = _error_html(str(error))
+            return
+        for row in self.rows.values():
+            row.set_reason(row.technique.unavailable_reason(ctx, row.technique.Config()))
+
+    def arguments(self) -> dict:
+        """What Run passes to ``wb.ablate``."""
+        techniques = {name: row.setting() for name, row in self.rows.items() if not row.unavailable}
+        return {
+            "model": self._model_value(),
+            "data": self._data_value(),
+            "loss_fn": self.loss_fn,
+            "techniques": {name: value for name, value in techniques.items() if value is not False},
+            "mode": self.mode.value,
+            "steps": self.steps.value,
+            "warmup": self.warmup.value,
+            "repeats": self.repeats.value,
+            "batch_size": self.batch_size.value,
+            "device": self.device.value,
+            "seed": self.seed,
+            "out": self.out.value.strip() or (None if self.keep_on_disk else False),
+            **self.ablate_kwargs,
+        }
+
+    # ----- run / stop --------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def run(self) -> bool:
+        """Start the ablation in the background. Refused (False) while one is in flight or input is bad."""
+        if self.running:
+            self.status.value = _error_html("A run is already in progress: wait for it, or press Stop first.")
+            return False
+        from workbench.ablation import plan
+
+        arguments = self.arguments()
+        try:  # the same validation, and the same one-line messages, as the API
+            keys = ("model", "data", "loss_fn", "techniques", "mode", "repeats", "batch_size", "device")
+            plan(**{key: arguments[key] for key in keys})
+            from workbench.config import RunConfig
+
+            RunConfig(
+                steps=arguments["steps"],
+                warmup=arguments["warmup"],
+                repeats=arguments["repeats"],
+                batch_size=arguments["batch_size"],
+                device=arguments["device"],
+                mode=arguments["mode"],
+            )
+        except ValueError as error:
+            self.status.value = _error_html(str(error))
+            return False
+        self.error, self.results = None, None
+        self.live = LiveRun()
+        self._stop = threading.Event()
+        self.final_image.value, self.table.value = b"", ""
+        self.final_image.layout.display = "none"
+        self.run_button.disabled, self.stop_button.disabled = True, False
+        self.status.value = "Starting: every run is a fresh process, so the first one takes a few seconds."
+        self._thread = threading.Thread(
+            target=self._run_in_background, args=(arguments,), daemon=True, name="workbench-panel-run"
+        )
+        self._thread.start()
+        threading.Thread(
+            target=self._redraw_while_running, daemon=True, name="workbench-panel-redraw"
+        ).start()
+        return True
+
+    def stop(self) -> None:
+        """End the run like Ctrl-C: the run in flight is dropped, finished ones are kept."""
+        if self.running:
+            self._stop.set()
+            self.status.value = "Stopping: ending the run in flight; finished runs are kept."
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the run finishes (for scripts and tests); returns its Results."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.results
+
+    def _run_in_background(self, arguments: dict) -> None:
+        from workbench.ablation import ablate
+
+        try:
+            self.results = ablate(**arguments, progress=False, on_event=self.live, stop=self._stop)
+        except Exception as error:  # shown in the panel: a thread has nowhere else to report
+            self.error = f"{type(error).__name__}: {error}"
+            self.live.state = "failed"
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._draw_live()
+        if self.results is not None:
+            self.final_image.value = self.results.plot()._repr_png_()
+            self.final_image.layout.display = None
+            self.table.value = self.results.table.drop(columns=["techniques", "notes"]).to_html(
+                index=False, float_format=lambda v: f"{v:.3g}", na_rep="-", classes="workbench-table"
+            )
+            where = f" Results: {self.results.path}" if self.results.path else ""
+            verb = "Done" if self.results.complete else "Stopped; finished runs are kept"
+            self.status.value = f"<b>{verb}.</b>{html.escape(where)}"
+        elif self.error:
+            self.status.value = _error_html(self.error)
+        self.run_button.disabled, self.stop_button.disabled = False, True
+
+    def _redraw_while_running(self) -> None:
+        drawn = -1
+        while self.running:
+            if self.live.version != drawn:
+                drawn = self.live.version
+                self._draw_live()
+            time.sleep(REDRAW_S)
+
+    def _draw_live(self) -> None:
+        from workbench.plots import plot_live
+
+        snapshot = self.live.snapshot()
+        self.live_image.value = plot_live(snapshot)._repr_png_()
+        self.live_image.layout.display = None
+        if snapshot["state"] == "running":
+            done = len(snapshot["finished"])
+            self.status.value = f"Running: {done} of {snapshot['runs']} runs finished. Now: {html.escape(snapshot['current'])}"
+
+
+def _device_options(device: str) -> list[str]:
+    import torch
+
+    options = ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return options if device in options else [*options, device]
+
+
+def _is_batches(data: Any) -> bool:
+    from torch.utils.data import Dataset
+
+    return not isinstance(data, Dataset) and not callable(data)
+
+
+def _error_html(message: str) -> str:
+    return f"<span style='color:#b00020'><b>Error:</b> {html.escape(message)}</span>"
+
+
+def panel(
+    model: Any = "mlp", data: Any = None, loss_fn: Any = None, techniques: Any = None, **kwargs: Any
+) -> AblationPanel:
+    """An ipywidgets control panel for ``wb.ablate``; its arguments are the panel's defaults."""
+    return AblationPanel(model=model, data=data, loss_fn=loss_fn, techniques=techniques, **kwargs)
