@@ -24,7 +24,7 @@ QUIET = {"progress": False, "out": False}
         ({"model": "resnet"}, r"unknown model 'resnet'; valid models: mlp, resnet-mini, gpt-mini"),
         (
             {"data": "cifar10"},
-            r"unknown dataset 'cifar10'; valid datasets: digits, textures, text, synthetic",
+            r"unknown dataset 'cifar10'; valid datasets: digits, textures, text, jpeg, synthetic, jpeg-folder:PATH",
         ),
         ({"mode": "sweep"}, r"unknown mode 'sweep'; valid modes: one-at-a-time, leave-one-out, grid"),
         ({"device": "tpu"}, r"unknown device 'tpu'; valid devices: auto, cpu, cuda, cuda:N"),

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from technique_settings import TECHNIQUE_SETTINGS
 
+from workbench.data import resolve_data
 from workbench.models import inspect_model
 from workbench.techniques import Context, all_techniques, get_technique, list_techniques, parse_techniques
 
@@ -43,12 +44,21 @@ def _cases():
 def test_technique_trains(name, model):
     """Every technique trains a few steps on every built-in model it applies to."""
     technique = get_technique(name)
-    config = technique.configure(TECHNIQUE_SETTINGS[name]["config"])
+    row = TECHNIQUE_SETTINGS[name]
+    config = technique.configure(row["config"])
     instance, label = inspect_model(model)
-    reason = technique.unavailable_reason(Context(device=CPU, model=instance, model_name=label), config)
+    source = resolve_data(row.get("data"), model, 0)
+    ctx = Context(
+        device=CPU,
+        model=instance,
+        model_name=label,
+        data_label=source.label,
+        image_size=source.images.size if source.images is not None else None,
+    )
+    reason = technique.unavailable_reason(ctx, config)
     if reason:
         pytest.skip(f"{name} is unavailable here: {reason}")
-    result = train(model, {name: TECHNIQUE_SETTINGS[name]["config"]}, steps=3, warmup=1)
+    result = train(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
     assert len(result["losses"]) == 4
     assert all(math.isfinite(loss) for loss in result["losses"])
     assert result["samples_per_s"] > 0

@@ -28,10 +28,12 @@ _EXPORTS = {
     "environment": "workbench.environment",
     "list_models": "workbench.models",
     "list_datasets": "workbench.data",
+    "JpegFolder": "workbench.jpeg_folder",
     "panel": "workbench.widgets",
 }
 
 __all__ = [
+    "JpegFolder",
     "Results",
     "Technique",
     "ablate",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from workbench.ablation import ablate, plan
     from workbench.data import list_datasets
     from workbench.environment import environment
+    from workbench.jpeg_folder import JpegFolder
     from workbench.models import list_models
     from workbench.results import Results, load_results
     from workbench.techniques import Technique, describe, list_techniques, register_technique

@@ -8,7 +8,12 @@ Design, in the order a run happens:
    ``leave-one-out``: the baseline, all techniques, then all minus each one. ``grid``: every
    combination. Unless ``control=False``, the baseline runs a second time as a control arm:
    the A/A check that shows the machine's noise floor. Techniques that cannot run here
-   become ``unavailable`` rows and are left out of the combinations.
+   become ``unavailable`` rows and are left out of the combinations. A list of values for
+   a setting (``{"dataloader": {"num_workers": [0, 1, 2]}}``) sweeps it: one arm per value.
+   When input-pipeline techniques (dataloader, dali) are ablated on a Dataset, each arm made
+   of them alone, and the baseline, also gets a loader-only twin (kind ``loader``): the same
+   pipeline feeding a model that does no work. Its samples/s is what the loader can feed,
+   to read next to what training consumes.
 3. Interleave: repeat r runs every arm once, in an order rotated by r (A B C, B C A, C A B),
    so drift of the machine (heat, other load) and position effects hit every arm alike.
 4. Isolate: each (arm, repeat) runs in a fresh process (see workbench.worker), with its
@@ -20,6 +25,7 @@ Design, in the order a run happens:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -52,11 +58,13 @@ class Arm:
     role: str  # "baseline", "control" or "treatment"
     techniques: list[tuple[Technique, Any]] = field(default_factory=list)
     unavailable: str | None = None  # why it cannot run here; None when it can
+    kind: str = "train"  # "train", or "loader": the input pipeline alone, with a no-op model
 
     def record(self) -> dict:
         described = ", ".join(t.describe(c) for t, c in self.techniques) or "none"
         return {
             "name": self.name,
+            "kind": self.kind,
             "role": self.role,
             "techniques": described,
             "technique_names": [t.name for t, _ in self.techniques],
@@ -64,13 +72,37 @@ class Arm:
         }
 
 
+def sweep_names(techniques: list[tuple[Technique, Any]]) -> list[str]:
+    """Arm names: the technique's name, plus the swept values when it appears more than once."""
+    names = []
+    for technique, config in techniques:
+        siblings = [c for t, c in techniques if t is technique]
+        if len(siblings) == 1:
+            names.append(technique.name)
+            continue
+        swept = [
+            f.name
+            for f in dataclasses.fields(config)
+            if len({repr(getattr(c, f.name)) for c in siblings}) > 1
+        ]
+        values = ", ".join(f"{name}={getattr(config, name)}" for name in swept)
+        names.append(f"{technique.name}[{values}]")
+    return names
+
+
 def plan_arms(mode: str, techniques: list[tuple[Technique, Any]], control: bool) -> list[Arm]:
     """The arms of one ablation, baseline first. Raises ValueError for impossible combinations."""
     arms = [Arm("baseline", "baseline")]
     if control:
         arms.append(Arm("baseline (control)", "control"))
+    if len({t.name for t, _ in techniques}) < len(techniques) and mode != "one-at-a-time":
+        raise ValueError(
+            f"a swept setting (a list of values) runs one arm per value, which needs mode='one-at-a-time'; "
+            f"got mode={mode!r}"
+        )
     if mode == "one-at-a-time":
-        arms += [Arm(t.name, "treatment", [(t, c)]) for t, c in techniques]
+        names = sweep_names(techniques)
+        arms += [Arm(name, "treatment", [pair]) for name, pair in zip(names, techniques, strict=True)]
     elif mode == "leave-one-out":
         names = [t.name for t, _ in techniques]
         reason = conflict_reason(names)
@@ -89,6 +121,15 @@ def plan_arms(mode: str, techniques: list[tuple[Technique, Any]], control: bool)
                 name = "+".join(t.name for t, _ in chosen)
                 arms.append(Arm(name, "treatment", chosen, conflict_reason([t.name for t, _ in chosen])))
     return arms
+
+
+def loader_twins(arms: list[Arm]) -> list[Arm]:
+    """Loader-only copies of the baseline and of every arm made only of input-pipeline techniques."""
+    return [
+        Arm(f"loader: {arm.name}", arm.role, arm.techniques, kind="loader")
+        for arm in arms
+        if arm.role in ("baseline", "treatment") and all(t.input_pipeline for t, _ in arm.techniques)
+    ]
 
 
 @dataclass
@@ -123,6 +164,8 @@ def prepare(
         model_name=label,
         data_is_dataset=source.is_dataset,
         batch_size=run.batch_size,
+        data_label=source.label,
+        image_size=source.images.size if source.images is not None else None,
     )
     runnable, unavailable = [], []
     for technique, config in chosen:
@@ -132,12 +175,26 @@ def prepare(
             unavailable.append(Arm(technique.name, "treatment", [(technique, config)], reason))
         else:
             runnable.append((technique, config))
-    arms = plan_arms(run.mode, runnable, run.control) + unavailable
+    arms = plan_arms(run.mode, runnable, run.control)
+    loader_arms = run.loader_arms
+    if loader_arms is None:  # auto: when an input-pipeline technique is ablated on a Dataset
+        loader_arms = source.is_dataset and any(t.input_pipeline for t, _ in runnable)
+    if loader_arms == "only":
+        arms = loader_twins(arms)
+    elif loader_arms:
+        arms += loader_twins(arms)
+    arms += unavailable
+    described: dict[str, str] = {}
+    for technique, config in chosen:
+        text = technique.describe(config)
+        described[technique.name] = (
+            f"{described[technique.name]}; {text}" if technique.name in described else text
+        )
     config = {
         "model": label,
         "data": source.label,
         "loss_fn": model_label(loss_fn) if loss_fn else "cross_entropy",
-        "techniques": {t.name: t.describe(c) for t, c in chosen},
+        "techniques": described,
         **asdict(run),
         "device": str(device),
     }
@@ -238,6 +295,7 @@ def ablate(
     progress: bool = True,
     *,
     control: bool = True,
+    loader_arms: bool | str | None = None,
     optimizer: str = "adamw",
     lr: float = 1e-3,
     timeout_s: float = 1800.0,
@@ -249,11 +307,13 @@ def ablate(
 
     model       a built-in name (``mlp``, ``resnet-mini``, ``gpt-mini``) or a zero-argument
                 callable returning an nn.Module
-    data        a built-in dataset (``digits``, ``textures``, ``text``, ``synthetic``), a Dataset,
+    data        a built-in dataset (``digits``, ``textures``, ``text``, ``jpeg``, ``synthetic``),
+                a JPEG ImageFolder (``"jpeg-folder:PATH"`` or ``wb.JpegFolder``), a Dataset,
                 an iterable of (inputs, targets) batches, or a callable returning one;
                 None picks the built-in model's own dataset
     loss_fn     ``(outputs, targets) -> loss``; default cross-entropy
-    techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``; None = all, defaults
+    techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``; None = all, defaults;
+                a list of values sweeps a setting: ``{"dataloader": {"num_workers": [0, 2]}}``
     mode        ``one-at-a-time`` | ``leave-one-out`` | ``grid``
     steps       timed optimizer steps per repeat; ``warmup`` untimed steps before them
     repeats     fresh-process runs per arm, interleaved across arms
@@ -261,6 +321,8 @@ def ablate(
     out         folder for results (written after every run, resumable); None = a new folder
                 under ./workbench-results; False = keep nothing on disk
     control     also rerun the baseline (an A/A check of the machine's noise)
+    loader_arms time the input pipeline alone too (kind ``loader`` rows, a no-op model);
+                None: when dataloader or dali is ablated on a Dataset; ``"only"``: nothing else
     timeout_s   limit for one (arm, repeat); past it the arm is recorded as failed
     on_event    called with a dict per event, for live UIs: ``plan``, then per run ``start``,
                 ``phase``, ``progress`` (throttled: step, loss, samples/s), ``unit`` (the finished
@@ -279,6 +341,7 @@ def ablate(
         optimizer=optimizer,
         lr=lr,
         control=control,
+        loader_arms=loader_arms,
         timeout_s=timeout_s,
     )
     prepared = prepare(model, data, loss_fn, techniques, run)
@@ -317,11 +380,19 @@ def plan(
     batch_size: int = 32,
     device: str = "auto",
     control: bool = True,
+    loader_arms: bool | str | None = None,
 ):
     """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them."""
     import pandas as pd
 
-    run = RunConfig(repeats=repeats, batch_size=batch_size, device=device, mode=mode, control=control)
+    run = RunConfig(
+        repeats=repeats,
+        batch_size=batch_size,
+        device=device,
+        mode=mode,
+        control=control,
+        loader_arms=loader_arms,
+    )
     prepared = prepare(model, data, loss_fn, techniques, run)
     rows = [{**arm.record(), "runs": 0 if arm.unavailable else repeats} for arm in prepared.arms]
     return pd.DataFrame(rows)[["name", "role", "techniques", "unavailable", "runs"]]
@@ -459,6 +530,7 @@ def _run_unit(
         optimizer=run.optimizer,
         lr=run.lr,
         labels={"arm": arm.name, "repeat": repeat},
+        loader_only=arm.kind == "loader",
     )
     label = f"{arm.name} (repeat {repeat + 1}/{run.repeats})"
     bar.show(f"{label}: starting")

@@ -83,6 +83,7 @@ class RunConfig:
     optimizer: str = "adamw"
     lr: float = 1e-3
     control: bool = True  # also run the baseline a second time: the A/A noise check
+    loader_arms: bool | str | None = None  # loader-only twins of input-pipeline arms; None: automatic
     timeout_s: float = 1800.0  # one repeat of one arm; past it the arm is recorded as failed
 
     def __post_init__(self) -> None:
@@ -104,4 +105,8 @@ class RunConfig:
             raise unknown_name_error("optimizer", self.optimizer, OPTIMIZERS)
         check_number("ablate", "lr", self.lr, above=0.0)
         check_bool("ablate", "control", self.control)
+        if not (self.loader_arms is None or isinstance(self.loader_arms, bool) or self.loader_arms == "only"):
+            raise ValueError(
+                f"ablate: loader_arms must be None (automatic), True, False or 'only'; got {self.loader_arms!r}"
+            )
         check_number("ablate", "timeout_s", self.timeout_s, above=0.0)

@@ -1,9 +1,11 @@
 """Built-in datasets and adapters for the user's own data.
 
 ``data`` may be
-- a built-in name: ``digits``, ``textures``, ``text`` (real data shipped inside packages,
-  see datasets/) or ``synthetic`` (random tensors shaped like the model's default data,
-  for speed-only runs);
+- a built-in name: ``digits``, ``textures``, ``text``, ``jpeg`` (real data shipped inside
+  packages, see datasets/) or ``synthetic`` (random tensors shaped like the model's default
+  data, for speed-only runs);
+- a folder of JPEG files: ``"jpeg-folder:PATH"`` or ``wb.JpegFolder(PATH, size=..., ...)``
+  (see workbench.jpeg_folder); ``jpeg`` is such a folder, built from scikit-image's photos;
 - a ``torch.utils.data.Dataset`` yielding (input, target) samples: it is wrapped in a
   DataLoader, so the ``dataloader`` technique applies;
 - an iterable of ready-made (inputs, targets) batches, e.g. a list: it is cycled as is;
@@ -25,9 +27,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from workbench.config import unknown_name_error
+from workbench.jpeg_folder import ImageFiles, JpegDataset, JpegFolder
 
-BUILTIN_DATA = ("digits", "textures", "text", "synthetic")
+BUILTIN_DATA = ("digits", "textures", "text", "jpeg", "synthetic")
 SYNTHETIC_SAMPLES = 2048
+JPEG_FOLDER_PREFIX = "jpeg-folder:"
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,13 @@ class DataSpec:
 
 
 def builtin_spec(name: str) -> DataSpec:
-    from workbench.datasets import digits, text, textures
+    from workbench.datasets import digits, jpeg, text, textures
 
     specs = {
         "digits": DataSpec("image", digits.SHAPE, digits.NUM_CLASSES),
         "textures": DataSpec("image", textures.SHAPE, textures.NUM_CLASSES),
         "text": DataSpec("tokens", text.SHAPE, text.VOCAB),
+        "jpeg": DataSpec("image", (3, jpeg.CROP, jpeg.CROP), len(jpeg.CLASSES)),
     }
     if name not in specs:
         raise unknown_name_error("dataset", name, BUILTIN_DATA)
@@ -56,8 +61,9 @@ def list_datasets():
     """A DataFrame of the built-in datasets: name, kind, sample shape, classes, summary."""
     import pandas as pd
 
-    from workbench.datasets import builders
+    from workbench.datasets import builders, jpeg
 
+    summaries = {name: builder.summary for name, builder in builders().items()} | {"jpeg": jpeg.SUMMARY}
     rows = []
     for name in BUILTIN_DATA:
         if name == "synthetic":
@@ -78,7 +84,7 @@ def list_datasets():
                 "kind": spec.kind,
                 "shape": "x".join(map(str, spec.shape)),
                 "classes": spec.num_classes,
-                "summary": builders()[name].summary,
+                "summary": summaries[name],
             }
         )
     table = pd.DataFrame(rows)
@@ -147,8 +153,11 @@ class DataSource:
     path: str | None = None  # cached .npz of a built-in dataset
     user: Any = None  # a Dataset, an iterable of batches, or a callable returning one
     is_dataset: bool = True  # False when batches arrive ready-made (no DataLoader to tune)
+    images: ImageFiles | None = None  # a scanned JPEG folder: both DataLoader and DALI read it
 
     def open_dataset(self, seed: int) -> Dataset | Iterable:
+        if self.images is not None:
+            return JpegDataset(self.images)
         if self.builtin == "synthetic":
             return synthetic_dataset(self.spec, seed)
         if self.builtin is not None:
@@ -165,6 +174,54 @@ def _is_data(obj: object) -> bool:
     return isinstance(obj, Dataset) or (isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)))
 
 
+def as_jpeg_folder(data: object) -> JpegFolder | None:
+    """The JpegFolder that ``data`` names ("jpeg", "jpeg-folder:PATH" or one), else None. Does no I/O."""
+    if isinstance(data, JpegFolder):
+        return data
+    if isinstance(data, str) and data.startswith(JPEG_FOLDER_PREFIX):
+        return JpegFolder(data[len(JPEG_FOLDER_PREFIX) :])
+    if isinstance(data, str) and data == "jpeg":
+        from workbench.datasets import jpeg
+
+        return JpegFolder(str(jpeg.default_root()), size=jpeg.CROP, on_corrupt="raise")
+    return None
+
+
+def data_label(data: object, model: object = None) -> str:
+    """A short name for ``data`` (the model's own dataset when None), without loading anything."""
+    if data is None and isinstance(model, str):
+        from workbench.models import get_builtin_model
+
+        return get_builtin_model(model).default_data
+    if isinstance(data, JpegFolder):
+        return f"{JPEG_FOLDER_PREFIX}{data.root}"
+    if isinstance(data, str):
+        return data
+    return getattr(data, "__name__", type(data).__name__)
+
+
+def image_size_of(data: object) -> int | None:
+    """The crop size when ``data`` names a JPEG folder, else None. Does no I/O."""
+    folder = as_jpeg_folder(data)
+    return folder.size if folder is not None else None
+
+
+def _resolve_jpeg_folder(folder: JpegFolder, label: str, builtin_model: Any) -> DataSource:
+    from workbench.jpeg_folder import scan
+
+    if builtin_model is not None and "image" not in builtin_model.accepts:
+        raise ValueError(
+            f"model {builtin_model.name!r} trains on {', '.join(builtin_model.accepts)} data, not JPEG images"
+        )
+    if label == "jpeg":
+        from workbench.datasets import jpeg
+
+        jpeg.ensure_built()
+    images = scan(folder)
+    spec = DataSpec("image", (3, folder.size, folder.size), len(images.classes))
+    return DataSource(label=label, spec=spec, images=images)
+
+
 def resolve_data(data: object, model: object, seed: int) -> DataSource:
     """Check ``data`` against ``model`` and describe how each arm will load it."""
     from workbench.datasets import ensure_built
@@ -177,9 +234,12 @@ def resolve_data(data: object, model: object, seed: int) -> DataSource:
                 "data is required with your own model: pass a Dataset, an iterable of batches, or a callable"
             )
         data = builtin_model.default_data
+    folder = as_jpeg_folder(data)
+    if folder is not None:
+        return _resolve_jpeg_folder(folder, data_label(data), builtin_model)
     if isinstance(data, str):
         if data not in BUILTIN_DATA:
-            raise unknown_name_error("dataset", data, BUILTIN_DATA)
+            raise unknown_name_error("dataset", data, [*BUILTIN_DATA, f"{JPEG_FOLDER_PREFIX}PATH"])
         if builtin_model is None:
             raise ValueError(
                 f"built-in dataset {data!r} is sized for the built-in models; with your own model, pass your own data"
@@ -197,8 +257,8 @@ def resolve_data(data: object, model: object, seed: int) -> DataSource:
         return DataSource(label=data, spec=spec, builtin=data, path=path)
     if builtin_model is not None:
         raise ValueError(
-            f"built-in model {builtin_model.name!r} trains on built-in data ({', '.join(BUILTIN_DATA)}); "
-            "to use your own data, also pass your own model factory"
+            f"built-in model {builtin_model.name!r} trains on built-in data ({', '.join(BUILTIN_DATA)}) "
+            f"or a JPEG folder ({JPEG_FOLDER_PREFIX}PATH); for other data, also pass your own model factory"
         )
     if isinstance(data, Dataset):
         return DataSource(label=type(data).__name__, user=data, is_dataset=True)
@@ -221,7 +281,7 @@ def resolve_data(data: object, model: object, seed: int) -> DataSource:
             label=getattr(data, "__name__", "data"), user=data, is_dataset=isinstance(sample, Dataset)
         )
     raise ValueError(
-        f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), a Dataset, an iterable of "
+        f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), '{JPEG_FOLDER_PREFIX}PATH', a Dataset, an iterable of "
         f"(inputs, targets) batches, or a callable returning one; got {data!r}"
     )
 

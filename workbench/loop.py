@@ -43,6 +43,8 @@ class TrainSetup:
     grad_scaler: bool = False
     micro_batches: int = 1
     input_transforms: list[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
+    # An input pipeline that replaces the DataLoader (dali): (source, batch_size, seed) -> batches.
+    make_batches: Callable[[Any, int, int], Iterator] | None = None
     # Process-wide flags a technique flips (e.g. TF32) are entered here and restored on exit.
     settings: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 

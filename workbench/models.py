@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,26 @@ class GPTMini(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))  # (batch, time, vocab) logits
+
+
+class NoOpModel(nn.Module):
+    """A model that does no work, so that a run times the input pipeline alone.
+
+    The loader-only arms use it (the idea of Composer's NoOpModel): batches are still
+    produced, collated and moved to the device, but forward, backward and the optimizer
+    step cost next to nothing, so samples/s is what the loader can feed.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(()))  # one parameter, so the optimizer has a step to take
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        return self.weight * 1.0
+
+
+def noop_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return outputs
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ SCHEMA = "workbench-results/1"
 STATUSES = ("ok", "unavailable", "failed", "oom", "diverged", "interrupted")
 TABLE_COLUMNS = [
     "arm",
+    "kind",
     "techniques",
     "status",
     "reason",
@@ -69,14 +70,19 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
     by_arm: dict[str, list[dict]] = {arm["name"]: [] for arm in arms}
     for unit in units:
         by_arm.setdefault(unit["arm"], []).append(unit)
-    baseline = next((arm["name"] for arm in arms if arm["role"] == "baseline"), None)
-    base_ok = {u["repeat"]: u["result"] for u in by_arm.get(baseline, []) if u["status"] == "ok"}
-    base_loss = _median([_final_loss(r) for r in base_ok.values()])
+    # Each kind of arm (training, loader-only) is compared with its own baseline.
+    baselines = {arm.get("kind", "train"): arm["name"] for arm in arms if arm["role"] == "baseline"}
     rows = []
     for arm in arms:
+        kind = arm.get("kind", "train")
+        baseline = baselines.get(kind)
+        base_ok = {u["repeat"]: u["result"] for u in by_arm.get(baseline, []) if u["status"] == "ok"}
+        # A loader-only arm trains a no-op model: its loss means nothing.
+        base_loss = _median([_final_loss(r) for r in base_ok.values()]) if kind == "train" else math.nan
         row: dict[str, Any] = dict.fromkeys(TABLE_COLUMNS, math.nan)
         row.update(
             arm=arm["name"],
+            kind=kind,
             techniques=arm["techniques"],
             status="ok",
             reason="",
@@ -113,7 +119,8 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
             row["peak_mem_mb"] = _median([r["peak_mem_mib"] for r in results])
             row["peak_rss_mb"] = _median([r["peak_rss_mib"] for r in results])
             row["startup_s"] = results[0]["startup_s"]  # the first repeat: a cold compile cache
-            row["final_loss"] = _median([_final_loss(r) for r in results if not _divergence(r)])
+            if kind == "train":
+                row["final_loss"] = _median([_final_loss(r) for r in results if not _divergence(r)])
             row["cpu_util_pct"] = _median([r["cpu_util_pct"] for r in results])
             row["repeats"] = len(results)
             row["loss_vs_baseline"] = row["final_loss"] / base_loss if base_loss else math.nan
@@ -139,7 +146,7 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
                     f"timed windows last only {1e3 * window_s:.0f} ms; more steps give tighter intervals"
                 )
             drift = row["loss_vs_baseline"] - 1.0
-            if arm["name"] != baseline and abs(drift) > LOSS_DRIFT:
+            if arm["name"] != baseline and abs(drift) > LOSS_DRIFT:  # NaN (loader arms) never is
                 notes.append(
                     f"convergence: final loss {abs(drift):.0%} {'above' if drift > 0 else 'below'} the baseline's "
                     "after the same steps; the technique changed the numerics"
@@ -192,7 +199,7 @@ class Results:
         import pandas as pd
 
         table = pd.DataFrame(self.record["table"], columns=TABLE_COLUMNS)
-        text = ("arm", "techniques", "status", "reason", "notes", "noisy", "repeats")
+        text = ("arm", "kind", "techniques", "status", "reason", "notes", "noisy", "repeats")
         numeric = [c for c in TABLE_COLUMNS if c not in text]
         table[numeric] = table[numeric].astype(float)
         table["repeats"] = table["repeats"].fillna(0).astype(int)

@@ -202,7 +202,8 @@ class AblationPanel(w.VBox):
         **ablate_kwargs: Any,
     ):
         self.custom_model = None if isinstance(model, str) else model
-        self.custom_data = None if data is None or isinstance(data, str) else data
+        # Anything but a built-in name ("jpeg-folder:PATH", a JpegFolder, a Dataset...) is "custom".
+        self.custom_data = None if data is None or (isinstance(data, str) and data in BUILTIN_DATA) else data
         self.loss_fn = loss_fn
         self.seed = seed
         self.keep_on_disk = out is not False  # out=False: results live in memory only
@@ -219,7 +220,7 @@ class AblationPanel(w.VBox):
         )
         data_options = [("model's own", None), *[(d, d) for d in BUILTIN_DATA]]
         if self.custom_data is not None:
-            data_options.append((f"custom: {type(self.custom_data).__name__}", "custom"))
+            data_options.append((f"custom: {_short_label(self.custom_data)}", "custom"))
         self.model = w.Dropdown(
             options=model_options,
             value=model if isinstance(model, str) else model_options[-1],
@@ -269,7 +270,7 @@ class AblationPanel(w.VBox):
 
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
-        for control in (self.model, self.device):
+        for control in (self.model, self.data, self.device):
             control.observe(lambda _: self.refresh_availability(), names="value")
 
         settings = w.VBox(
@@ -304,17 +305,24 @@ class AblationPanel(w.VBox):
 
     def refresh_availability(self) -> None:
         """Re-check every technique against the chosen model and device."""
+        from workbench.data import data_label, image_size_of
         from workbench.devices import resolve_device
         from workbench.models import inspect_model
         from workbench.techniques import Context
 
         try:
-            instance, label = inspect_model(self._model_value())
+            model = self._model_value()
+            data = self._data_value()
+            instance, label = inspect_model(model)
+            if data is None and isinstance(model, str):
+                data = data_label(None, model)  # the built-in model's own dataset
             ctx = Context(
                 device=resolve_device(self.device.value),
                 model=instance,
                 model_name=label,
                 data_is_dataset=self.custom_data is None or not _is_batches(self.custom_data),
+                data_label=data_label(data, model) if data is not None else "",
+                image_size=image_size_of(data),
             )
         except ValueError as error:
             self.status.value = _error_html(str(error))
@@ -455,6 +463,13 @@ def _is_batches(data: Any) -> bool:
     from torch.utils.data import Dataset
 
     return not isinstance(data, Dataset) and not callable(data)
+
+
+def _short_label(data: Any) -> str:
+    from workbench.data import data_label
+
+    label = data_label(data)
+    return label if len(label) <= 40 else "..." + label[-37:]
 
 
 def _error_html(message: str) -> str:

@@ -30,7 +30,7 @@ import torch
 from workbench.data import DataSource, endless_batches
 from workbench.devices import synchronize
 from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
-from workbench.models import build_model
+from workbench.models import NoOpModel, build_model, noop_loss
 from workbench.telemetry import CpuUsage, PeakMemory, StepClock
 
 
@@ -51,6 +51,7 @@ class UnitSpec:
     lr: float = 1e-3
     progress_interval_s: float = 0.5
     labels: dict[str, Any] = field(default_factory=dict)  # arm name and repeat, for messages
+    loader_only: bool = False  # time the input pipeline alone, with a model that does no work
 
 
 def _seed_everything(seed: int) -> None:
@@ -121,17 +122,27 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
     memory.mark_before_model()
 
     emit({"type": "phase", "phase": "startup"})
-    model = build_model(spec.model, spec.data.spec).to(device)
+    if spec.loader_only:
+        model, loss_fn = NoOpModel().to(device), noop_loss
+    else:
+        model, loss_fn = build_model(spec.model, spec.data.spec).to(device), spec.loss_fn or default_loss
     setup = TrainSetup(
         model=model,
         device=device,
-        loss_fn=spec.loss_fn or default_loss,
+        loss_fn=loss_fn,
         make_optimizer=make_optimizer(spec.optimizer, spec.lr),
     )
     notes = [technique.apply(setup, config) for technique, config in spec.techniques]
+    if spec.loader_only:
+        notes.insert(0, "loader only: a no-op model, so this is the rate the input pipeline can feed")
+    if spec.data.images is not None and spec.data.images.skipped:
+        notes.append(spec.data.images.note())
 
     with setup.settings:
-        batches = endless_batches(spec.data, spec.batch_size, spec.seed, setup.loader_options)
+        if setup.make_batches is not None:  # an input pipeline that replaces the DataLoader (dali)
+            batches = setup.make_batches(spec.data, spec.batch_size, spec.seed)
+        else:
+            batches = endless_batches(spec.data, spec.batch_size, spec.seed, setup.loader_options)
         trainer = Trainer(setup, batches)
         losses = []
 

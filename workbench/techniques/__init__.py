@@ -9,6 +9,7 @@ that is the order in which techniques are applied when several are combined.
 from __future__ import annotations
 
 import importlib
+import itertools
 import pkgutil
 from collections.abc import Mapping
 from typing import Any
@@ -60,7 +61,8 @@ def parse_techniques(techniques: Mapping[str, Any] | None) -> list[tuple[Techniq
     """``{"amp": {"dtype": "bfloat16"}, "compile": True}`` -> [(technique, config)], in order.
 
     ``None`` selects every registered technique with its default settings; a value of
-    False or None switches one off.
+    False or None switches one off. A list of values for a setting sweeps it: the technique
+    then appears once per value (once per combination when several settings are lists).
     """
     if techniques is None:
         return [(t, t.Config()) for t in all_techniques()]
@@ -73,8 +75,24 @@ def parse_techniques(techniques: Mapping[str, Any] | None) -> list[tuple[Techniq
         technique = get_technique(name)
         if value is False or value is None:
             continue
-        chosen.append((technique, technique.configure(value)))
+        chosen += [(technique, technique.configure(one)) for one in _expand_sweep(name, value)]
     return sorted(chosen, key=lambda pair: list(_REGISTRY).index(pair[0].name))
+
+
+def _expand_sweep(name: str, value: Any) -> list[Any]:
+    """``{"num_workers": [0, 2], "pin_memory": True}`` -> one settings dict per listed value."""
+    if not isinstance(value, Mapping):
+        return [value]
+    swept = {key: item for key, item in value.items() if isinstance(item, (list, tuple))}
+    if not swept:
+        return [value]
+    for key, values in swept.items():
+        if not values:
+            raise ValueError(f"{name}: the sweep over {key} is empty; give at least one value")
+        if len(set(map(repr, values))) < len(values):
+            raise ValueError(f"{name}: the sweep over {key} repeats a value: {list(values)!r}")
+    keys = list(swept)
+    return [{**value, **dict(zip(keys, combo, strict=True))} for combo in itertools.product(*swept.values())]
 
 
 def conflict_reason(names: list[str]) -> str | None:

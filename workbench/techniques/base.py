@@ -38,6 +38,8 @@ class Context:
     model_name: str = ""
     data_is_dataset: bool = True  # False when the user passed ready-made batches
     batch_size: int = 32
+    data_label: str = ""
+    image_size: int | None = None  # the crop size, when the data is a folder of JPEG files
 
 
 def _needs_package(module: str, hint: str) -> Callable[[Context], str | None]:
@@ -69,13 +71,23 @@ def _needs_dataset(ctx: Context) -> str | None:
     return None
 
 
+def _needs_jpeg_files(ctx: Context) -> str | None:
+    if ctx.data_label and ctx.image_size is None:  # no data_label: no data named, nothing to check
+        return (
+            "needs JPEG files to decode (data='jpeg', 'jpeg-folder:PATH' or wb.JpegFolder(...)); "
+            f"this data is {ctx.data_label or 'not a JPEG folder'}"
+        )
+    return None
+
+
 # One place that turns a named requirement into a human reason (None = satisfied).
 REQUIREMENTS: dict[str, Callable[[Context], str | None]] = {
     "cuda": _needs_cuda,
     "conv": _needs_conv,
     "dataset": _needs_dataset,
+    "jpeg_files": _needs_jpeg_files,
     "cupy": _needs_package("cupy", "pip install 'workbench[gpu]'"),
-    "dali": _needs_package("nvidia.dali", "pip install 'workbench[gpu]'"),
+    "dali": _needs_package("nvidia.dali", "pip install 'workbench[dali]', or 'workbench[gpu]' with CUDA"),
 }
 
 
@@ -88,6 +100,9 @@ class Technique:
     Config: ClassVar[type]
     requires: ClassVar[tuple[str, ...]] = ()
     conflicts: ClassVar[Mapping[str, str]] = {}
+    # True for techniques that change only how batches are produced (dataloader, dali): their
+    # arms also get a loader-only twin that times the input pipeline alone.
+    input_pipeline: ClassVar[bool] = False
 
     def configure(self, value: Any) -> Any:
         """Turn what a user wrote (True, a dict, or a Config) into a validated Config."""

@@ -61,6 +61,7 @@ class Dataloader(Technique):
     order = 10
     Config = DataloaderConfig
     requires = ("dataset",)
+    input_pipeline = True
 
     def apply(self, setup, config: DataloaderConfig) -> str:
         options = {

@@ -1,0 +1,215 @@
+"""dali: decode and augment JPEGs in NVIDIA DALI's C++ pipeline instead of a torch DataLoader.
+
+What it does
+    Replaces the DataLoader with a DALI pipeline over the same JPEG files: a file reader,
+    JPEG decode, random resized crop, a random horizontal flip, normalisation to CHW
+    float32, and the labels, consumed through DALI's PyTorch iterator. The work runs in
+    ``threads`` native threads (no Python, no worker processes, no pickling between them),
+    and ``prefetch_queue_depth`` batches are prepared ahead of the training step. On CUDA,
+    decoding is "mixed" (nvJPEG: Huffman decoding on the CPU, the rest on the GPU), the
+    augmentations run on the GPU, and batches arrive in GPU memory without a host copy.
+    On CPU, DALI's CPU operators run everything (``device_id=None``).
+
+When it helps
+    When the step waits for data: a large ``data_ms`` in the breakdown, a loader-only arm
+    that feeds fewer images per second than training consumes. The seeds name data loading
+    (storage I/O, CPU decode and augmentation, host-to-device copies) as the most common
+    bottleneck, and DALI as the tool that moves decode and augmentation off the Python
+    workers and, on a GPU, off the CPU altogether (NVIDIA DALI documentation).
+
+When it hurts
+    When data is not the bottleneck, it only adds start-up time. On a machine with few
+    cores its threads compete with the training threads. Its random streams differ from the
+    DataLoader's, so the two pipelines see differently augmented (equally distributed)
+    samples: expect small loss differences, not identical curves.
+
+Settings
+    ``threads`` (default 2; the one that matters: CPU threads decoding and augmenting),
+    ``prefetch_queue_depth`` (default 2 batches), ``decode`` (``auto``: ``mixed`` on CUDA,
+    ``cpu`` otherwise), ``output_size`` (None: the data's crop size; it must equal it, so
+    both pipelines feed the model the same shape), ``shard_id`` / ``num_shards`` (read one
+    shard of the files, for data-parallel ranks). A list of values sweeps a setting, e.g.
+    ``{"threads": [1, 2]}``. Needs JPEG data: ``data="jpeg"``, ``"jpeg-folder:PATH"`` or
+    ``wb.JpegFolder(...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from workbench.config import check_choice, check_int
+from workbench.jpeg_folder import CROP_AREA, CROP_ASPECT, MEAN, STD, ImageFiles
+from workbench.techniques.base import Technique
+
+DECODE = ("auto", "cpu", "mixed")
+
+
+@dataclass(frozen=True)
+class DaliConfig:
+    threads: int = 2
+    prefetch_queue_depth: int = 2
+    decode: str = field(default="auto", metadata={"choices": DECODE})
+    output_size: int | None = None
+    shard_id: int = 0
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        check_int("dali", "threads", self.threads, 1)
+        check_int("dali", "prefetch_queue_depth", self.prefetch_queue_depth, 1)
+        check_choice("dali", "decode", self.decode, DECODE)
+        if self.output_size is not None:
+            check_int("dali", "output_size", self.output_size, 8)
+        check_int("dali", "num_shards", self.num_shards, 1)
+        check_int("dali", "shard_id", self.shard_id, 0)
+        if self.shard_id >= self.num_shards:
+            raise ValueError(
+                f"dali: shard_id must be below num_shards ({self.num_shards}); got {self.shard_id}"
+            )
+
+
+def _decode_device(config: DaliConfig, device: torch.device) -> str:
+    if config.decode == "auto":
+        return "mixed" if device.type == "cuda" else "cpu"
+    return config.decode
+
+
+def build_pipeline(
+    images: ImageFiles,
+    config: DaliConfig,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    with_source_info: bool = False,
+):
+    """The DALI pipeline over ``images``: read, decode, random resized crop, flip, normalise.
+
+    ``with_source_info`` adds a third output, each sample's file path (as bytes), so tests
+    can check which label went with which file.
+    """
+    from nvidia.dali import fn, pipeline_def, types
+
+    # Shuffle the file list once, seeded: the reader then shards a class-balanced list, and its
+    # own shuffle buffer (initial_fill) only has to mix within a window, not across classes.
+    order = np.random.default_rng(seed).permutation(len(images.files))
+    files = [images.files[i] for i in order]
+    labels = [images.labels[i] for i in order]
+    decode = _decode_device(config, device)
+    on_gpu = device.type == "cuda"
+
+    @pipeline_def
+    def jpeg_pipeline():
+        encoded, label = fn.readers.file(
+            files=files,
+            labels=labels,
+            random_shuffle=True,
+            initial_fill=min(len(files), 1024),
+            shard_id=config.shard_id,
+            num_shards=config.num_shards,
+            name="reader",
+        )
+        decoded = fn.decoders.image(encoded, device=decode, output_type=types.RGB)
+        if on_gpu and decode == "cpu":
+            decoded = decoded.gpu()
+        cropped = fn.random_resized_crop(
+            decoded,
+            size=(images.size, images.size),
+            random_area=list(CROP_AREA),
+            random_aspect_ratio=list(CROP_ASPECT),
+            interp_type=types.INTERP_LINEAR,
+        )
+        normalized = fn.crop_mirror_normalize(
+            cropped,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            mean=[m * 255 for m in MEAN],
+            std=[s * 255 for s in STD],
+            mirror=fn.random.coin_flip(probability=0.5),
+        )
+        outputs = [normalized, label.gpu() if on_gpu else label]
+        if with_source_info:
+            outputs.append(fn.get_property(encoded, key="source_info"))
+        return tuple(outputs)
+
+    device_id = (
+        (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else None
+    )
+    pipeline = jpeg_pipeline(
+        batch_size=batch_size,
+        num_threads=config.threads,
+        device_id=device_id,
+        seed=seed,
+        prefetch_queue_depth=config.prefetch_queue_depth,
+    )
+    pipeline.build()
+    return pipeline
+
+
+def dali_batches(
+    images: ImageFiles, config: DaliConfig, batch_size: int, seed: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(images, labels) batches forever, as torch tensors on ``device``'s type."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    shard = len(images.files) // config.num_shards
+    if shard < batch_size:
+        raise ValueError(f"dali: each shard holds about {shard} images, fewer than batch_size={batch_size}")
+    pipeline = build_pipeline(images, config, batch_size, seed, device)
+    iterator = DALIGenericIterator(
+        pipeline,
+        ["images", "labels"],
+        reader_name="reader",
+        last_batch_policy=LastBatchPolicy.DROP,  # full batches only, like the DataLoader baseline
+        auto_reset=True,
+    )
+    while True:
+        for outputs in iterator:
+            batch = outputs[0]
+            yield batch["images"], batch["labels"].reshape(-1).long()
+
+
+class Dali(Technique):
+    name = "dali"
+    summary = "NVIDIA DALI pipeline: JPEG decode and augmentation in native threads (nvJPEG on GPU)"
+    order = 11
+    Config = DaliConfig
+    requires = ("dali", "jpeg_files")
+    input_pipeline = True
+    conflicts = {
+        "dataloader": "both replace the input pipeline (DALI threads vs DataLoader worker processes); "
+        "compare them as separate arms"
+    }
+
+    def check(self, ctx, config: DaliConfig) -> str | None:
+        if _decode_device(config, ctx.device) == "mixed" and ctx.device.type != "cuda":
+            return f"decode='mixed' runs nvJPEG on a GPU; this run is on {ctx.device.type} (use decode='cpu')"
+        return None
+
+    def validate(self, ctx, config: DaliConfig) -> None:
+        if config.output_size is not None and ctx.image_size and config.output_size != ctx.image_size:
+            raise ValueError(
+                f"dali: output_size={config.output_size} differs from the data's crop size {ctx.image_size}; "
+                "both pipelines must feed the model the same shape, so set the size on the data "
+                "(wb.JpegFolder(root, size=...)) instead"
+            )
+
+    def apply(self, setup, config: DaliConfig) -> str:
+        device = setup.device
+
+        def make_batches(source, batch_size: int, seed: int):
+            return dali_batches(source.images, config, batch_size, seed, device)
+
+        setup.make_batches = make_batches
+        decode = _decode_device(config, device)
+        where = "GPU operators, batches stay on the GPU" if device.type == "cuda" else "CPU operators"
+        shard = f", shard {config.shard_id + 1} of {config.num_shards}" if config.num_shards > 1 else ""
+        return (
+            f"DALI pipeline: decode={decode}, {where}, {config.threads} threads, "
+            f"prefetch {config.prefetch_queue_depth} batches{shard}"
+        )
+
+
+TECHNIQUE = Dali()
