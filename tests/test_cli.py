@@ -1,5 +1,6 @@
 """The workbench command, used as a person would: list, env, ablate, show."""
 
+import re
 import subprocess
 import sys
 
@@ -71,3 +72,28 @@ def test_technique_flag_parsing():
         "dataloader",
         {"num_workers": 2, "pin_memory": False, "prefetch_factor": None},
     )
+    assert parse_technique_flag("dataloader:num_workers=0|2") == ("dataloader", {"num_workers": [0, 2]})
+
+
+def test_loader_only_sweep_dry_run():
+    done = run(
+        "ablate",
+        "--model",
+        "mlp",
+        "--data",
+        "jpeg",
+        "-t",
+        "dataloader:num_workers=0|1",
+        "--loader-arms",
+        "only",
+        "--no-control",
+        "--dry-run",
+    )
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()[1:]
+    names = [re.match(r"\s*(.*)\s+(baseline|treatment)\s", row).group(1).strip() for row in rows]
+    assert names == [
+        "loader: baseline",
+        "loader: dataloader[num_workers=0]",
+        "loader: dataloader[num_workers=1]",
+    ]

@@ -160,13 +160,49 @@ def test_loss_drift_is_called_out():
     arms = [
         {"name": "baseline", "role": "baseline", "techniques": "none", "unavailable": None},
         {"name": "amp", "role": "treatment", "techniques": "amp", "unavailable": None},
+        {
+            "name": "dali",
+            "role": "treatment",
+            "techniques": "dali",
+            "unavailable": None,
+            "input_pipeline": True,
+        },
+        {
+            "name": "loader: baseline",
+            "kind": "loader",
+            "role": "baseline",
+            "techniques": "none",
+            "unavailable": None,
+        },
+        {
+            "name": "loader: dali",
+            "kind": "loader",
+            "role": "treatment",
+            "techniques": "dali",
+            "unavailable": None,
+        },
     ]
-    rows = summarize(
-        arms, [unit("baseline", [1.0] * 5), unit("amp", [1.5] * 5)], planned_repeats=1, complete=True
-    )
+    units = [
+        unit("baseline", [1.0] * 5),
+        unit("amp", [1.5] * 5),
+        unit("dali", [0.8] * 5),
+        unit("loader: baseline", [0.0] * 5),
+        unit("loader: dali", [0.0] * 5),
+    ]
+    rows = summarize(arms, units, planned_repeats=1, complete=True)
     assert rows[1]["loss_vs_baseline"] == 1.5
     assert "convergence: final loss 50% above the baseline's" in rows[1]["notes"]
+    assert "the technique changed the numerics" in rows[1]["notes"]
     assert "convergence" not in rows[0]["notes"]
+    # A different input pipeline sees differently augmented samples: said so, not "changed the numerics".
+    assert "20% below" in rows[2]["notes"] and "draws its own random augmentations" in rows[2]["notes"]
+    # Loader-only arms train a no-op model: no loss to compare, and their own baseline.
+    assert (
+        rows[4]["kind"] == "loader"
+        and math.isnan(rows[4]["final_loss"])
+        and "convergence" not in rows[4]["notes"]
+    )
+    assert rows[3]["speedup"] == 1.0 and rows[4]["speedup"] == 1.0  # equal throughput, own baseline
 
 
 def test_summary_and_repr_mention_what_did_not_run(small_results):

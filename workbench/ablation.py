@@ -68,6 +68,8 @@ class Arm:
             "role": self.role,
             "techniques": described,
             "technique_names": [t.name for t, _ in self.techniques],
+            # Only the input pipeline differs from the baseline (dataloader, dali).
+            "input_pipeline": bool(self.techniques) and all(t.input_pipeline for t, _ in self.techniques),
             "unavailable": self.unavailable,
         }
 

@@ -32,7 +32,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+LOADER_ARMS = {"auto": None, "on": True, "off": False, "only": "only"}
+
+
 def _value(text: str) -> Any:
+    if "|" in text:  # num_workers=0|1|2: a sweep, one arm per value
+        return [_value(part) for part in text.split("|")]
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -47,7 +52,10 @@ def _value(text: str) -> Any:
 
 
 def parse_technique_flag(flag: str) -> tuple[str, Any]:
-    """``amp`` -> ("amp", True); ``amp:dtype=float16`` -> ("amp", {"dtype": "float16"}); ``amp:off`` -> False."""
+    """``amp`` -> ("amp", True); ``amp:dtype=float16`` -> ("amp", {"dtype": "float16"}); ``amp:off`` -> False.
+
+    ``dataloader:num_workers=0|2`` sweeps a setting: {"num_workers": [0, 2]}.
+    """
     name, _, options = flag.partition(":")
     if not options:
         return name, True
@@ -104,13 +112,17 @@ def _parser() -> argparse.ArgumentParser:
     ablate = commands.add_parser("ablate", help="run an ablation (flags mirror workbench.ablate)")
     ablate.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
     ablate.add_argument("--model", help="mlp | resnet-mini | gpt-mini")
-    ablate.add_argument("--data", help="digits | textures | text | synthetic (default: the model's own)")
+    ablate.add_argument(
+        "--data",
+        help="digits | textures | text | jpeg | synthetic | jpeg-folder:PATH (default: the model's own)",
+    )
     ablate.add_argument(
         "-t",
         "--technique",
         action="append",
         metavar="NAME[:key=value,...]",
-        help="a technique to ablate; repeatable (e.g. -t amp:dtype=bfloat16 -t compile)",
+        help="a technique to ablate; repeatable (e.g. -t amp:dtype=bfloat16 -t compile); "
+        "key=a|b sweeps a setting (-t dataloader:num_workers=0|2)",
     )
     ablate.add_argument(
         "--techniques",
@@ -131,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
     ablate.add_argument("--out", help="results folder (default: a new one under ./workbench-results)")
     ablate.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
     ablate.add_argument("--no-control", action="store_true", help="skip the A/A rerun of the baseline")
+    ablate.add_argument(
+        "--loader-arms",
+        choices=LOADER_ARMS,
+        default="auto",
+        help="loader-only arms (a no-op model): auto = when dataloader or dali is ablated on a dataset",
+    )
     ablate.add_argument("--no-progress", action="store_true", help="no progress bar")
     ablate.add_argument("--dry-run", action="store_true", help="print the plan and stop")
 
@@ -163,8 +181,19 @@ def _run_ablate(args: argparse.Namespace) -> int:
             settings[key] = value
     settings["techniques"] = _techniques(args, preset)
     settings["control"] = not args.no_control
+    settings["loader_arms"] = LOADER_ARMS[args.loader_arms]
     if args.dry_run:
-        keys = ("model", "data", "techniques", "mode", "repeats", "batch_size", "device", "control")
+        keys = (
+            "model",
+            "data",
+            "techniques",
+            "mode",
+            "repeats",
+            "batch_size",
+            "device",
+            "control",
+            "loader_arms",
+        )
         print(wb.plan(**{k: v for k, v in settings.items() if k in keys}).to_string(index=False))
         return 0
     from workbench.ablation import describe_plan

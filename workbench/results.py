@@ -147,9 +147,17 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
                 )
             drift = row["loss_vs_baseline"] - 1.0
             if arm["name"] != baseline and abs(drift) > LOSS_DRIFT:  # NaN (loader arms) never is
+                why = (
+                    # A different pipeline draws its own random augmentations (crops, flips): the arms
+                    # trained on different samples of the same distribution, not on different maths.
+                    "this input pipeline draws its own random augmentations, so the arms saw different "
+                    "samples; compare over more steps"
+                    if arm.get("input_pipeline")
+                    else "the technique changed the numerics"
+                )
                 notes.append(
                     f"convergence: final loss {abs(drift):.0%} {'above' if drift > 0 else 'below'} the baseline's "
-                    "after the same steps; the technique changed the numerics"
+                    f"after the same steps; {why}"
                 )
             if arm["role"] == "control" and not row["speedup_low"] <= 1.0 <= row["speedup_high"]:
                 notes.append(

@@ -207,7 +207,7 @@ class Dali(Technique):
         where = "GPU operators, batches stay on the GPU" if device.type == "cuda" else "CPU operators"
         shard = f", shard {config.shard_id + 1} of {config.num_shards}" if config.num_shards > 1 else ""
         return (
-            f"DALI pipeline: decode={decode}, {where}, {config.threads} threads, "
+            f"DALI pipeline: decode={decode}, {where}, {config.threads} thread{'s' * (config.threads != 1)}, "
             f"prefetch {config.prefetch_queue_depth} batches{shard}"
         )
 
