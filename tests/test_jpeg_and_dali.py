@@ -381,6 +381,20 @@ def test_loader_arms_are_planned_for_input_pipeline_techniques(folder):
     )
 
 
+def test_a_conflicting_grid_cell_stays_unavailable_in_its_loader_twin(folder):
+    plan = wb.plan(
+        model="mlp",
+        data=f"jpeg-folder:{folder}",
+        techniques={"dataloader": True, "dali": True},
+        mode="grid",
+        device="cpu",
+        control=False,
+    ).set_index("name")
+    for name in ("dataloader+dali", "loader: dataloader+dali"):
+        assert plan.loc[name, "unavailable"].startswith("dataloader and dali cannot be combined")
+        assert plan.loc[name, "runs"] == 0
+
+
 def test_ablate_gives_loader_and_training_rows_for_both_pipelines(folder):
     techniques = {"dataloader": {"num_workers": 1}}
     if HAS_DALI:

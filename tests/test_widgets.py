@@ -1,6 +1,7 @@
 """The notebook panel, driven from Python the way a click would drive it."""
 
 import html
+import importlib.util
 import sys
 import time
 import types
@@ -39,6 +40,17 @@ def test_availability_follows_the_chosen_model():
     panel.model.value = "gpt-mini"
     assert panel.rows["channels_last"].toggle.disabled
     assert "no Conv2d layers" in panel.rows["channels_last"].note.value
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="DALI is not installed")
+def test_availability_follows_the_chosen_data():
+    panel = wb.panel(model="resnet-mini")  # its own data, textures, is not JPEG files
+    assert panel.rows["dali"].toggle.disabled
+    assert "needs JPEG files" in panel.rows["dali"].note.value
+    panel.data.value = "jpeg"
+    assert not panel.rows["dali"].toggle.disabled
+    folder = wb.panel(model="mlp", data="jpeg-folder:/some/where")  # a custom folder, not yet scanned
+    assert folder.data.value == "custom" and not folder.rows["dali"].toggle.disabled
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def plan_arms(mode: str, techniques: list[tuple[Technique, Any]], control: bool)
 def loader_twins(arms: list[Arm]) -> list[Arm]:
     """Loader-only copies of the baseline and of every arm made only of input-pipeline techniques."""
     return [
-        Arm(f"loader: {arm.name}", arm.role, arm.techniques, kind="loader")
+        Arm(f"loader: {arm.name}", arm.role, arm.techniques, arm.unavailable, kind="loader")
         for arm in arms
         if arm.role in ("baseline", "treatment") and all(t.input_pipeline for t, _ in arm.techniques)
     ]

@@ -75,7 +75,7 @@ def _needs_jpeg_files(ctx: Context) -> str | None:
     if ctx.data_label and ctx.image_size is None:  # no data_label: no data named, nothing to check
         return (
             "needs JPEG files to decode (data='jpeg', 'jpeg-folder:PATH' or wb.JpegFolder(...)); "
-            f"this data is {ctx.data_label or 'not a JPEG folder'}"
+            f"this data is {ctx.data_label}"
         )
     return None
 
