@@ -7,6 +7,7 @@ config   what the tests pass as the technique's settings (small, fast values)
 models   the built-in models it applies to (the trains-a-few-steps test runs each)
 slow     True when one run costs more than a few seconds (compilation)
 data     the built-in dataset to train on, when the model's own will not do (default: its own)
+world_size  ranks, for techniques that need several (the run then uses fresh rank processes)
 """
 
 ALL_MODELS = ("mlp", "resnet-mini", "gpt-mini")
@@ -19,5 +20,6 @@ TECHNIQUE_SETTINGS = {
     "channels_last": {"config": True, "models": ("resnet-mini",)},
     "amp": {"config": {"dtype": "bfloat16"}, "models": ALL_MODELS},
     "grad_accum": {"config": {"steps": 2}, "models": ALL_MODELS},
+    "ddp_compression": {"config": {"hook": "fp16"}, "models": ("mlp", "resnet-mini"), "world_size": 2},
     "compile": {"config": True, "models": ALL_MODELS, "slow": True},
 }

@@ -6,13 +6,14 @@ import math
 
 import pytest
 import torch
-from helpers import train
+from helpers import train, unit_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from technique_settings import TECHNIQUE_SETTINGS
 
 from workbench.data import resolve_data
 from workbench.models import inspect_model
+from workbench.process import run_in_fresh_process
 from workbench.techniques import Context, all_techniques, get_technique, list_techniques, parse_techniques
 
 NAMES = [t.name for t in all_techniques()]
@@ -41,7 +42,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("name,model", list(_cases()))
-def test_technique_trains(name, model):
+def test_technique_trains(name, model, tmp_path):
     """Every technique trains a few steps on every built-in model it applies to."""
     technique = get_technique(name)
     row = TECHNIQUE_SETTINGS[name]
@@ -54,11 +55,19 @@ def test_technique_trains(name, model):
         model_name=label,
         data_label=source.label,
         image_size=source.images.size if source.images is not None else None,
+        world_size=row.get("world_size", 1),
     )
     reason = technique.unavailable_reason(ctx, config)
     if reason:
         pytest.skip(f"{name} is unavailable here: {reason}")
-    result = train(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
+    if row.get("world_size", 1) > 1:
+        spec = unit_spec(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
+        result = run_in_fresh_process(
+            spec, log_path=tmp_path / "unit.log", timeout_s=300, world_size=row["world_size"]
+        )
+        assert result["type"] == "result", result
+    else:
+        result = train(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
     assert len(result["losses"]) == 4
     assert all(math.isfinite(loss) for loss in result["losses"])
     assert result["samples_per_s"] > 0

@@ -43,6 +43,7 @@ from typing import Any
 from workbench.config import RunConfig
 from workbench.data import DataSource, resolve_data
 from workbench.devices import resolve_device
+from workbench.distributed import Torchrun
 from workbench.environment import environment
 from workbench.models import inspect_model, model_label
 from workbench.process import Interrupted, run_in_fresh_process
@@ -155,6 +156,11 @@ def prepare(
 ) -> Prepared:
     # Cheap checks first: building a dataset or a model takes time bad input should not cost.
     device = resolve_device(run.device)
+    if device.type == "cuda" and run.world_size > torch_cuda_count():
+        raise ValueError(
+            f"ablate: world_size={run.world_size} needs one GPU per rank on this machine; "
+            f"it has {torch_cuda_count()} (use torchrun across machines, see the README)"
+        )
     chosen = parse_techniques(techniques)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
@@ -168,6 +174,7 @@ def prepare(
         batch_size=run.batch_size,
         data_label=source.label,
         image_size=source.images.size if source.images is not None else None,
+        world_size=run.world_size,
     )
     runnable, unavailable = [], []
     for technique, config in chosen:
@@ -201,6 +208,12 @@ def prepare(
         "device": str(device),
     }
     return Prepared(run, model, source, loss_fn, arms, config)
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _slug(text: str) -> str:
@@ -298,6 +311,8 @@ def ablate(
     *,
     control: bool = True,
     loader_arms: bool | str | None = None,
+    world_size: int = 1,
+    link: Any = None,
     optimizer: str = "adamw",
     lr: float = 1e-3,
     timeout_s: float = 1800.0,
@@ -325,13 +340,31 @@ def ablate(
     control     also rerun the baseline (an A/A check of the machine's noise)
     loader_arms time the input pipeline alone too (kind ``loader`` rows, a no-op model);
                 None: when dataloader or dali is ablated on a Dataset; ``"only"``: nothing else
+    world_size  ranks per arm: > 1 runs every arm as a DDP job on this machine (gloo on CPU,
+                NCCL on CUDA), each rank on its own shard with ``batch_size`` samples per step;
+                throughput is the job's (all ranks), and communication is measured
+    link        a simulated network between the ranks, ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``:
+                each gradient bucket is delayed by latency + bytes / bandwidth (a simulation)
     timeout_s   limit for one (arm, repeat); past it the arm is recorded as failed
     on_event    called with a dict per event, for live UIs: ``plan``, then per run ``start``,
                 ``phase``, ``progress`` (throttled: step, loss, samples/s), ``unit`` (the finished
                 run, with its measurements in ``result``), ``telemetry`` (one sampler reading,
                 1 Hz), and finally ``done`` or ``stopped``
     stop        a threading.Event; setting it ends the run like Ctrl-C, returning partial results
+
+    Under ``torchrun`` (``torchrun --nnodes ... -m workbench ablate ...``) every process runs
+    this; each arm then spans all of torchrun's ranks (``world_size`` is theirs), and rank 0
+    alone keeps the results and shows progress.
     """
+    launcher = Torchrun.detect()
+    if launcher is not None:
+        if world_size not in (1, launcher.rank.world_size):
+            raise ValueError(
+                f"ablate: under torchrun the world size is torchrun's ({launcher.rank.world_size}); got world_size={world_size}"
+            )
+        world_size = launcher.rank.world_size
+        if launcher.rank.rank != 0:  # only rank 0 reports
+            out, progress, on_event = False, False, None
     run = RunConfig(
         steps=steps,
         warmup=warmup,
@@ -344,6 +377,8 @@ def ablate(
         lr=lr,
         control=control,
         loader_arms=loader_arms,
+        world_size=world_size,
+        link=link,
         timeout_s=timeout_s,
     )
     prepared = prepare(model, data, loss_fn, techniques, run)
@@ -355,6 +390,10 @@ def ablate(
         out = _default_out(prepared.config["model"])
     try:
         folder, finished = _open_out(out, prepared, overwrite)
+        if launcher is not None:
+            launcher.start(timeout_s)
+            if launcher.resuming(len(finished)):
+                raise ValueError("ablate: resuming under torchrun is not supported; pass a new out folder")
         results = _run(
             prepared,
             folder,
@@ -363,10 +402,13 @@ def ablate(
             on_event or (lambda event: None),
             stop,
             kept=temporary is None,
+            launcher=launcher,
         )
     finally:
         if temporary is not None:
             temporary.cleanup()
+        if launcher is not None:
+            launcher.close()
     if temporary is not None:
         results.path = None
     return results
@@ -383,6 +425,8 @@ def plan(
     device: str = "auto",
     control: bool = True,
     loader_arms: bool | str | None = None,
+    world_size: int = 1,
+    link: Any = None,
 ):
     """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them."""
     import pandas as pd
@@ -394,6 +438,8 @@ def plan(
         mode=mode,
         control=control,
         loader_arms=loader_arms,
+        world_size=world_size,
+        link=link,
     )
     prepared = prepare(model, data, loss_fn, techniques, run)
     rows = [{**arm.record(), "runs": 0 if arm.unavailable else repeats} for arm in prepared.arms]
@@ -425,6 +471,7 @@ def _run(
     on_event: Callable[[dict], None],
     stop: threading.Event | None,
     kept: bool = True,
+    launcher: Torchrun | None = None,
 ) -> Results:
     run = prepared.run
     env = environment()
@@ -477,9 +524,20 @@ def _run(
                         result=None,
                     )
                 else:
-                    unit.update(_run_unit(prepared, arm, repeat, folder, compile_cache, bar, on_event, stop))
-                    if unit["status"] in ("failed", "oom"):
-                        failed_arms[arm.name] = unit["reason"]
+                    only_rank = None
+                    if launcher is not None:  # this process starts only its own rank's worker
+                        rank = launcher.rank
+                        only_rank = (rank.rank, rank.local_rank, launcher.master_addr, launcher.unit_port())
+                    unit.update(
+                        _run_unit(
+                            prepared, arm, repeat, folder, compile_cache, bar, on_event, stop, only_rank
+                        )
+                    )
+                    failed = unit["status"] in ("failed", "oom")
+                    if launcher is not None:  # every node follows rank 0's verdict, to stay in step
+                        failed = not launcher.agree(not failed)
+                    if failed:
+                        failed_arms[arm.name] = unit["reason"] or "failed on rank 0"
                 unit["finished_at"] = time.time()
                 write_json_atomic(folder / "units" / f"{_slug(arm.name)}-r{repeat}.json", unit)
                 units.append(unit)
@@ -517,6 +575,7 @@ def _run_unit(
     bar: _Progress,
     on_event: Callable[[dict], None],
     stop: threading.Event | None,
+    only_rank: tuple[int, int, str, int] | None = None,
 ) -> dict:
     run = prepared.run
     spec = UnitSpec(
@@ -533,6 +592,8 @@ def _run_unit(
         lr=run.lr,
         labels={"arm": arm.name, "repeat": repeat},
         loader_only=arm.kind == "loader",
+        link=run.link,
+        comm_timeout_s=min(120.0, run.timeout_s),
     )
     label = f"{arm.name} (repeat {repeat + 1}/{run.repeats})"
     bar.show(f"{label}: starting")
@@ -553,6 +614,8 @@ def _run_unit(
         env={"TORCHINDUCTOR_CACHE_DIR": str(Path(compile_cache) / _slug(arm.name))},
         on_message=relay,
         should_stop=(lambda: stop.is_set()) if stop is not None else (lambda: False),
+        world_size=run.world_size,
+        only_rank=only_rank,
     )
     if answer["type"] == "result":
         result = {k: v for k, v in answer.items() if k != "type"}

@@ -144,6 +144,15 @@ def _parser() -> argparse.ArgumentParser:
     ablate.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
     ablate.add_argument("--no-control", action="store_true", help="skip the A/A rerun of the baseline")
     ablate.add_argument(
+        "--world-size",
+        type=int,
+        help="ranks per arm: every arm runs as a DDP job (under torchrun: torchrun's world size)",
+    )
+    ablate.add_argument(
+        "--link-gbps", type=float, help="simulate a link of this bandwidth between the ranks (Gbit/s)"
+    )
+    ablate.add_argument("--link-latency-ms", type=float, default=0.0, help="the simulated link's latency")
+    ablate.add_argument(
         "--loader-arms",
         choices=LOADER_ARMS,
         default="auto",
@@ -182,6 +191,10 @@ def _run_ablate(args: argparse.Namespace) -> int:
     settings["techniques"] = _techniques(args, preset)
     settings["control"] = not args.no_control
     settings["loader_arms"] = LOADER_ARMS[args.loader_arms]
+    if args.world_size is not None:
+        settings["world_size"] = args.world_size
+    if args.link_gbps is not None:
+        settings["link"] = {"bandwidth_gbps": args.link_gbps, "latency_ms": args.link_latency_ms}
     if args.dry_run:
         keys = (
             "model",
@@ -193,6 +206,8 @@ def _run_ablate(args: argparse.Namespace) -> int:
             "device",
             "control",
             "loader_arms",
+            "world_size",
+            "link",
         )
         print(wb.plan(**{k: v for k, v in settings.items() if k in keys}).to_string(index=False))
         return 0
@@ -205,6 +220,8 @@ def _run_ablate(args: argparse.Namespace) -> int:
     results = wb.ablate(
         **settings, out=args.out, progress=not args.no_progress, overwrite=args.overwrite, on_event=print_plan
     )
+    if results.path is None:  # under torchrun, ranks other than 0 keep nothing: rank 0 reports
+        return 0
     results.save(results.path)
     figure = results.plot()
     figure.savefig(results.path / "plot.png", dpi=110)

@@ -84,6 +84,8 @@ class RunConfig:
     lr: float = 1e-3
     control: bool = True  # also run the baseline a second time: the A/A noise check
     loader_arms: bool | str | None = None  # loader-only twins of input-pipeline arms; None: automatic
+    world_size: int = 1  # ranks per arm: > 1 runs every arm as a DDP job (gloo on CPU, NCCL on CUDA)
+    link: object = None  # a workbench.distributed.Link: a simulated network between the ranks
     timeout_s: float = 1800.0  # one repeat of one arm; past it the arm is recorded as failed
 
     def __post_init__(self) -> None:
@@ -110,3 +112,9 @@ class RunConfig:
                 f"ablate: loader_arms must be None (automatic), True, False or 'only'; got {self.loader_arms!r}"
             )
         check_number("ablate", "timeout_s", self.timeout_s, above=0.0)
+        check_int("ablate", "world_size", self.world_size, 1)
+        from workbench.distributed import as_link
+
+        object.__setattr__(self, "link", as_link(self.link))
+        if self.link is not None and self.world_size < 2:
+            raise ValueError("ablate: link simulates the network between ranks, so it needs world_size >= 2")

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from workbench.config import unknown_name_error
 from workbench.jpeg_folder import ImageFiles, JpegDataset, JpegFolder
@@ -287,13 +287,39 @@ def resolve_data(data: object, model: object, seed: int) -> DataSource:
 
 
 def endless_batches(
-    source: DataSource, batch_size: int, seed: int, loader_options: dict[str, Any]
+    source: DataSource,
+    batch_size: int,
+    seed: int,
+    loader_options: dict[str, Any],
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Iterator[tuple[Any, Any]]:
-    """Batches forever: a new epoch starts when the data runs out."""
+    """Batches forever: a new epoch starts when the data runs out.
+
+    With several ranks, each reads its own shard: a DistributedSampler splits a Dataset
+    (reshuffled every epoch, the same way on every rank), and ready-made batches are dealt
+    out in turn (batch i goes to rank i mod world_size).
+    """
     data = source.open_dataset(seed)
     if isinstance(data, Dataset):
-        if hasattr(data, "__len__") and len(data) < batch_size:
-            raise ValueError(f"the dataset has {len(data)} samples, fewer than batch_size={batch_size}")
+        if hasattr(data, "__len__") and len(data) < batch_size * world_size:
+            raise ValueError(
+                f"the dataset has {len(data)} samples, fewer than batch_size={batch_size}"
+                + (f" x {world_size} ranks" if world_size > 1 else "")
+            )
+        if world_size > 1:
+            sampler = DistributedSampler(
+                data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+            )
+            loader = DataLoader(
+                data,
+                batch_size=batch_size,
+                sampler=sampler,
+                drop_last=True,
+                worker_init_fn=_seed_worker,
+                **loader_options,
+            )
+            return _cycle(_epochs(loader, sampler), replayable=False)
         loader = DataLoader(
             data,
             batch_size=batch_size,
@@ -304,7 +330,24 @@ def endless_batches(
             **loader_options,
         )
         return _cycle(loader, replayable=True)
-    return _cycle(data, replayable=iter(data) is not data)
+    batches = _cycle(data, replayable=iter(data) is not data)
+    if world_size > 1:
+        return (batch for index, batch in enumerate(batches) if index % world_size == rank)
+    return batches
+
+
+def _epochs(loader: DataLoader, sampler: DistributedSampler) -> Iterator:
+    """The loader's batches, epoch after epoch, telling the sampler which epoch it is."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        served = 0
+        for batch in loader:
+            served += 1
+            yield batch
+        if served == 0:
+            raise ValueError("the dataset yielded no batches for this rank")
+        epoch += 1
 
 
 def _cycle(iterable: Iterable, replayable: bool) -> Iterator[tuple[Any, Any]]:

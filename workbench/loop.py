@@ -45,6 +45,10 @@ class TrainSetup:
     input_transforms: list[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
     # An input pipeline that replaces the DataLoader (dali): (source, batch_size, seed) -> batches.
     make_batches: Callable[[Any, int, int], Iterator] | None = None
+    # Data-parallel arms: this process's rank, and how DDP communicates (ddp_compression edits it).
+    rank: int = 0
+    world_size: int = 1
+    comm: Any = None  # a workbench.distributed.CommSettings when world_size > 1
     # Process-wide flags a technique flips (e.g. TF32) are entered here and restored on exit.
     settings: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -93,6 +97,8 @@ class Trainer:
         )
         # Pinned host memory is what lets a host-to-device copy run asynchronously.
         self.non_blocking = bool(setup.loader_options.get("pin_memory")) and setup.device.type == "cuda"
+        no_sync = setup.comm is not None and setup.comm.no_sync and hasattr(self.model, "no_sync")
+        self.keep_gradients_local = self.model.no_sync if no_sync else contextlib.nullcontext
         self.samples_seen = 0
         self.model.train()
 
@@ -111,14 +117,18 @@ class Trainer:
         inputs, targets = self.next_batch()
         clock.lap("data")
         step_loss = None
-        for micro_inputs, micro_targets, share in split_batch(inputs, targets, self.setup.micro_batches):
-            with self.autocast():
-                loss = self.setup.loss_fn(self.model(micro_inputs), micro_targets)
-            if share != 1.0:
-                loss = loss * share  # grad_accum: weight each micro-batch by its share of the batch
-            clock.lap("forward")
-            self.scaler.scale(loss).backward()  # gradients add up across micro-batches
-            clock.lap("backward")
+        micro_batches = split_batch(inputs, targets, self.setup.micro_batches)
+        for index, (micro_inputs, micro_targets, share) in enumerate(micro_batches):
+            last = index == self.setup.micro_batches - 1
+            # DDP with no_sync keeps the gradients of all but the last micro-batch local.
+            with contextlib.nullcontext() if last else self.keep_gradients_local():
+                with self.autocast():
+                    loss = self.setup.loss_fn(self.model(micro_inputs), micro_targets)
+                if share != 1.0:
+                    loss = loss * share  # grad_accum: weight each micro-batch by its share of the batch
+                clock.lap("forward")
+                self.scaler.scale(loss).backward()  # gradients add up across micro-batches
+                clock.lap("backward")
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         self.scaler.step(self.optimizer)  # unscales first; skips the step if gradients overflowed
         self.scaler.update()

@@ -1,7 +1,9 @@
 """Run one UnitSpec in a fresh process (see workbench.worker) and collect its answer.
 
 The child runs in its own session (process group), so that a timeout, a Stop or Ctrl-C
-can end it together with its DataLoader workers, leaving no orphans. Its messages are
+can end it together with its DataLoader workers, leaving no orphans. A data-parallel unit
+runs as several rank processes in that same group: a rank that raises or dies ends the
+unit within a few seconds, with a reason that names the rank. Its messages are
 JSON lines; its log (stderr and prints) goes to a file whose tail explains a crash.
 """
 
@@ -20,6 +22,8 @@ from pathlib import Path
 
 KILL_GRACE_S = 3.0
 POLL_S = 0.5
+DEAD_RANK_GRACE_S = 5.0  # after a rank dies, how long the others get to report what they saw
+RANK0_REPORT_S = 30.0  # after a rank exits cleanly, how long rank 0 may take to send the result
 
 
 class Interrupted(Exception):
@@ -70,47 +74,113 @@ def run_in_fresh_process(
     env: dict[str, str] | None = None,
     on_message: Callable[[dict], None] = lambda message: None,
     should_stop: Callable[[], bool] = lambda: False,
+    world_size: int = 1,
+    only_rank: tuple[int, int, str, int] | None = None,
 ) -> dict:
     """Run ``spec`` in ``python -m workbench.worker``; return its result or error message (a dict).
 
-    The returned dict has ``type`` ``"result"`` (the measurements) or ``"error"`` (with
-    ``status`` ``failed`` or ``oom`` and a one-line ``reason``). Raises Interrupted when
-    ``should_stop()`` turns true or on KeyboardInterrupt, after ending the child.
+    With ``world_size`` N > 1 it starts N rank processes that form one process group on a free
+    port of 127.0.0.1; rank 0's messages and result are the unit's. The returned dict has
+    ``type`` ``"result"`` (the measurements) or ``"error"`` (with ``status`` ``failed`` or
+    ``oom`` and a one-line ``reason``). Raises Interrupted when ``should_stop()`` turns true
+    or on KeyboardInterrupt, after ending every rank.
+
+    ``only_rank=(rank, local_rank, master_addr, master_port)`` starts just that rank, which
+    meets the others (started by other parents, under torchrun) at the given address.
     """
     payload = _serialize(spec)
+
+    def run() -> dict:
+        return _run_ranks(payload, log_path, timeout_s, env, on_message, should_stop, world_size, only_rank)
+
+    answer = run()
+    if (
+        world_size > 1
+        and only_rank is None
+        and answer["type"] == "error"
+        and "address already in use" in answer["reason"].lower()
+    ):
+        # Another program took the port between our probe and rank 0's bind: probe again, once.
+        answer = run()
+    return answer
+
+
+def rank_log(log_path: Path, rank: int) -> Path:
+    return log_path if rank == 0 else log_path.with_name(f"{log_path.stem}.rank{rank}{log_path.suffix}")
+
+
+def _start_ranks(payload: bytes, log_path: Path, env: dict[str, str] | None, world_size: int, only_rank=None):
+    from workbench.distributed import free_port
+
     header = json.dumps({"sys_path": sys.path}).encode() + b"\n"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "workbench.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            start_new_session=True,
-        )
-    messages: queue.Queue = queue.Queue()
-
-    def read_messages() -> None:
-        for line in process.stdout:
-            try:
-                messages.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # not ours: the message channel only carries JSON lines
-        messages.put(None)
-
-    reader = threading.Thread(target=read_messages, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + timeout_s
-    answer: dict | None = None
-    stopped = False  # True when we end the child ourselves: timeout, Stop or Ctrl-C
-    try:
+    # Under torchrun the parent's environment says to use torchrun's own store; a unit's ranks
+    # form a fresh group of their own, so they must not inherit that.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    common = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+    ranks = [(rank, rank) for rank in range(world_size)]  # (global rank, local rank)
+    if world_size > 1:
+        address, port = "127.0.0.1", free_port()
+        if only_rank is not None:
+            rank, local_rank, address, port = only_rank
+            ranks = [(rank, local_rank)]
+        common.update(MASTER_ADDR=address, MASTER_PORT=str(port), WORLD_SIZE=str(world_size))
+        if only_rank is None:
+            common["LOCAL_WORLD_SIZE"] = str(world_size)
+    processes: list[subprocess.Popen] = []
+    for rank, local_rank in ranks:
+        rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank)} if world_size > 1 else common
+        # Each rank leads its own session (a process group cannot span sessions), so that one
+        # killpg per rank ends it together with its DataLoader workers.
+        with open(rank_log(log_path, rank), "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "workbench.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=rank_env,
+                start_new_session=True,
+            )
+        processes.append(process)
         try:
             process.stdin.write(header + payload)
             process.stdin.close()
         except BrokenPipeError:
             pass  # the child died while starting; its exit code and log say why
-        while True:
+    return processes
+
+
+def _run_ranks(
+    payload, log_path, timeout_s, env, on_message, should_stop, world_size, only_rank=None
+) -> dict:
+    processes = _start_ranks(payload, log_path, env, world_size, only_rank)
+    # Watch rank-by-rank only when this parent started them all; under torchrun it has one.
+    world_size = len(processes)
+    messages: queue.Queue = queue.Queue()
+
+    def read_messages(rank: int, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            try:
+                messages.put((rank, json.loads(line)))
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError: a library wrote to stdout
+                continue  # not ours: the message channel only carries JSON lines
+        messages.put((rank, None))
+
+    readers = [
+        threading.Thread(target=read_messages, args=(rank, process), daemon=True)
+        for rank, process in enumerate(processes)
+    ]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout_s
+    answer: dict | None = None
+    rank_errors: dict[int, dict] = {}
+    dead_since: float | None = None  # when a rank was first seen dead without rank 0 finishing
+    finished_since: float | None = None  # when a rank was first seen to exit cleanly
+    open_channels = len(processes)
+    stopped = False  # True when we end the children ourselves: timeout, Stop, Ctrl-C, a dead rank
+    try:
+        while open_channels:
             if should_stop():
                 stopped = True
                 raise Interrupted
@@ -122,17 +192,43 @@ def run_in_fresh_process(
                     "reason": f"timed out after {timeout_s:.0f} s (timeout_s); the arm's process was ended",
                 }
                 break
+            if world_size > 1 and answer is None:
+                codes = [p.poll() for p in processes]
+                dead = [r for r, code in enumerate(codes) if code not in (None, 0)]
+                if dead and dead_since is None:
+                    dead_since = time.monotonic()
+                # Give the surviving ranks a moment to report the error they saw, then end them.
+                if dead_since is not None and time.monotonic() - dead_since > DEAD_RANK_GRACE_S:
+                    stopped = True
+                    break
+                # Ranks finish together (the last step ends in an all-reduce); one that finished
+                # long before rank 0 reported means rank 0 is stuck.
+                finished = [r for r, code in enumerate(codes) if code == 0]
+                if finished and finished_since is None:
+                    finished_since = time.monotonic()
+                if finished_since is not None and time.monotonic() - finished_since > RANK0_REPORT_S:
+                    stopped = True
+                    answer = {
+                        "type": "error",
+                        "status": "failed",
+                        "reason": f"rank {finished[0]} finished, but rank 0 did not report within "
+                        f"{RANK0_REPORT_S:.0f} s; the ranks were ended",
+                    }
+                    break
             try:
                 # Waiting blocks; the timeout only bounds how late a Stop or a timeout is noticed,
                 # and waking rarely keeps this process off the cores the arm is measured on.
-                message = messages.get(timeout=POLL_S)
+                rank, message = messages.get(timeout=POLL_S)
             except queue.Empty:
                 continue
             if message is None:
-                break
-            if message.get("type") in ("result", "error"):
+                open_channels -= 1
+                continue
+            if message.get("type") == "error":
+                rank_errors.setdefault(rank, message)
+            elif rank == 0 and message.get("type") == "result":
                 answer = message
-            else:
+            elif rank == 0:
                 on_message(message)
     except KeyboardInterrupt:
         stopped = True
@@ -140,22 +236,59 @@ def run_in_fresh_process(
     finally:
         if not stopped:
             try:
-                process.wait(timeout=30)
+                for process in processes:
+                    process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 stopped = True
         if stopped:
-            _end_process_group(process)
-        _signal_group(process, signal.SIGKILL)  # no DataLoader worker outlives its arm
-        reader.join(timeout=5)
+            for process in processes:
+                _signal_group(process, signal.SIGTERM)
+            for process in processes:
+                _end_process_group(process)
+        for process in processes:
+            _signal_group(process, signal.SIGKILL)  # no rank or DataLoader worker outlives its arm
+        for process in processes:
+            try:
+                process.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        for reader in readers:
+            reader.join(timeout=5)
     if answer is not None:
         return answer
-    code = process.returncode
+    return _failure(processes, rank_errors, log_path)
+
+
+def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict], log_path: Path) -> dict:
+    """Why a unit ended without a result, naming the rank that failed first."""
+    single = len(processes) == 1
+    # A rank that died on its own (a crash, a kill) is the cause; the others' errors are its echo.
+    dead = [r for r, p in enumerate(processes) if p.returncode not in (0, None) and r not in rank_errors]
+    who = "the arm's process" if single else None
+    if dead and not single:
+        rank = dead[0]
+        code = processes[rank].returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if code == -signal.SIGKILL:
+            how += " (SIGKILL: the out-of-memory killer, or someone's kill -9)"
+        return {
+            "type": "error",
+            "status": "failed",
+            "reason": f"rank {rank} of {len(processes)} {how} without a result; the other ranks were ended",
+            "traceback": _log_tail(rank_log(log_path, rank)),
+        }
+    if rank_errors:
+        rank = _first_cause(rank_errors)
+        error = rank_errors[rank]
+        prefix = "" if single else f"rank {rank} of {len(processes)}: "
+        return {**error, "reason": prefix + error["reason"]}
+    code = processes[0].returncode
     tail = _log_tail(log_path)
     if code == -signal.SIGKILL:
         return {
             "type": "error",
             "status": "oom",
-            "reason": "the arm's process was killed by SIGKILL, which on Linux usually means the "
+            "reason": f"{who or 'rank 0'} was killed by SIGKILL, which on Linux usually means the "
             "kernel's out-of-memory killer",
             "traceback": tail,
         }
@@ -163,6 +296,15 @@ def run_in_fresh_process(
     return {
         "type": "error",
         "status": "failed",
-        "reason": f"the arm's process {how} without a result",
+        "reason": f"{who or 'rank 0'} {how} without a result",
         "traceback": tail,
     }
+
+
+def _first_cause(rank_errors: dict[int, dict]) -> int:
+    """The rank whose error is not a collective failing because a peer went away."""
+    echoes = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "timeout")
+    for rank, error in sorted(rank_errors.items()):
+        if not any(echo in error.get("reason", "").lower() for echo in echoes):
+            return rank
+    return min(rank_errors)

@@ -41,6 +41,12 @@ TABLE_COLUMNS = [
     "final_loss",
     "loss_vs_baseline",
     "cpu_util_pct",
+    # Data-parallel arms (world_size > 1) only: per-rank throughput and measured communication.
+    "samples_per_s_per_rank",
+    "comm_mb_per_step",
+    "compression_ratio",
+    "comm_ms",
+    "comm_share",
     "repeats",
     "noisy",
     "notes",
@@ -79,6 +85,9 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
         base_ok = {u["repeat"]: u["result"] for u in by_arm.get(baseline, []) if u["status"] == "ok"}
         # A loader-only arm trains a no-op model: its loss means nothing.
         base_loss = _median([_final_loss(r) for r in base_ok.values()]) if kind == "train" else math.nan
+        base_comm = _median(
+            [r["comm_bytes_per_step"] for r in base_ok.values() if "comm_bytes_per_step" in r]
+        )
         row: dict[str, Any] = dict.fromkeys(TABLE_COLUMNS, math.nan)
         row.update(
             arm=arm["name"],
@@ -122,6 +131,8 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
             if kind == "train":
                 row["final_loss"] = _median([_final_loss(r) for r in results if not _divergence(r)])
             row["cpu_util_pct"] = _median([r["cpu_util_pct"] for r in results])
+            if all("comm_bytes_per_step" in r for r in results):
+                _communication(row, results, base_comm)
             row["repeats"] = len(results)
             row["loss_vs_baseline"] = row["final_loss"] / base_loss if base_loss else math.nan
             paired = [(base_ok[u["repeat"]], u["result"]) for u in ok if u["repeat"] in base_ok]
@@ -167,6 +178,19 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
         row["notes"] = "; ".join(notes)
         rows.append(row)
     return rows
+
+
+def _communication(row: dict, results: list[dict], base_comm: float) -> None:
+    """The DDP columns: bytes the hooks handed to collectives, their ratio to the baseline's, time."""
+    comm_bytes = _median([r["comm_bytes_per_step"] for r in results])
+    row["comm_mb_per_step"] = comm_bytes / 2**20
+    row["compression_ratio"] = base_comm / comm_bytes if comm_bytes else math.nan
+    row["comm_ms"] = _median([r["comm_ms_per_step"] for r in results])
+    row["comm_share"] = row["comm_ms"] / row["step_ms"] if row["step_ms"] else math.nan
+    per_rank = [r.get("per_rank") or [r] for r in results]
+    row["samples_per_s_per_rank"] = _median(
+        [float(np.mean([x["samples_per_s"] for x in ranks])) for ranks in per_rank]
+    )
 
 
 def _clean(value: Any) -> Any:

@@ -134,12 +134,13 @@ def _read_field(widget: w.Widget, config_field: dataclasses.Field, hints: dict) 
     if not text:
         return None
     annotation = hints.get(config_field.name, str)
-    if int in typing.get_args(annotation):
-        try:
-            return int(text)
-        except ValueError:
-            return text  # the Config's own validation names the field and the rule
-    return text
+    for number in (int, float):  # e.g. bucket_cap_mb: float | None
+        if number in typing.get_args(annotation):
+            try:
+                return number(text)
+            except ValueError:
+                continue
+    return text  # the Config's own validation names the field and the rule
 
 
 class TechniqueRow(w.HBox):
@@ -323,6 +324,7 @@ class AblationPanel(w.VBox):
                 data_is_dataset=self.custom_data is None or not _is_batches(self.custom_data),
                 data_label=data_label(data, model) if data is not None else "",
                 image_size=image_size_of(data),
+                world_size=self.ablate_kwargs.get("world_size", 1),
             )
         except ValueError as error:
             self.status.value = _error_html(str(error))

@@ -29,6 +29,15 @@ import torch
 
 from workbench.data import DataSource, endless_batches
 from workbench.devices import synchronize
+from workbench.distributed import (
+    DDP_ORDER,
+    CommMeter,
+    CommSettings,
+    Rank,
+    gather_to_rank0,
+    init_process_group,
+    wrap_ddp,
+)
 from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
 from workbench.models import NoOpModel, build_model, noop_loss
 from workbench.telemetry import CpuUsage, PeakMemory, StepClock
@@ -52,6 +61,8 @@ class UnitSpec:
     progress_interval_s: float = 0.5
     labels: dict[str, Any] = field(default_factory=dict)  # arm name and repeat, for messages
     loader_only: bool = False  # time the input pipeline alone, with a model that does no work
+    link: Any = None  # a workbench.distributed.Link: the simulated network, for DDP arms
+    comm_timeout_s: float = 120.0  # a collective waiting longer than this for a dead peer fails
 
 
 def _seed_everything(seed: int) -> None:
@@ -112,10 +123,41 @@ def timed_window(
     return time.perf_counter() - t0
 
 
+def _apply_techniques(spec: UnitSpec, setup: TrainSetup, rank: Rank, meter: CommMeter | None) -> list[str]:
+    """Apply each technique in order; with several ranks, wrap the model in DDP at DDP_ORDER."""
+    notes, wrapped = [], not rank.distributed
+    for technique, config in spec.techniques:
+        if not wrapped and technique.order > DDP_ORDER:
+            setup.model, wrapped = wrap_ddp(setup.model, setup.device, setup.comm, meter), True
+        notes.append(technique.apply(setup, config))
+    if not wrapped:
+        setup.model = wrap_ddp(setup.model, setup.device, setup.comm, meter)
+    if rank.distributed:
+        notes += setup.comm.notes  # what the DDP wrapper had to adapt, said once
+    if rank.distributed and spec.link is not None:
+        notes.append(
+            spec.link.describe() + " (a simulation: each bucket is delayed by latency + bytes/bandwidth)"
+        )
+    return notes
+
+
 def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None) -> dict:
-    """Build, warm up, then time ``spec.steps`` optimizer steps. Returns JSON-ready numbers."""
+    """Build, warm up, then time ``spec.steps`` optimizer steps. Returns JSON-ready numbers.
+
+    With several ranks (RANK/WORLD_SIZE in the environment) every rank runs this, under DDP,
+    on its own shard of the data; rank 0 returns the measurements of all of them.
+    """
+    rank = Rank.from_env()
     device = torch.device(spec.device)
+    if rank.distributed and device.type == "cuda":
+        device = torch.device("cuda", rank.local_rank)
+        torch.cuda.set_device(device)
     _initialize_runtime(device)
+    meter = None
+    if rank.distributed:
+        init_process_group(rank, device, spec.comm_timeout_s)
+        meter = CommMeter(rank.world_size, spec.link)
+        meter.install()
     started = time.perf_counter()
     _seed_everything(spec.seed)
     memory = PeakMemory(device)
@@ -131,8 +173,11 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
         device=device,
         loss_fn=loss_fn,
         make_optimizer=make_optimizer(spec.optimizer, spec.lr),
+        rank=rank.rank,
+        world_size=rank.world_size,
+        comm=CommSettings() if rank.distributed else None,
     )
-    notes = [technique.apply(setup, config) for technique, config in spec.techniques]
+    notes = _apply_techniques(spec, setup, rank, meter)
     if spec.loader_only:
         notes.insert(0, "loader only: a no-op model, so this is the rate the input pipeline can feed")
     if spec.data.images is not None and spec.data.images.skipped:
@@ -142,7 +187,9 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
         if setup.make_batches is not None:  # an input pipeline that replaces the DataLoader (dali)
             batches = setup.make_batches(spec.data, spec.batch_size, spec.seed)
         else:
-            batches = endless_batches(spec.data, spec.batch_size, spec.seed, setup.loader_options)
+            batches = endless_batches(
+                spec.data, spec.batch_size, spec.seed, setup.loader_options, rank.rank, rank.world_size
+            )
         trainer = Trainer(setup, batches)
         losses = []
 
@@ -160,9 +207,12 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
         samples_before = trainer.samples_seen
         memory.begin_window()
         cpu.begin()
+        if meter is not None:
+            meter.reset()  # count the timed window's communication only
         window_start = time.time()
         wall_s = timed_window(trainer, clock, spec.steps, losses, emit, spec.progress_interval_s)
         window_end = time.time()
+        comm = _comm_record(meter, spec.steps) if meter is not None else {}
         clock.resolve()
         cpu_percent = cpu.percent()
         rss_mib = memory.rss_growth_mib()
@@ -173,7 +223,7 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
             lambda: trainer.step(StepClock(device)), trainer.model, trainer.optimizer
         )
 
-    return {
+    result = {
         "startup_s": startup_s,
         "wall_s": wall_s,
         "steps": spec.steps,
@@ -192,6 +242,49 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
         "window_start": window_start,
         "window_end": window_end,
         "torch_threads": torch.get_num_threads(),
+        **comm,
+    }
+    if rank.distributed:
+        result = _gather_ranks(result, rank, device)
+    return result
+
+
+def _comm_record(meter: CommMeter, steps: int) -> dict:
+    meter.enabled = False  # what follows (gathering the results) is the harness's, not the hook's
+    return {
+        "comm_bytes_per_step": meter.payload_bytes / steps,
+        "comm_ms_per_step": 1e3 * meter.busy_s() / steps,
+        "buckets_per_step": meter.buckets / steps,
+    }
+
+
+def _gather_ranks(result: dict, rank: Rank, device: torch.device) -> dict:
+    """On rank 0: its own result, plus every rank's throughput and the aggregate."""
+    import torch.distributed as dist
+
+    keys = (
+        "samples",
+        "wall_s",
+        "samples_per_s",
+        "comm_bytes_per_step",
+        "comm_ms_per_step",
+        "buckets_per_step",
+    )
+    everyone = gather_to_rank0({key: result[key] for key in keys}, rank, device)
+    dist.barrier()
+    dist.destroy_process_group()
+    if everyone is None:
+        return result
+    # The ranks step in lockstep (every step ends in an all-reduce), so the job's throughput is
+    # all samples over the slowest rank's window.
+    aggregate = sum(r["samples"] for r in everyone) / max(r["wall_s"] for r in everyone)
+    return {
+        **result,
+        "world_size": rank.world_size,
+        "per_rank": everyone,
+        "rank0_samples_per_s": result["samples_per_s"],
+        "samples_per_s": aggregate,
+        "samples": sum(r["samples"] for r in everyone),
     }
 
 

@@ -40,6 +40,7 @@ class Context:
     batch_size: int = 32
     data_label: str = ""
     image_size: int | None = None  # the crop size, when the data is a folder of JPEG files
+    world_size: int = 1  # ranks per arm (DDP)
 
 
 def _needs_package(module: str, hint: str) -> Callable[[Context], str | None]:
@@ -80,12 +81,19 @@ def _needs_jpeg_files(ctx: Context) -> str | None:
     return None
 
 
+def _needs_ranks(ctx: Context) -> str | None:
+    if ctx.world_size < 2:
+        return "needs several ranks to communicate: pass world_size=2 or more to ablate"
+    return None
+
+
 # One place that turns a named requirement into a human reason (None = satisfied).
 REQUIREMENTS: dict[str, Callable[[Context], str | None]] = {
     "cuda": _needs_cuda,
     "conv": _needs_conv,
     "dataset": _needs_dataset,
     "jpeg_files": _needs_jpeg_files,
+    "ranks": _needs_ranks,
     "cupy": _needs_package("cupy", "pip install 'workbench[gpu]'"),
     "dali": _needs_package("nvidia.dali", "pip install 'workbench[dali]', or 'workbench[gpu]' with CUDA"),
 }

@@ -35,6 +35,7 @@ Settings
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -198,6 +199,9 @@ class Dali(Technique):
 
     def apply(self, setup, config: DaliConfig) -> str:
         device = setup.device
+
+        if setup.world_size > 1:  # data-parallel ranks: each reads its own shard of the files
+            config = dataclasses.replace(config, shard_id=setup.rank, num_shards=setup.world_size)
 
         def make_batches(source, batch_size: int, seed: int):
             return dali_batches(source.images, config, batch_size, seed, device)

@@ -1,0 +1,243 @@
+"""Data-parallel arms on CPU: gloo, two ranks, measured communication, faults."""
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import unit_spec
+from torch import nn
+
+import workbench as wb
+from workbench.distributed import CommMeter, CommSettings, Link, free_port, wrap_ddp
+from workbench.process import run_in_fresh_process
+
+WORLD = 2
+
+
+def _gradients_with(hook: str, rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    meter = CommMeter(WORLD)
+    meter.install()
+    ddp = wrap_ddp(model, torch.device("cpu"), CommSettings(hook=hook), meter)
+    generator = torch.Generator().manual_seed(rank)  # each rank its own data
+    inputs, targets = (
+        torch.randn(16, 32, generator=generator),
+        torch.randint(0, 4, (16,), generator=generator),
+    )
+    nn.functional.cross_entropy(ddp(inputs), targets).backward()
+    if rank == 0:
+        # numpy arrays travel by value; torch tensors would be shared through this process's memory
+        queue.put((hook, [p.grad.numpy().copy() for p in model.parameters()], meter.payload_bytes))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _gradients(hook: str):
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_gradients_with, args=(hook, rank, port, queue)) for rank in range(WORLD)
+    ]
+    for process in processes:
+        process.start()
+    result = queue.get(timeout=120)
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    return result
+
+
+def test_fp16_hook_gradients_are_close_and_the_measured_bytes_halve():
+    _, exact, exact_bytes = _gradients("none")
+    _, compressed, compressed_bytes = _gradients("fp16")
+    for a, b in zip(exact, compressed, strict=True):
+        assert np.allclose(a, b, rtol=1e-2, atol=1e-4), np.abs(a - b).max()
+    parameters = (32 * 64 + 64) + (64 * 4 + 4)
+    assert exact_bytes == parameters * 4  # float32 gradients, all-reduced once
+    assert exact_bytes / compressed_bytes == 2.0
+
+
+def test_one_call_gives_no_hook_fp16_and_powersgd_rows_with_measured_bytes():
+    res = wb.ablate(
+        model="resnet-mini",
+        data="textures",
+        techniques={"ddp_compression": {"hook": ["fp16", "powersgd"]}},
+        world_size=WORLD,
+        steps=4,
+        warmup=3,
+        repeats=1,
+        batch_size=16,
+        device="cpu",
+        out=False,
+        progress=False,
+        control=False,
+    )
+    table = res.table.set_index("arm")
+    assert (table.status == "ok").all(), table[["status", "reason"]]
+    baseline, fp16, powersgd = (
+        table.loc[name]
+        for name in ("baseline", "ddp_compression[hook=fp16]", "ddp_compression[hook=powersgd]")
+    )
+    assert baseline.compression_ratio == 1.0 and baseline.comm_mb_per_step > 0.5  # resnet-mini: ~0.67 MB
+    assert fp16.compression_ratio == pytest.approx(2.0)
+    assert powersgd.compression_ratio > 10
+    assert "one" in powersgd.notes and "bucket" in powersgd.notes  # gloo: a single bucket, said so
+    for row in (baseline, fp16, powersgd):
+        assert row.samples_per_s_per_rank > 0 and row.samples_per_s > row.samples_per_s_per_rank
+        assert 0 < row.comm_share < 1 and math.isfinite(row.final_loss)
+    unit = next(u for u in res.record["units"] if u["arm"] == "baseline")
+    assert [r["samples"] for r in unit["result"]["per_rank"]] == [16 * 4] * WORLD
+
+
+def _buckets_per_step(no_sync: bool) -> float:
+    spec = unit_spec(
+        "mlp",
+        {"grad_accum": {"steps": 4}, "ddp_compression": {"hook": "none", "no_sync": no_sync}},
+        steps=3,
+        warmup=2,
+        batch_size=16,
+    )
+    answer = run_in_fresh_process(spec, log_path=_log(f"no-sync-{no_sync}"), timeout_s=120, world_size=WORLD)
+    assert answer["type"] == "result", answer
+    return answer["buckets_per_step"]
+
+
+def test_no_sync_communicates_once_per_accumulation_window():
+    once, every_micro_batch = _buckets_per_step(True), _buckets_per_step(False)
+    assert every_micro_batch == 4 * once
+
+
+def _log(name: str):
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp()) / f"{name}.log"
+
+
+class DiesOnRankOne(nn.Module):
+    """Trains normally on rank 0; on rank 1, kills itself (or raises) at its third forward."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.layer, self.how, self.calls = nn.Linear(8, 2), how, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.calls == 3:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("rank 1 broke on purpose")
+        return self.layer(x)
+
+
+def _workers() -> list:
+    return [
+        p for p in psutil.process_iter(["cmdline"]) if "workbench.worker" in " ".join(p.info["cmdline"] or [])
+    ]
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("kill", "rank 1 of 2 was killed by signal 9"),
+        ("raise", "rank 1 of 2: RuntimeError: rank 1 broke on purpose"),
+    ],
+)
+def test_a_rank_that_dies_or_raises_fails_its_arm_and_the_rest_goes_on(how, message):
+    batches = [(torch.randn(8, 8), torch.randint(0, 2, (8,))) for _ in range(8)]
+    started = time.monotonic()
+    res = wb.ablate(
+        model=lambda: DiesOnRankOne(how),
+        data=batches,
+        techniques={"ddp_compression": {"hook": "fp16"}},
+        world_size=WORLD,
+        steps=3,
+        warmup=2,
+        repeats=1,
+        device="cpu",
+        out=False,
+        progress=False,
+        control=False,
+    )
+    table = res.table.set_index("arm")
+    for arm in ("baseline", "ddp_compression"):  # both arms hit it; the second still ran
+        assert table.loc[arm, "status"] == "failed"
+        assert message in table.loc[arm, "reason"]
+    assert time.monotonic() - started < 90
+    assert _workers() == [], "a rank process outlived its arm"
+
+
+def test_bad_distributed_settings_fail_clearly():
+    with pytest.raises(ValueError, match="ablate: world_size must be >= 1; got 0"):
+        wb.plan(world_size=0, device="cpu")
+    with pytest.raises(
+        ValueError, match="link simulates the network between ranks, so it needs world_size >= 2"
+    ):
+        wb.plan(link={"bandwidth_gbps": 1}, device="cpu")
+    with pytest.raises(
+        ValueError, match="link: unknown option 'bandwidth'; valid options: bandwidth_gbps, latency_ms"
+    ):
+        wb.plan(world_size=2, link={"bandwidth": 1}, device="cpu")
+    with pytest.raises(ValueError, match="link: bandwidth_gbps must be > 0.0"):
+        wb.plan(world_size=2, link={"bandwidth_gbps": 0}, device="cpu")
+    with pytest.raises(ValueError, match="ddp_compression: hook must be one of 'none' | 'fp16'"):
+        wb.plan(world_size=2, techniques={"ddp_compression": {"hook": "int8"}}, device="cpu")
+    with pytest.raises(ValueError, match=r"ddp_compression: start_iter must be >= 2; got 1 \(PowerSGD"):
+        wb.plan(world_size=2, techniques={"ddp_compression": {"start_iter": 1}}, device="cpu")
+    alone = wb.plan(techniques={"ddp_compression": True}, device="cpu").set_index("name")
+    assert alone.loc["ddp_compression", "unavailable"].startswith("needs several ranks")
+    bf16 = wb.plan(world_size=2, techniques={"ddp_compression": {"hook": "bf16"}}, device="cpu").set_index(
+        "name"
+    )
+    assert "the bf16 hook needs NCCL" in bf16.loc["ddp_compression", "unavailable"]
+
+
+def test_the_simulated_link_delays_each_bucket_by_its_bytes():
+    link = Link(bandwidth_gbps=0.08, latency_ms=2.0)  # 10 MB/s
+    assert link.delay_s(1e6) == pytest.approx(0.002 + 0.1)
+    spec = unit_spec("mlp", {"ddp_compression": {"hook": "none"}}, steps=2, warmup=2, batch_size=16)
+    spec.link = link
+    answer = run_in_fresh_process(spec, log_path=_log("link"), timeout_s=120, world_size=WORLD)
+    assert answer["type"] == "result", answer
+    wire = 2 * (WORLD - 1) / WORLD * answer["comm_bytes_per_step"]
+    expected_ms = 1e3 * (answer["buckets_per_step"] * 0.002 + 8 * wire / 0.08e9)
+    assert answer["comm_ms_per_step"] >= 0.9 * expected_ms
+    assert any("simulated link: 0.08 Gbit/s" in note for note in answer["notes"])
+
+
+def test_the_same_ablation_runs_under_torchrun_with_one_node_and_two_ranks(tmp_path):
+    """``torchrun ... -m workbench ablate``: each arm spans torchrun's ranks; rank 0 keeps the results."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    out = tmp_path / "results"
+    command = [
+        torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+        "-m", "workbench", "ablate", "--model", "mlp", "--steps", "3", "--warmup", "2", "--repeats", "1",
+        "--no-control", "-t", "ddp_compression:hook=fp16", "--device", "cpu", "--no-progress", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((out / "results.json").read_text())
+    rows = {row["arm"]: row for row in record["table"]}
+    assert rows["baseline"]["status"] == rows["ddp_compression"]["status"] == "ok"
+    assert rows["ddp_compression"]["compression_ratio"] == 2.0
+    assert record["config"]["world_size"] == 2
+    assert all(len(u["result"]["per_rank"]) == 2 for u in record["units"])
+    assert done.stdout.count("Saved results.json") == 1  # rank 0 alone reports

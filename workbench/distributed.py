@@ -1,0 +1,375 @@
+"""Data-parallel arms: the process group, the DDP wrapper, measured communication, a simulated link.
+
+An arm with ``world_size=N`` runs as N rank processes (see workbench.process), each a fresh
+``python -m workbench.worker`` that joins one process group: gloo on CPU, NCCL on CUDA.
+Every arm of such an ablation, the baseline included, trains under DistributedDataParallel,
+so arms differ only in their techniques.
+
+Communication is measured, not computed from theory. DDP hands each gradient bucket to a
+communication hook; workbench always registers one (PyTorch's own ``allreduce_hook`` when no
+compression is asked for, the equivalent of DDP's built-in allreduce) and wraps it in a
+:class:`CommMeter`. While the hook runs, the meter counts the bytes of every tensor the hook
+passes to a collective (``dist.all_reduce``/``all_gather``/``broadcast``): the payload
+after compression. It also times each bucket from the hook call to the completion of its
+future.
+
+The simulated link is a labelled simulation. One machine cannot show a slow network, so when
+``link`` is given, each bucket's future completes only after an extra delay of
+``latency + wire_bytes / bandwidth``, where ``wire_bytes`` is what a ring all-reduce moves
+per rank, 2 (N-1)/N times the payload. DDP waits for those futures at the end of backward,
+as it waits for a real slow network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workbench.config import check_number
+
+# The model is wrapped in DDP after every technique that changes the model (order below this)
+# and before those that must see the wrapped model (compile, order 90).
+DDP_ORDER = 85
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A simulated network link between the ranks (a simulation, not a measurement)."""
+
+    bandwidth_gbps: float  # gigabits per second, per rank
+    latency_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_number("link", "bandwidth_gbps", self.bandwidth_gbps, above=0.0)
+        if (
+            isinstance(self.latency_ms, bool)
+            or not isinstance(self.latency_ms, (int, float))
+            or self.latency_ms < 0
+        ):
+            raise ValueError(f"link: latency_ms must be a number >= 0; got {self.latency_ms!r}")
+
+    def delay_s(self, wire_bytes: float) -> float:
+        return self.latency_ms / 1e3 + 8 * wire_bytes / (self.bandwidth_gbps * 1e9)
+
+    def describe(self) -> str:
+        return f"simulated link: {self.bandwidth_gbps:g} Gbit/s, {self.latency_ms:g} ms latency"
+
+
+def as_link(value: Any) -> Link | None:
+    """``None``, a Link, or a dict like ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``."""
+    if value is None or isinstance(value, Link):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"bandwidth_gbps", "latency_ms"})
+        if unknown:
+            raise ValueError(
+                f"link: unknown option {unknown[0]!r}; valid options: bandwidth_gbps, latency_ms"
+            )
+        if "bandwidth_gbps" not in value:
+            raise ValueError(
+                "link: bandwidth_gbps is required, e.g. link={'bandwidth_gbps': 1.0, 'latency_ms': 0.1}"
+            )
+        return Link(**value)
+    raise ValueError(
+        f"link must be None or a dict like {{'bandwidth_gbps': 1.0, 'latency_ms': 0.1}}; got {value!r}"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Where this process sits in its job, read from the environment torchrun also uses."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> Rank:
+        return cls(
+            int(os.environ.get("RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(rank: Rank, device: torch.device, timeout_s: float) -> None:
+    """Join the arm's process group; a peer that dies makes collectives fail within timeout_s."""
+    dist.init_process_group(
+        backend_for(device),
+        rank=rank.rank,
+        world_size=rank.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+@dataclass
+class CommSettings:
+    """What the ddp_compression technique asks of the DDP wrapper (defaults: plain allreduce)."""
+
+    hook: str = "none"
+    powersgd_rank: int = 1
+    start_iter: int = 2
+    warm_start: bool = True
+    bucket_cap_mb: float | None = None  # None: DDP's default, 25 MB
+    # Under grad_accum, communicate once per optimizer step. Off unless ddp_compression turns it
+    # on: plain DDP all-reduces after every micro-batch, which is what the baseline measures.
+    no_sync: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+class CommMeter:
+    """Counts and times what communication hooks send; delays it over a simulated link.
+
+    Counting is process-wide while ``enabled``: a hook may issue collectives from a future's
+    callback on another thread (PowerSGD all-reduces Q only after P arrives), and every
+    Python-level collective in a training process comes from a hook (DDP's own all-reduce is
+    C++, and is replaced by a hook here anyway). The link delay of a bucket covers the bytes
+    issued since the previous bucket completed: per step, the delays add up to latency x
+    buckets + bytes / bandwidth, whatever the order in which buckets finish.
+    """
+
+    def __init__(self, world_size: int, link: Link | None = None):
+        self.world_size = world_size
+        self.link = link
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._issued = 0  # bytes handed to collectives, not yet attributed to a finished bucket
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.payload_bytes = 0
+            self.buckets = 0
+            self.intervals: list[tuple[float, float]] = []
+
+    def install(self) -> None:
+        """Wrap torch.distributed's collectives so that the bytes they are given are counted."""
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None or getattr(original, "_workbench_counted", False):
+                continue
+            setattr(dist, name, self._counting(original))
+
+    def _counting(self, original: Callable) -> Callable:
+        def counted(tensor, *args, **kwargs):
+            if self.enabled:
+                tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+                size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+                with self._lock:
+                    self._issued += size
+            return original(tensor, *args, **kwargs)
+
+        counted._workbench_counted = True
+        return counted
+
+    def wrap(self, hook: Callable) -> Callable:
+        """A DDP comm hook that runs ``hook`` and times its bucket until the result is ready."""
+
+        def measured(state, bucket):
+            started = time.perf_counter()
+
+            def done(fut):
+                with self._lock:
+                    sent, self._issued = self._issued, 0
+                if self.link is not None:
+                    time.sleep(self.link.delay_s(self.wire_bytes(sent)))  # the simulated link
+                with self._lock:
+                    self.payload_bytes += sent
+                    self.buckets += 1
+                    self.intervals.append((started, time.perf_counter()))
+                return fut.value()
+
+            return hook(state, bucket).then(done)
+
+        return measured
+
+    def wire_bytes(self, payload: float) -> float:
+        """Bytes each rank sends for an all-reduce of ``payload`` bytes, with a ring algorithm."""
+        return 2 * (self.world_size - 1) / self.world_size * payload
+
+    def busy_s(self) -> float:
+        """Time during which at least one bucket was in flight (overlapping buckets count once)."""
+        with self._lock:
+            spans = sorted(self.intervals)
+        total, end = 0.0, float("-inf")
+        for start, stop in spans:
+            if stop <= end:
+                continue
+            total += stop - max(start, end)
+            end = stop
+        return total
+
+
+def comm_hook(settings: CommSettings, process_group=None) -> tuple[Callable, Any]:
+    """The (hook, state) pair DDP registers for ``settings.hook``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if settings.hook == "none":
+        return default_hooks.allreduce_hook, process_group
+    if settings.hook == "fp16":
+        return default_hooks.fp16_compress_hook, process_group
+    if settings.hook == "bf16":
+        return default_hooks.bf16_compress_hook, process_group
+    state = powersgd.PowerSGDState(
+        process_group=process_group,
+        matrix_approximation_rank=settings.powersgd_rank,
+        start_powerSGD_iter=settings.start_iter,
+        warm_start=settings.warm_start,
+        use_error_feedback=True,
+    )
+    if settings.hook == "batched_powersgd" and _needs_single_matrix_fix(powersgd):
+        settings.notes.append(
+            "this PyTorch's batched_powerSGD_hook hands _orthogonalize a single matrix, which it rejects; "
+            "workbench passes it as a batch of one"
+        )
+    hook = powersgd.powerSGD_hook if settings.hook == "powersgd" else powersgd.batched_powerSGD_hook
+    return hook, state
+
+
+def _needs_single_matrix_fix(powersgd) -> bool:
+    """Work around a PyTorch bug (seen in 2.13): batched PowerSGD fails on a 2-D matrix.
+
+    ``_orthogonalize`` asserts a batch of matrices (3-D), while ``batched_powerSGD_hook`` gives
+    it one (2-D). Viewing the matrix as a batch of one shares its storage, so the in-place
+    orthogonalization still lands in the hook's tensor. Returns True when the fix was needed.
+    """
+    original = powersgd._orthogonalize
+    if getattr(original, "_workbench_fix", False):
+        return True
+    try:
+        original(torch.ones(2, 1))
+        return False
+    except AssertionError:
+        pass
+
+    def orthogonalize(matrices, epsilon=0):
+        return original(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    orthogonalize._workbench_fix = True
+    powersgd._orthogonalize = orthogonalize
+    return True
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, settings: CommSettings, meter: CommMeter):
+    """Wrap ``model`` in DDP with the measured hook; return the wrapped model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    options: dict[str, Any] = {}
+    if settings.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = settings.bucket_cap_mb
+    if device.type == "cuda":
+        options["device_ids"] = [device.index if device.index is not None else torch.cuda.current_device()]
+    wrapped = DistributedDataParallel(model, **options)
+    hook, state = comm_hook(settings)
+    wrapped.register_comm_hook(state, meter.wrap(hook))
+    return wrapped
+
+
+def parameter_mib(model: torch.nn.Module) -> float:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
+
+
+def no_sync_context(model: torch.nn.Module, settings: CommSettings | None) -> Callable[[], Any]:
+    """``model.no_sync`` when gradients should stay local (not the last micro-batch)."""
+    if settings is not None and settings.no_sync and hasattr(model, "no_sync"):
+        return model.no_sync
+    return contextlib.nullcontext
+
+
+def gather_to_rank0(record: dict, rank: Rank, device: torch.device) -> list[dict] | None:
+    """Every rank's ``record`` (JSON-serializable), on rank 0; None elsewhere.
+
+    Records travel as JSON bytes in tensors, never as pickles (torch's gather_object pickles).
+    """
+    payload = torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)
+    on = device if device.type == "cuda" else torch.device("cpu")
+    length = torch.tensor([payload.numel()], device=on)
+    lengths = [torch.zeros_like(length) for _ in range(rank.world_size)]
+    dist.all_gather(lengths, length)
+    longest = int(max(int(n) for n in lengths))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=on)
+    padded[: payload.numel()] = payload.to(on)
+    everyone = [torch.zeros_like(padded) for _ in range(rank.world_size)]
+    dist.all_gather(everyone, padded)
+    if rank.rank != 0:
+        return None
+    return [
+        json.loads(bytes(t[: int(n)].cpu().tolist()).decode()) for t, n in zip(everyone, lengths, strict=True)
+    ]
+
+
+class Torchrun:
+    """The ablation's parent processes, when ``torchrun`` started them (one per rank).
+
+    Under torchrun every parent plans the same ablation and walks the same schedule; for
+    each unit it starts one fresh worker for its own rank, and the workers of all nodes meet
+    on a port that rank 0 chose and broadcast. The parents stay in lockstep through a gloo
+    "control" group of their own: rank 0's outcome of each unit (so every node skips the same
+    later repeats) and a barrier after it. Only rank 0 keeps results and prints progress.
+    """
+
+    def __init__(self, rank: Rank):
+        self.rank = rank
+        self.master_addr = os.environ["MASTER_ADDR"]
+
+    @classmethod
+    def detect(cls) -> Torchrun | None:
+        rank = Rank.from_env()
+        if "TORCHELASTIC_RUN_ID" in os.environ and rank.distributed:
+            return cls(rank)
+        return None
+
+    def start(self, timeout_s: float) -> None:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _broadcast(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(tensor, src=0)
+        return int(tensor.item())
+
+    def resuming(self, finished_units: int) -> bool:
+        """Whether rank 0 found finished units to resume (the others keep nothing to resume)."""
+        return self._broadcast(finished_units if self.rank.rank == 0 else 0) > 0
+
+    def unit_port(self) -> int:
+        """A port for the next unit's process group, chosen on rank 0's machine."""
+        return self._broadcast(free_port() if self.rank.rank == 0 else 0)
+
+    def agree(self, ok: bool) -> bool:
+        """Rank 0's outcome of the unit, on every rank; then wait for all of them."""
+        outcome = bool(self._broadcast(int(ok) if self.rank.rank == 0 else 0))
+        dist.barrier()
+        return outcome
