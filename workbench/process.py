@@ -24,6 +24,7 @@ KILL_GRACE_S = 3.0
 POLL_S = 0.5
 DEAD_RANK_GRACE_S = 5.0  # after a rank dies, how long the others get to report what they saw
 RANK0_REPORT_S = 30.0  # after a rank exits cleanly, how long rank 0 may take to send the result
+EXIT_GRACE_S = 30.0  # after the result arrives, how long the processes may take to exit
 
 
 class Interrupted(Exception):
@@ -177,6 +178,7 @@ def _run_ranks(
     rank_errors: dict[int, dict] = {}
     dead_since: float | None = None  # when a rank was first seen dead without rank 0 finishing
     finished_since: float | None = None  # when a rank was first seen to exit cleanly
+    answered_at: float | None = None
     open_channels = len(processes)
     stopped = False  # True when we end the children ourselves: timeout, Stop, Ctrl-C, a dead rank
     try:
@@ -192,6 +194,12 @@ def _run_ranks(
                     "reason": f"timed out after {timeout_s:.0f} s (timeout_s); the arm's process was ended",
                 }
                 break
+            if (
+                answer is not None
+                and answered_at is not None
+                and time.monotonic() - answered_at > EXIT_GRACE_S
+            ):
+                break  # the result is in; a rank that does not exit is ended below
             if world_size > 1 and answer is None:
                 codes = [p.poll() for p in processes]
                 dead = [r for r, code in enumerate(codes) if code not in (None, 0)]
@@ -227,7 +235,7 @@ def _run_ranks(
             if message.get("type") == "error":
                 rank_errors.setdefault(rank, message)
             elif rank == 0 and message.get("type") == "result":
-                answer = message
+                answer, answered_at = message, time.monotonic()
             elif rank == 0:
                 on_message(message)
     except KeyboardInterrupt:
@@ -237,7 +245,7 @@ def _run_ranks(
         if not stopped:
             try:
                 for process in processes:
-                    process.wait(timeout=30)
+                    process.wait(timeout=EXIT_GRACE_S)
             except subprocess.TimeoutExpired:
                 stopped = True
         if stopped:

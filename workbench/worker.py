@@ -40,7 +40,7 @@ from workbench.distributed import (
 )
 from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
 from workbench.models import NoOpModel, build_model, noop_loss
-from workbench.telemetry import CpuUsage, PeakMemory, StepClock
+from workbench.telemetry import CpuUsage, PeakMemory, StepClock, usable_cores
 
 
 @dataclass
@@ -134,6 +134,8 @@ def _apply_techniques(spec: UnitSpec, setup: TrainSetup, rank: Rank, meter: Comm
         setup.model = wrap_ddp(setup.model, setup.device, setup.comm, meter)
     if rank.distributed:
         notes += setup.comm.notes  # what the DDP wrapper had to adapt, said once
+    if rank.distributed and setup.device.type == "cpu":
+        notes.append(f"{torch.get_num_threads()} CPU thread(s) per rank")
     if rank.distributed and spec.link is not None:
         notes.append(
             spec.link.describe() + " (a simulation: each bucket is delayed by latency + bytes/bandwidth)"
@@ -152,6 +154,11 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
     if rank.distributed and device.type == "cuda":
         device = torch.device("cuda", rank.local_rank)
         torch.cuda.set_device(device)
+    if rank.distributed and device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks on one machine share its cores: each would otherwise start one thread per core,
+        # and the oversubscribed cores would time-slice between ranks (noise, not a measurement).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", rank.world_size))
+        torch.set_num_threads(max(1, usable_cores() // local))
     _initialize_runtime(device)
     meter = None
     if rank.distributed:
@@ -246,7 +253,14 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
     }
     if rank.distributed:
         result = _gather_ranks(result, rank, device)
+        # Keep the distributed run's objects alive past this return: tearing down DDP's reducer
+        # and gloo's state can block in their destructors (seen about once in 30 runs here),
+        # before the result is sent. main() reports, then leaves with os._exit.
+        _KEEP_ALIVE.append((trainer, setup, batches, meter))
     return result
+
+
+_KEEP_ALIVE: list = []
 
 
 def _comm_record(meter: CommMeter, steps: int) -> dict:
@@ -271,8 +285,7 @@ def _gather_ranks(result: dict, rank: Rank, device: torch.device) -> dict:
         "buckets_per_step",
     )
     everyone = gather_to_rank0({key: result[key] for key in keys}, rank, device)
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # every rank has everything; the process group ends with the process
     if everyone is None:
         return result
     # The ranks step in lockstep (every step ends in an all-reduce), so the job's throughput is
@@ -304,8 +317,31 @@ def one_line(error: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _die_with_parent() -> None:
+    """On Linux, get SIGTERM when the ablation process dies, even by SIGKILL: no orphaned arms."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> int:
+    import faulthandler
+    import signal
+
     import cloudpickle
+
+    # A unit that is ended (timeout, Stop, a stuck rank) leaves every thread's stack in its log.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    _die_with_parent()
 
     messages = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # the user's prints go to the log (stderr), never into the message channel
@@ -319,6 +355,9 @@ def main() -> int:
         sys.path[:] = header["sys_path"]  # so factories pickled by reference import as in the parent
         spec = cloudpickle.loads(sys.stdin.buffer.read())  # code from our own parent, not results
         emit({"type": "result", **run_unit(spec, emit)})
+        if _KEEP_ALIVE:  # a distributed run: skip the teardown that can block (see run_unit)
+            sys.stderr.flush()
+            os._exit(0)
         return 0
     except BaseException as error:  # report everything, including KeyboardInterrupt
         emit(
