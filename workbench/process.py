@@ -2,8 +2,8 @@
 
 The child runs in its own session (process group), so that a timeout, a Stop or Ctrl-C
 can end it together with its DataLoader workers, leaving no orphans. A data-parallel unit
-runs as several rank processes in that same group: a rank that raises or dies ends the
-unit within a few seconds, with a reason that names the rank. Its messages are
+runs as several rank processes, each leading its own session: a rank that raises or dies
+ends the unit within a few seconds, with a reason that names the rank. Its messages are
 JSON lines; its log (stderr and prints) goes to a file whose tail explains a crash.
 """
 
