@@ -40,6 +40,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from workbench.config import RunConfig
 from workbench.data import DataSource, resolve_data
 from workbench.devices import resolve_device
@@ -156,10 +158,10 @@ def prepare(
 ) -> Prepared:
     # Cheap checks first: building a dataset or a model takes time bad input should not cost.
     device = resolve_device(run.device)
-    if device.type == "cuda" and run.world_size > torch_cuda_count():
+    if device.type == "cuda" and run.world_size > torch.cuda.device_count():
         raise ValueError(
             f"ablate: world_size={run.world_size} needs one GPU per rank on this machine; "
-            f"it has {torch_cuda_count()} (use torchrun across machines, see the README)"
+            f"it has {torch.cuda.device_count()} (use torchrun across machines, see the README)"
         )
     chosen = parse_techniques(techniques)
     if loss_fn is not None and not callable(loss_fn):
@@ -208,12 +210,6 @@ def prepare(
         "device": str(device),
     }
     return Prepared(run, model, source, loss_fn, arms, config)
-
-
-def torch_cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _slug(text: str) -> str:

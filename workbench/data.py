@@ -308,25 +308,19 @@ def endless_batches(
                 + (f" x {world_size} ranks" if world_size > 1 else "")
             )
         if world_size > 1:
-            sampler = DistributedSampler(
-                data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-            )
-            loader = DataLoader(
-                data,
-                batch_size=batch_size,
-                sampler=sampler,
-                drop_last=True,
-                worker_init_fn=_seed_worker,
-                **loader_options,
-            )
-            return _cycle(_epochs(loader, sampler), replayable=False)
+            order: dict[str, Any] = {
+                "sampler": _ReshufflingSampler(
+                    data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+                )
+            }
+        else:
+            order = {"shuffle": True, "generator": torch.Generator().manual_seed(seed)}
         loader = DataLoader(
             data,
             batch_size=batch_size,
-            shuffle=True,
             drop_last=True,
-            generator=torch.Generator().manual_seed(seed),
             worker_init_fn=_seed_worker,
+            **order,
             **loader_options,
         )
         return _cycle(loader, replayable=True)
@@ -336,18 +330,17 @@ def endless_batches(
     return batches
 
 
-def _epochs(loader: DataLoader, sampler: DistributedSampler) -> Iterator:
-    """The loader's batches, epoch after epoch, telling the sampler which epoch it is."""
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        served = 0
-        for batch in loader:
-            served += 1
-            yield batch
-        if served == 0:
-            raise ValueError("the dataset yielded no batches for this rank")
-        epoch += 1
+class _ReshufflingSampler(DistributedSampler):
+    """A DistributedSampler that moves to the next epoch by itself after each pass.
+
+    Each epoch is then shuffled anew, the same way on every rank, without the loop that
+    cycles the loader having to call set_epoch.
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        indices = super().__iter__()  # drawn now, from this epoch's seed
+        self.epoch += 1
+        return indices
 
 
 def _cycle(iterable: Iterable, replayable: bool) -> Iterator[tuple[Any, Any]]:

@@ -179,7 +179,8 @@ def scan(folder: JpegFolder, progress: bool = True) -> ImageFiles:
             raise ValueError(
                 f"{where}: all {len(bad)} JPEG files are corrupt (first: {bad[0][0]}: {bad[0][1]})"
             )
-        empty = [c for i, c in enumerate(classes) if i not in set(labels)]
+        present = set(labels)
+        empty = [c for i, c in enumerate(classes) if i not in present]
         if empty:
             raise ValueError(f"{where}: every JPEG in class folder {empty[0]!r} is corrupt")
         warnings.warn(

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.distributed import no_sync_context
 from workbench.telemetry import StepClock
 
 
@@ -97,8 +98,7 @@ class Trainer:
         )
         # Pinned host memory is what lets a host-to-device copy run asynchronously.
         self.non_blocking = bool(setup.loader_options.get("pin_memory")) and setup.device.type == "cuda"
-        no_sync = setup.comm is not None and setup.comm.no_sync and hasattr(self.model, "no_sync")
-        self.keep_gradients_local = self.model.no_sync if no_sync else contextlib.nullcontext
+        self.keep_gradients_local = no_sync_context(self.model, setup.comm)
         self.samples_seen = 0
         self.model.train()
 

@@ -133,7 +133,8 @@ def _start_ranks(payload: bytes, log_path: Path, env: dict[str, str] | None, wor
         rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank)} if world_size > 1 else common
         # Each rank leads its own session (a process group cannot span sessions), so that one
         # killpg per rank ends it together with its DataLoader workers.
-        with open(rank_log(log_path, rank), "wb") as log:
+        rank_log_path = rank_log(log_path, rank)
+        with open(rank_log_path, "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "workbench.worker"],
                 stdin=subprocess.PIPE,
@@ -142,6 +143,7 @@ def _start_ranks(payload: bytes, log_path: Path, env: dict[str, str] | None, wor
                 env=rank_env,
                 start_new_session=True,
             )
+        process.log_path = rank_log_path  # named by global rank; under torchrun, index 0 may not be rank 0
         processes.append(process)
         try:
             process.stdin.write(header + payload)
@@ -194,11 +196,7 @@ def _run_ranks(
                     "reason": f"timed out after {timeout_s:.0f} s (timeout_s); the arm's process was ended",
                 }
                 break
-            if (
-                answer is not None
-                and answered_at is not None
-                and time.monotonic() - answered_at > EXIT_GRACE_S
-            ):
+            if answered_at is not None and time.monotonic() - answered_at > EXIT_GRACE_S:
                 break  # the result is in; a rank that does not exit is ended below
             if world_size > 1 and answer is None:
                 codes = [p.poll() for p in processes]
@@ -264,10 +262,10 @@ def _run_ranks(
             reader.join(timeout=5)
     if answer is not None:
         return answer
-    return _failure(processes, rank_errors, log_path)
+    return _failure(processes, rank_errors)
 
 
-def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict], log_path: Path) -> dict:
+def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict]) -> dict:
     """Why a unit ended without a result, naming the rank that failed first."""
     single = len(processes) == 1
     # A rank that died on its own (a crash, a kill) is the cause; the others' errors are its echo.
@@ -283,7 +281,7 @@ def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict], lo
             "type": "error",
             "status": "failed",
             "reason": f"rank {rank} of {len(processes)} {how} without a result; the other ranks were ended",
-            "traceback": _log_tail(rank_log(log_path, rank)),
+            "traceback": _log_tail(processes[rank].log_path),
         }
     if rank_errors:
         rank = _first_cause(rank_errors)
@@ -291,7 +289,7 @@ def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict], lo
         prefix = "" if single else f"rank {rank} of {len(processes)}: "
         return {**error, "reason": prefix + error["reason"]}
     code = processes[0].returncode
-    tail = _log_tail(log_path)
+    tail = _log_tail(processes[0].log_path)
     if code == -signal.SIGKILL:
         return {
             "type": "error",

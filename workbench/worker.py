@@ -219,7 +219,10 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
         window_start = time.time()
         wall_s = timed_window(trainer, clock, spec.steps, losses, emit, spec.progress_interval_s)
         window_end = time.time()
-        comm = _comm_record(meter, spec.steps) if meter is not None else {}
+        comm = {}
+        if meter is not None:
+            meter.enabled = False  # what follows (gathering the results) is the harness's, not a hook's
+            comm = _comm_record(meter, spec.steps)
         clock.resolve()
         cpu_percent = cpu.percent()
         rss_mib = memory.rss_growth_mib()
@@ -264,7 +267,6 @@ _KEEP_ALIVE: list = []
 
 
 def _comm_record(meter: CommMeter, steps: int) -> dict:
-    meter.enabled = False  # what follows (gathering the results) is the harness's, not the hook's
     return {
         "comm_bytes_per_step": meter.payload_bytes / steps,
         "comm_ms_per_step": 1e3 * meter.busy_s() / steps,
@@ -295,7 +297,6 @@ def _gather_ranks(result: dict, rank: Rank, device: torch.device) -> dict:
         **result,
         "world_size": rank.world_size,
         "per_rank": everyone,
-        "rank0_samples_per_s": result["samples_per_s"],
         "samples_per_s": aggregate,
         "samples": sum(r["samples"] for r in everyone),
     }
