@@ -95,7 +95,7 @@ def test_checkpointing_really_recomputes():
     spec, inputs, targets = _batch("mlp", size=4)
     model = build_model("mlp", spec)
     calls = []
-    model.blocks[0].fc.register_forward_hook(lambda *args: calls.append(1))
+    model.blocks[0].ff[0].register_forward_hook(lambda *args: calls.append(1))
     setup = TrainSetup(
         model=model, device=CPU, loss_fn=default_loss, make_optimizer=make_optimizer("sgd", 0.1)
     )

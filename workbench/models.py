@@ -29,10 +29,10 @@ class MLPBlock(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
+        self.ff = nn.Sequential(nn.Linear(width, width), nn.GELU())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.gelu(self.fc(self.norm(x)))
+        return x + self.ff(self.norm(x))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,135 @@
+"""cupy_fusion on any machine: settings, the module patterns, and clear refusals off the GPU.
+
+The kernels' numerics are tested on a GPU (tests/test_fused_ops_gpu.py); their compilation
+everywhere (tests/test_kernels_compile.py).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from workbench.fused_ops import (
+    FusedAdamW,
+    FusedLayerNorm,
+    FusedLinearGELU,
+    bias_gelu,
+    describe_replacements,
+    fuse_model,
+    layer_norm,
+)
+from workbench.models import inspect_model
+from workbench.techniques import Context, conflict_reason, get_technique
+
+CPU = torch.device("cpu")
+FUSION = get_technique("cupy_fusion")
+
+
+def test_unavailable_on_cpu_with_the_reason():
+    model, label = inspect_model("gpt-mini")
+    reason = FUSION.unavailable_reason(Context(device=CPU, model=model, model_name=label), FUSION.Config())
+    assert reason == "needs a CUDA device; this run is on cpu"
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="keep at least one of bias_gelu, layer_norm"):
+        FUSION.configure(
+            {"bias_gelu": False, "layer_norm": False, "residual_layer_norm": False, "optimizer": False}
+        )
+    with pytest.raises(ValueError, match="cupy_fusion: optimizer must be True or False"):
+        FUSION.configure({"optimizer": "yes"})
+    with pytest.raises(ValueError, match="unknown option 'dropout'"):
+        FUSION.configure({"dropout": 0.1})
+
+
+def test_not_combined_with_compile():
+    assert "cannot trace CuPy" in conflict_reason(["cupy_fusion", "compile"])
+
+
+def test_gpt_mini_swaps_are_reported():
+    model, _ = inspect_model("gpt-mini")
+    replaced = fuse_model(model)
+    kinds = [swap.before for swap in replaced]
+    assert kinds.count("residual add + ln2") == 4
+    assert kinds.count("Linear + GELU") == 4
+    assert kinds.count("LayerNorm") == 5  # ln1 of each block and ln_f; each ln2 is inside the fused add
+    assert isinstance(model.blocks[0].mlp[0], FusedLinearGELU) and isinstance(
+        model.blocks[0].mlp[1], nn.Identity
+    )
+    assert isinstance(model.ln_f, FusedLayerNorm)
+    assert "4 Linear + GELU (blocks.0.mlp.0, blocks.1.mlp.0, ...)" in describe_replacements(replaced)
+
+
+def test_swaps_share_parameters_and_state_dict_keys():
+    model, _ = inspect_model("gpt-mini")
+    before = {name: param for name, param in model.named_parameters()}
+    keys = set(model.state_dict())
+    fuse_model(model)
+    after = dict(model.named_parameters())
+    assert set(model.state_dict()) == keys
+    assert all(after[name] is param for name, param in before.items())
+
+
+def test_dry_run_changes_nothing():
+    model, _ = inspect_model("mlp")
+    text = repr(model)
+    assert len(fuse_model(model, dry_run=True)) == 8
+    assert repr(model) == text
+
+
+def test_user_model_patterns():
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.GELU(),  # fused with the Linear before it
+        nn.Linear(16, 16, bias=False),
+        nn.GELU(),  # no bias to fuse: left alone
+        nn.Linear(16, 16),
+        nn.GELU(approximate="tanh"),  # a different function than the kernel's erf GELU: left alone
+        nn.LayerNorm(16),  # fused
+        nn.LayerNorm((4, 4)),  # over two dimensions: left alone
+    )
+    replaced = fuse_model(model)
+    assert [(swap.name, swap.before) for swap in replaced] == [("0", "Linear + GELU"), ("6", "LayerNorm")]
+    assert type(model[2]) is nn.Linear and type(model[7]) is nn.LayerNorm
+
+
+def test_patterns_can_be_switched_off():
+    model, _ = inspect_model("gpt-mini")
+    replaced = fuse_model(model, bias_gelu=False, residual_layer_norm=False)
+    assert {swap.before for swap in replaced} == {"LayerNorm"} and len(replaced) == 9
+
+
+def test_resnet_has_nothing_to_fuse_but_the_optimizer():
+    model, label = inspect_model("resnet-mini")
+    assert describe_replacements(fuse_model(model, dry_run=True)) == "no module matched a fused pattern"
+    ctx = Context(device=torch.device("cuda"), model=model, model_name=label)
+    if FUSION.unavailable_reason(ctx, FUSION.Config()) is None:  # only judged where CUDA and CuPy exist
+        reason = FUSION.unavailable_reason(ctx, FUSION.configure({"optimizer": False}))
+        assert "nothing the enabled patterns match" in reason
+
+
+def test_fused_ops_refuse_cpu_tensors_clearly():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="run on CUDA tensors only; these are on cpu"):
+        bias_gelu(x, torch.zeros(8))
+    with pytest.raises(RuntimeError, match="run on CUDA tensors only"):
+        layer_norm(x, torch.ones(8), torch.zeros(8))
+    weight = nn.Parameter(torch.randn(3))
+    weight.grad = torch.randn(3)
+    with pytest.raises(RuntimeError, match="run on CUDA tensors only"):
+        FusedAdamW([weight]).step()
+
+
+def test_fused_adamw_settings():
+    weight = nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="does not implement AdamW's amsgrad=True"):
+        FusedAdamW.from_adamw(torch.optim.AdamW([weight], amsgrad=True))
+    with pytest.raises(ValueError, match="betas must be two values"):
+        FusedAdamW([weight], betas=(0.9, 1.5))
+    fused = FusedAdamW.from_adamw(torch.optim.AdamW([weight], lr=3e-4, weight_decay=0.05, eps=1e-6))
+    group = fused.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["eps"], group["betas"]) == (
+        3e-4,
+        0.05,
+        1e-6,
+        (0.9, 0.999),
+    )

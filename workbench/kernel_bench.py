@@ -1,0 +1,198 @@
+"""Microbenchmarks of the fused kernels: achieved bandwidth, and speed against the unfused ops.
+
+For each fused operator and pass (forward, backward), three implementations do the same work
+on the same tensors: the CuPy kernel (``fused``), the eager PyTorch chain it replaces
+(``eager``) and that chain under ``torch.compile`` (``compiled``). Rounds interleave the
+three, each round timing ``calls`` back-to-back calls between two CUDA events after a
+warm-up, so drift on the device hits every implementation alike. Reported: the median time
+per call, the bytes the fused kernel must move at least (each input read once, each output
+written once), the bandwidth that implies, its share of the device's measured copy
+bandwidth, and the speedups over eager and compiled with 95% intervals over the rounds.
+
+The copy bandwidth is measured here too (``dst.copy_(src)`` reads and writes every byte),
+because it is the practical ceiling for a memory-bound kernel; spec-sheet figures are not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from workbench import fused_ops, raw_kernels, stats
+
+
+def _time_calls(function: Callable[[], object], calls: int) -> float:
+    """Seconds per call over ``calls`` back-to-back calls, between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        function()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / calls
+
+
+def _interleaved(functions: dict[str, Callable[[], object]], rounds: int, calls: int, warmup: int = 3):
+    """Per implementation: one seconds-per-call figure per round, the implementations interleaved."""
+    for function in functions.values():
+        for _ in range(warmup):
+            function()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for round_index in range(rounds):
+        order = list(functions) if round_index % 2 == 0 else list(reversed(functions))  # no fixed position
+        for name in order:
+            times[name].append(_time_calls(functions[name], calls))
+    return times
+
+
+def copy_bandwidth(megabytes: int = 512, rounds: int = 10, calls: int = 20) -> float:
+    """The device's measured copy bandwidth in GB/s: bytes read plus bytes written per second."""
+    source = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device="cuda")
+    target = torch.empty_like(source)
+    times = _interleaved({"copy": lambda: target.copy_(source)}, rounds, calls)["copy"]
+    return 2 * source.numel() * 4 / float(np.median(times)) / 1e9
+
+
+def _speedup(baseline: list[float], arm: list[float]) -> tuple[float, float, float]:
+    windows = lambda seconds: [stats.Window(1 / s, []) for s in seconds]  # noqa: E731
+    return stats.speedup_interval(windows(baseline), windows(arm))
+
+
+def _cases(rows: int, cols: int, dtype: torch.dtype, dropout: float):
+    """(operator, pass, bytes the fused kernel moves, {implementation: zero-argument call})."""
+    device = torch.device("cuda")
+    size = torch.tensor([], dtype=dtype).element_size()
+    n = rows * cols
+    x = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
+    residual = torch.randn_like(x, requires_grad=True)
+    # Parameters in the activations' dtype, so the eager chain does not promote to float32.
+    bias = torch.zeros(cols, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.ones(cols, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def gelu_chain(a, b):
+        return F.gelu(a + b)
+
+    def residual_chain(a, r, w, b):
+        h = r + F.dropout(a, dropout)
+        return h, F.layer_norm(h, (cols,), w, b)
+
+    compiled_gelu = torch.compile(gelu_chain)
+    compiled_residual = torch.compile(residual_chain)
+    fused_residual = lambda a, r, w, b: fused_ops.residual_dropout_layer_norm(a, r, w, b, p=dropout)  # noqa: E731
+
+    yield (
+        "bias + GELU",
+        "forward",
+        2 * n * size,
+        {
+            "fused": lambda: fused_ops.bias_gelu(x, bias),
+            "eager": lambda: gelu_chain(x, bias),
+            "compiled": lambda: compiled_gelu(x, bias),
+        },
+    )
+    graphs = {name: f(x, bias) for name, f in (("fused", fused_ops.bias_gelu), ("eager", gelu_chain),
+                                                ("compiled", compiled_gelu))}  # fmt: skip
+    yield (
+        "bias + GELU",
+        "backward",
+        3 * n * size,
+        {
+            name: (lambda y=y: torch.autograd.grad(y, (x, bias), grad, retain_graph=True))
+            for name, y in graphs.items()
+        },
+    )
+    args = (x, residual, weight, bias)
+    yield (
+        f"residual + dropout({dropout}) + LayerNorm",
+        "forward",
+        4 * n * size,
+        {
+            "fused": lambda: fused_residual(*args),
+            "eager": lambda: residual_chain(*args),
+            "compiled": lambda: compiled_residual(*args),
+        },
+    )
+    outputs = {name: f(*args) for name, f in (("fused", fused_residual), ("eager", residual_chain),
+                                              ("compiled", compiled_residual))}  # fmt: skip
+    yield (
+        f"residual + dropout({dropout}) + LayerNorm",
+        "backward",
+        5 * n * size,
+        {
+            name: (lambda hy=hy: torch.autograd.grad(hy, args, (grad, grad), retain_graph=True))
+            for name, hy in outputs.items()
+        },
+    )
+
+
+def _adamw_case(parameters: int, dtype: torch.dtype):
+    """AdamW over a GPT-shaped list of tensors holding about ``parameters`` values."""
+    width = max(64, int(math.sqrt(parameters / 12)) // 64 * 64)
+    shapes = [(width, width)] * 12 + [(width,)] * 24  # weight matrices and per-channel vectors
+    implementations = {}
+    for name in ("fused", "eager", "compiled"):
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if name == "fused":
+            optimizer = fused_ops.FusedAdamW(params)
+        elif name == "eager":
+            optimizer = torch.optim.AdamW(params, foreach=True)  # PyTorch's default on CUDA
+        else:
+            optimizer = torch.optim.AdamW(params, fused=True)  # PyTorch's own fused CUDA kernel
+        implementations[name] = optimizer.step
+    count = sum(math.prod(s) for s in shapes)
+    size = torch.tensor([], dtype=dtype).element_size()
+    moments = 4 if dtype != torch.float64 else 8
+    # read parameter, gradient, two moments; write parameter and two moments
+    return "AdamW step", "optimizer", count * (2 * size + 2 * moments + size + 2 * moments), implementations
+
+
+def measure_kernels(
+    rows: int = 32768,
+    cols: int = 1024,
+    dtype: torch.dtype = torch.float32,
+    dropout: float = 0.1,
+    adamw_parameters: int = 50_000_000,
+    rounds: int = 10,
+    calls: int = 20,
+):
+    """One row per (operator, pass): times, bandwidth, % of copy bandwidth, speedups with intervals.
+
+    In the AdamW row ``compiled`` is PyTorch's own fused AdamW (``fused=True``), the strongest
+    baseline there is, and ``eager`` its default multi-tensor (foreach) implementation.
+    """
+    import pandas as pd
+
+    reason = raw_kernels.cupy_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"cannot run the kernel benchmark: {reason}")
+    copy_gbs = copy_bandwidth()
+    rows_out = []
+    cases = [*_cases(rows, cols, dtype, dropout), _adamw_case(adamw_parameters, dtype)]
+    for operator, phase, nbytes, functions in cases:
+        times = _interleaved(functions, rounds, calls)
+        fused_s = float(np.median(times["fused"]))
+        row = {
+            "operator": operator,
+            "pass": phase,
+            "dtype": str(dtype).removeprefix("torch."),
+            "MB_moved": nbytes / 1e6,
+            "fused_us": fused_s * 1e6,
+            "eager_us": float(np.median(times["eager"])) * 1e6,
+            "compiled_us": float(np.median(times["compiled"])) * 1e6,
+            "fused_GBps": nbytes / fused_s / 1e9,
+            "copy_GBps": copy_gbs,
+        }
+        row["pct_of_copy"] = 100 * row["fused_GBps"] / copy_gbs
+        for baseline in ("eager", "compiled"):
+            ratio, low, high = _speedup(times[baseline], times["fused"])
+            row[f"vs_{baseline}"], row[f"vs_{baseline}_low"], row[f"vs_{baseline}_high"] = ratio, low, high
+        rows_out.append(row)
+    return pd.DataFrame(rows_out)

@@ -1,0 +1,110 @@
+"""cupy_fusion: hand-written fused CUDA kernels (kernels/*.cu), launched through CuPy.
+
+What it does
+    Swaps parts of the model for fused operators whose CUDA source is in kernels/:
+    - ``Linear`` followed by ``GELU`` (in an ``nn.Sequential``): the matmul runs without its
+      bias, then one kernel adds the bias and applies GELU; backward writes the input
+      gradient and the bias gradient in one pass;
+    - every ``LayerNorm`` over the last dimension: one kernel each way;
+    - the built-in pre-LN transformer block: the residual add before ``ln2`` and ``ln2``
+      itself become one kernel (the same kernel also fuses dropout, unused here because the
+      built-in models have none);
+    - ``AdamW``: the whole optimizer step in one launch over all parameters.
+    The run's notes list every module that was replaced. Each kernel exchanges tensors with
+    PyTorch through DLPack (no copy) and runs on PyTorch's current stream.
+
+When it helps
+    Memory-bound chains of small ops on a GPU. Every unfused elementwise op reads its inputs
+    from DRAM and writes its output back, and each launch costs a few microseconds of CPU
+    time; the Baidu AIAK-Training write-up (one of the seed articles) names launch overhead
+    and memory traffic as the GPU bottlenecks that operator fusion removes. Small
+    transformers (gpt-mini) spend a large share of their step in LayerNorm, GELU and the
+    optimizer, so they gain the most.
+
+When it hurts
+    Large matmul-bound models: the matmuls do not change, so the saving is a small share of
+    the step. ``torch.compile`` generates similar fusions automatically (the benchmark
+    compares both), and cannot trace through CuPy launches, so the two are not combined.
+    First use compiles each kernel file with NVRTC (about a second, cached per process).
+    Unavailable on CPU, and without CuPy.
+
+Settings
+    ``bias_gelu``, ``layer_norm``, ``residual_layer_norm``, ``optimizer``: switch each fused
+    operator on or off (all True by default), so one ablation can measure each kernel's
+    share, e.g. ``{"cupy_fusion": {"optimizer": [True, False]}}``. Only AdamW is fused; with
+    another optimizer the notes say it was left unfused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workbench.config import check_bool
+from workbench.fused_ops import FusedAdamW, describe_replacements, fuse_model
+from workbench.raw_kernels import cupy_unavailable_reason
+from workbench.techniques.base import Context, Technique
+
+MODULE_PATTERNS = ("bias_gelu", "layer_norm", "residual_layer_norm")
+
+
+@dataclass(frozen=True)
+class CupyFusionConfig:
+    bias_gelu: bool = True
+    layer_norm: bool = True
+    residual_layer_norm: bool = True
+    optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (*MODULE_PATTERNS, "optimizer"):
+            check_bool("cupy_fusion", name, getattr(self, name))
+        if not any(getattr(self, name) for name in (*MODULE_PATTERNS, "optimizer")):
+            raise ValueError(
+                "cupy_fusion: every fused operator is switched off; keep at least one of "
+                "bias_gelu, layer_norm, residual_layer_norm, optimizer"
+            )
+
+    def patterns(self) -> dict[str, bool]:
+        return {name: getattr(self, name) for name in MODULE_PATTERNS}
+
+
+class CupyFusion(Technique):
+    name = "cupy_fusion"
+    summary = "fused CUDA kernels (bias+GELU, residual+LayerNorm, one-launch AdamW) via CuPy"
+    order = 16  # before checkpointing (20), which wraps the forwards this one replaces
+    Config = CupyFusionConfig
+    requires = ("cuda", "cupy")
+    conflicts = {
+        "compile": "torch.compile cannot trace CuPy kernel launches, so every fused op would split its "
+        "graph; compare the two as separate arms instead",
+    }
+
+    def check(self, ctx: Context, config: CupyFusionConfig) -> str | None:
+        reason = cupy_unavailable_reason(ctx.device)
+        if reason:
+            return reason
+        if ctx.model is not None and not config.optimizer:
+            if not fuse_model(ctx.model, **config.patterns(), dry_run=True):
+                return (
+                    f"{ctx.model_name or 'the model'} has nothing the enabled patterns match (Linear+GELU in "
+                    "a Sequential, LayerNorm, the built-in transformer block), and optimizer fusion is off"
+                )
+        return None
+
+    def apply(self, setup, config: CupyFusionConfig) -> str:
+        notes = [describe_replacements(fuse_model(setup.model, **config.patterns()))]
+        if config.optimizer:
+            build = setup.make_optimizer
+            # Which optimizer the run uses is only known by building one: probe it on a scalar.
+            probe = type(build([nn.Parameter(torch.zeros(1))])).__name__
+            if probe == "AdamW":
+                setup.make_optimizer = lambda params: FusedAdamW.from_adamw(build(params))
+                notes.append("AdamW steps in one launch")
+            else:
+                notes.append(f"optimizer {probe} left unfused (the fused step is AdamW)")
+        return "; ".join(notes)
+
+
+TECHNIQUE = CupyFusion()
