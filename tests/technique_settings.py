@@ -17,6 +17,7 @@ TECHNIQUE_SETTINGS = {
     "dali": {"config": {"threads": 1}, "models": ("mlp", "resnet-mini"), "data": "jpeg"},
     "tf32": {"config": True, "models": ALL_MODELS},
     "cupy_fusion": {"config": True, "models": ALL_MODELS},
+    "cuda_graphs": {"config": {"warmup_steps": 1}, "models": ALL_MODELS},
     "checkpointing": {"config": True, "models": ALL_MODELS},
     "channels_last": {"config": True, "models": ("resnet-mini",)},
     "amp": {"config": {"dtype": "bfloat16"}, "models": ALL_MODELS},

@@ -177,6 +177,7 @@ def prepare(
         data_label=source.label,
         image_size=source.images.size if source.images is not None else None,
         world_size=run.world_size,
+        warmup=run.warmup,
     )
     runnable, unavailable = [], []
     for technique, config in chosen:
@@ -423,11 +424,15 @@ def plan(
     loader_arms: bool | str | None = None,
     world_size: int = 1,
     link: Any = None,
+    steps: int = 30,
+    warmup: int = 5,
 ):
     """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them."""
     import pandas as pd
 
     run = RunConfig(
+        steps=steps,
+        warmup=warmup,
         repeats=repeats,
         batch_size=batch_size,
         device=device,
@@ -489,7 +494,7 @@ def _run(
             units=units,
             complete=complete,
             telemetry=sampler.samples,
-            table=summarize(arm_records, units, run.repeats, complete),
+            table=summarize(arm_records, units, run.repeats, complete, sampler.samples),
         )
         write_json_atomic(folder / "results.json", record)
         return Results(record, folder)

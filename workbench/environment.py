@@ -72,6 +72,7 @@ def _gpu_info() -> dict:
         "cudnn_version": torch.backends.cudnn.version(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
     }
     try:
         import pynvml
@@ -115,6 +116,24 @@ def machine_summary(env: dict | None = None) -> dict:
     return {key: env[key] for key in keys if key in env}
 
 
+def gpu_line(env: dict) -> str:
+    """``gpu       NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.1 GiB; dense peak TFLOP/s: ...)``."""
+    from workbench.mfu import peak_tflops
+
+    name = env["gpus"][0]
+    peaks = []
+    for dtype in ("bfloat16", "float16", "tf32", "float32"):
+        peak, _ = peak_tflops(name, dtype)
+        if peak is not None:
+            peaks.append(f"{dtype} {peak:g}")
+    peak_text = (
+        f"dense peak TFLOP/s: {', '.join(peaks)}" if peaks else "peak unknown: no MFU (see workbench.mfu)"
+    )
+    memory = f", {env['gpu_memory_gib']} GiB" if env.get("gpu_memory_gib") else ""
+    count = f"{len(env['gpus'])}x " if len(env["gpus"]) > 1 else ""
+    return f"gpu       {count}{name} (compute capability {env['capability']}{memory}; {peak_text})"
+
+
 def format_environment(env: dict) -> str:
     lines = [
         f"workbench {env['workbench']}"
@@ -129,7 +148,7 @@ def format_environment(env: dict) -> str:
         lines.append(
             f"cuda      {env['cuda_version']}, cuDNN {env['cudnn_version']}, driver {env.get('driver_version') or 'unknown'}"
         )
-        lines.append(f"gpu       {', '.join(env['gpus'])} (compute capability {env['capability']})")
+        lines.append(gpu_line(env))
     else:
         lines.append("cuda      no CUDA device visible (GPU-only techniques are reported as unavailable)")
     return "\n".join(lines)

@@ -50,6 +50,9 @@ class TrainSetup:
     rank: int = 0
     world_size: int = 1
     comm: Any = None  # a workbench.distributed.CommSettings when world_size > 1
+    # cuda_graphs: runs the compute step (trainer.compute) as a captured CUDA graph, replayed.
+    graph_step: Callable[[Trainer, Any, torch.Tensor, StepClock], torch.Tensor] | None = None
+    autocast_cache: bool = True  # autocast's weight-cast cache must be off inside graph capture
     # Process-wide flags a technique flips (e.g. TF32) are entered here and restored on exit.
     settings: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -94,7 +97,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(setup.device.type, enabled=setup.grad_scaler)
         dtype = setup.autocast_dtype
         self.autocast = (
-            (lambda: torch.autocast(setup.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+            (lambda: torch.autocast(setup.device.type, dtype=dtype, cache_enabled=setup.autocast_cache))
+            if dtype
+            else contextlib.nullcontext
         )
         # Pinned host memory is what lets a host-to-device copy run asynchronously.
         self.non_blocking = bool(setup.loader_options.get("pin_memory")) and setup.device.type == "cuda"
@@ -116,6 +121,15 @@ class Trainer:
         clock.start()
         inputs, targets = self.next_batch()
         clock.lap("data")
+        if self.setup.graph_step is not None:
+            step_loss = self.setup.graph_step(self, inputs, targets, clock)  # one replay of compute()
+        else:
+            step_loss = self.compute(inputs, targets, clock)
+        clock.stop()
+        return step_loss
+
+    def compute(self, inputs: Any, targets: torch.Tensor, clock: StepClock) -> torch.Tensor:
+        """Forward, backward and the optimizer step: everything in a step after the data arrives."""
         step_loss = None
         micro_batches = split_batch(inputs, targets, self.setup.micro_batches)
         for index, (micro_inputs, micro_targets, share) in enumerate(micro_batches):
@@ -134,5 +148,4 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         clock.lap("optimizer")
-        clock.stop()
         return step_loss

@@ -22,7 +22,13 @@ class ResultsFigure(Figure):
         return buffer.getvalue()
 
 
-PHASE_COLORS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
+PHASE_COLORS = {
+    "data": "#8c8c8c",
+    "forward": "#4c72b0",
+    "backward": "#dd8452",
+    "optimizer": "#55a868",
+    "replay": "#8172b3",  # cuda_graphs: forward, backward and optimizer as one graph replay
+}
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
 
 
@@ -129,7 +135,7 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     names = [arm for arm in arms if arm in per_arm]
     left = np.zeros(len(names))
     for phase, color in PHASE_COLORS.items():
-        values = np.array([np.median([r["phase_ms"][phase] for r in per_arm[arm]]) for arm in names])
+        values = np.array([np.median([r["phase_ms"].get(phase, 0.0) for r in per_arm[arm]]) for arm in names])
         phase_ax.barh(names, values, left=left, color=color, label=phase, height=0.6)
         left += values
     phase_ax.invert_yaxis()

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from workbench import stats
+from workbench.mfu import achieved_tflops, mfu_percent, peak_tflops
+from workbench.telemetry import PHASES
 
 SCHEMA = "workbench-results/1"
 STATUSES = ("ok", "unavailable", "failed", "oom", "diverged", "interrupted")
@@ -35,12 +37,20 @@ TABLE_COLUMNS = [
     "forward_ms",
     "backward_ms",
     "optimizer_ms",
+    "replay_ms",
     "peak_mem_mb",
     "peak_rss_mb",
     "startup_s",
     "final_loss",
     "loss_vs_baseline",
     "cpu_util_pct",
+    # Achieved model TFLOP/s on every device; MFU and NVML readings (GPU utilization, power
+    # and SM clock, averaged over the timed windows) on CUDA. See workbench/mfu.py.
+    "tflops",
+    "mfu_pct",
+    "gpu_util_pct",
+    "gpu_power_w",
+    "sm_clock_mhz",
     # Data-parallel arms (world_size > 1) only: per-rank throughput and measured communication.
     "samples_per_s_per_rank",
     "comm_mb_per_step",
@@ -71,8 +81,14 @@ def _divergence(result: dict) -> str | None:
     return None
 
 
-def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complete: bool) -> list[dict]:
-    """One row per arm, from the arms' plan and the finished units (see workbench.stats)."""
+def summarize(
+    arms: list[dict],
+    units: list[dict],
+    planned_repeats: int,
+    complete: bool,
+    telemetry: list[dict] | None = None,
+) -> list[dict]:
+    """One row per arm, from the arms' plan, the finished units and the sampler's telemetry."""
     by_arm: dict[str, list[dict]] = {arm["name"]: [] for arm in arms}
     for unit in units:
         by_arm.setdefault(unit["arm"], []).append(unit)
@@ -123,8 +139,8 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
             throughputs = [r["samples_per_s"] for r in results]
             row["samples_per_s"], row["samples_per_s_spread"] = stats.median_and_spread(throughputs)
             row["step_ms"] = _median([1e3 * r["wall_s"] / r["steps"] for r in results])
-            for phase in ("data", "forward", "backward", "optimizer"):
-                row[f"{phase}_ms"] = _median([r["phase_ms"][phase] for r in results])
+            for phase in PHASES:  # records from before the replay phase existed lack it
+                row[f"{phase}_ms"] = _median([r["phase_ms"].get(phase, 0.0) for r in results])
             row["peak_mem_mb"] = _median([r["peak_mem_mib"] for r in results])
             row["peak_rss_mb"] = _median([r["peak_rss_mib"] for r in results])
             row["startup_s"] = results[0]["startup_s"]  # the first repeat: a cold compile cache
@@ -133,6 +149,7 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
             row["cpu_util_pct"] = _median([r["cpu_util_pct"] for r in results])
             if all("comm_bytes_per_step" in r for r in results):
                 _communication(row, results, base_comm)
+            notes += _utilization(row, results, telemetry or [])
             row["repeats"] = len(results)
             row["loss_vs_baseline"] = row["final_loss"] / base_loss if base_loss else math.nan
             paired = [(base_ok[u["repeat"]], u["result"]) for u in ok if u["repeat"] in base_ok]
@@ -178,6 +195,38 @@ def summarize(arms: list[dict], units: list[dict], planned_repeats: int, complet
         row["notes"] = "; ".join(notes)
         rows.append(row)
     return rows
+
+
+def _utilization(row: dict, results: list[dict], telemetry: list[dict]) -> list[str]:
+    """tflops and mfu_pct from the counted FLOPs; the GPU's NVML readings inside the timed windows."""
+    notes = []
+    if all("flops_per_sample" in r for r in results):
+        row["tflops"] = _median([achieved_tflops(r["flops_per_sample"], r["samples_per_s"]) for r in results])
+        device_name, dtype = results[0].get("device_name", "cpu"), results[0].get("compute_dtype", "float32")
+        if device_name != "cpu":
+            peak, which = peak_tflops(device_name, dtype)
+            if peak is None:
+                notes.append(f"no MFU: {which}")
+            else:
+                row["mfu_pct"] = mfu_percent(row["tflops"], peak, gpus=max(1, len(results[0]["nvml_gpus"])))
+    gpus = results[0].get("nvml_gpus") or []
+    if gpus and telemetry:
+        for column, reading in (("gpu_util_pct", "util_percent"), ("gpu_power_w", "power_w"),
+                                ("sm_clock_mhz", "sm_clock_mhz")):  # fmt: skip
+            values = [
+                sample[f"gpu{index}_{reading}"]
+                for r in results
+                for sample in telemetry
+                if r["window_start"] <= sample["time"] <= r["window_end"]
+                for index in gpus
+                if f"gpu{index}_{reading}" in sample
+            ]
+            row[column] = float(np.mean(values)) if values else math.nan
+        if math.isnan(row["gpu_util_pct"]):
+            notes.append(
+                "no GPU readings inside the timed windows (NVML samples once a second); use more steps"
+            )
+    return notes
 
 
 def _communication(row: dict, results: list[dict], base_comm: float) -> None:
@@ -306,6 +355,8 @@ class Results:
             "loss_vs_baseline",
         ]
         table = self.table
+        if "mfu_pct" in table and table["mfu_pct"].notna().any():  # CUDA arms on a GPU with a known peak
+            columns.insert(columns.index("step_ms") + 1, "mfu_pct")
         text_table = table[columns].copy()
         text_table["samples_per_s"] = [f"{v:,.0f}" if math.isfinite(v) else "-" for v in table.samples_per_s]
         text_table.insert(
@@ -325,6 +376,8 @@ class Results:
             "\n* noisy: repeats spread or the interval reaches more than 10% from the speedup; more repeats help."
             "\npeak_mem_mb: most memory held by tensors in a step (MiB); peak_rss_mb in the table: what the OS saw."
         )
+        if "mfu_pct" in columns:
+            text += "\nmfu_pct: model FLOPs per second over the GPU's dense peak for the dtype in use (workbench.mfu)."
         problems = [f"  {row.arm}: {row.status}: {row.reason}" for row in table.itertuples() if row.reason]
         flagged = [f"  {row.arm}: {row.notes}" for row in table.itertuples() if row.notes]
         if problems:

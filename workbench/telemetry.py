@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-PHASES = ("data", "forward", "backward", "optimizer")
+# "replay": a captured CUDA graph of the whole compute step (cuda_graphs), which has no inner phases.
+PHASES = ("data", "forward", "backward", "optimizer", "replay")
 
 
 class StepClock:
@@ -283,6 +284,34 @@ class _NvmlReader:
     def close(self) -> None:
         if self.available:
             self._nvml.nvmlShutdown()
+
+
+def nvml_indices(device: torch.device, world_size: int = 1) -> list[int]:
+    """NVML's indices of the GPUs a run uses: ``device``, or local ranks 0..world_size-1.
+
+    NVML numbers every GPU in the machine and ignores CUDA_VISIBLE_DEVICES, so CUDA device i
+    is matched to its NVML twin by PCI address; without NVML the CUDA index is returned.
+    """
+    cuda_indices = [device.index or 0] if world_size == 1 else list(range(world_size))
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            addresses = {}
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                pci = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+                addresses[(pci.domain, pci.bus, pci.device)] = index
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # nvidia-ml-py missing or NVML unusable: keep CUDA's numbering
+        return cuda_indices
+    found = []
+    for index in cuda_indices:
+        props = torch.cuda.get_device_properties(index)
+        address = tuple(getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device"))
+        found.append(addresses.get(address, index))
+    return found
 
 
 @dataclass

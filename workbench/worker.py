@@ -39,8 +39,9 @@ from workbench.distributed import (
     wrap_ddp,
 )
 from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
+from workbench.mfu import compute_dtype, count_flops
 from workbench.models import NoOpModel, build_model, noop_loss
-from workbench.telemetry import CpuUsage, PeakMemory, StepClock, usable_cores
+from workbench.telemetry import CpuUsage, PeakMemory, StepClock, nvml_indices, usable_cores
 
 
 @dataclass
@@ -232,6 +233,7 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
         peak_mib = memory.tensor_peak_mib(
             lambda: trainer.step(StepClock(device)), trainer.model, trainer.optimizer
         )
+        flops = {} if spec.loader_only else _count_flops(spec, trainer, setup, notes)
 
     result = {
         "startup_s": startup_s,
@@ -252,6 +254,10 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
         "window_start": window_start,
         "window_end": window_end,
         "torch_threads": torch.get_num_threads(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        # NVML's numbering of the GPUs this run used, to pick their samples out of the telemetry.
+        "nvml_gpus": nvml_indices(device, rank.world_size) if device.type == "cuda" else [],
+        **flops,
         **comm,
     }
     if rank.distributed:
@@ -264,6 +270,22 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
 
 
 _KEEP_ALIVE: list = []
+
+
+def _count_flops(spec: UnitSpec, trainer: Trainer, setup: TrainSetup, notes: list[str]) -> dict:
+    """FLOPs per sample of the model on a real batch's shapes (see workbench.mfu), after the window."""
+    inputs, targets = next(trainer.batches)
+    try:
+        flops = count_flops(
+            lambda: build_model(spec.model, spec.data.spec), inputs, targets, spec.loss_fn or default_loss
+        )
+    except Exception as error:  # a model or loss that cannot run on meta tensors: no MFU, said why
+        notes.append(f"FLOPs not counted ({type(error).__name__}: {error}); no tflops or MFU")
+        return {}
+    return {
+        "flops_per_sample": flops / len(targets),
+        "compute_dtype": compute_dtype(trainer.model, setup.autocast_dtype),
+    }
 
 
 def _comm_record(meter: CommMeter, steps: int) -> dict:

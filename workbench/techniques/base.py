@@ -41,6 +41,7 @@ class Context:
     data_label: str = ""
     image_size: int | None = None  # the crop size, when the data is a folder of JPEG files
     world_size: int = 1  # ranks per arm (DDP)
+    warmup: int = 5  # untimed steps before the clock starts
 
 
 def _needs_package(module: str, hint: str) -> Callable[[Context], str | None]:

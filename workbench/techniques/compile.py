@@ -49,7 +49,7 @@ class CompileConfig:
 class Compile(Technique):
     name = "compile"
     summary = "torch.compile the model (fused kernels); compile time reported as startup_s"
-    order = 90  # last: it must see every change the other techniques made to the model
+    order = 90  # after every change to the model; only cuda_graphs (95), which captures the step, is later
     Config = CompileConfig
 
     def check(self, ctx: Context, config: CompileConfig) -> str | None:
