@@ -425,12 +425,15 @@ class FusedAdamW(torch.optim.Optimizer):
                 if param.grad.is_sparse:
                     raise RuntimeError("FusedAdamW does not take sparse gradients")
                 state = self.state[param]
+                acc = raw_kernels.accumulate_dtype(param.dtype)
                 if not state:
-                    acc = raw_kernels.accumulate_dtype(param.dtype)
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(param, dtype=acc)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=acc)
-                state["step"] += 1
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    if state[moment].dtype != acc:  # load_state_dict casts state to the parameter's dtype
+                        state[moment] = state[moment].to(acc)
+                state["step"] = int(state["step"]) + 1
                 launches[(param.device, param.dtype, state["step"])].append(param)
             for (device, dtype, step), params in launches.items():
                 self._launch(group, device, dtype, step, params)
