@@ -13,14 +13,14 @@ def test_step_clock_attributes_time_to_phases():
     clock = StepClock(torch.device("cpu"))
     for _ in range(3):
         clock.start()
-        for phase, seconds in zip(PHASES, (0.002, 0.004, 0.006, 0.001), strict=True):
+        for phase, seconds in zip(PHASES, (0.002, 0.004, 0.006, 0.001, 0.003), strict=True):
             time.sleep(seconds)
             clock.lap(phase)
         clock.stop()
     per_step = clock.phase_ms_per_step()
-    for phase, expected_ms in zip(PHASES, (2, 4, 6, 1), strict=True):
+    for phase, expected_ms in zip(PHASES, (2, 4, 6, 1, 3), strict=True):
         assert expected_ms <= per_step[phase] < expected_ms + 2.5
-    assert len(clock.step_s) == 3 and all(0.013 <= s < 0.025 for s in clock.step_s)
+    assert len(clock.step_s) == 3 and all(0.016 <= s < 0.028 for s in clock.step_s)
 
 
 def test_cpu_peak_memory_sees_a_known_allocation():
