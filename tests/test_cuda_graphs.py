@@ -36,8 +36,10 @@ def test_settings_are_checked():
         ValueError, match="cuda_graphs: mode must be one of 'manual' | 'compile'; got 'eager'"
     ):
         GRAPHS.configure({"mode": "eager"})
-    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"warmup_steps must be >= 1; got 0 \(eager steps before capture\)"):
         GRAPHS.configure({"warmup_steps": 0})
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1; got 2.5"):
+        GRAPHS.configure({"warmup_steps": 2.5})
 
 
 def test_capture_must_happen_inside_the_warmup():

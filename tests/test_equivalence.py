@@ -143,9 +143,9 @@ def test_float16_uses_loss_scaling_and_trains():
 
 def test_tf32_sets_and_restores_the_process_flags():
     """tf32 is unavailable on CPU, but its flag handling is plain Python and can be checked here."""
-    from workbench.techniques.tf32 import _current_precision
+    from workbench.techniques.tf32 import current_precision
 
-    before = _current_precision()
+    before = current_precision()
     setup = TrainSetup(
         model=torch.nn.Linear(2, 2),
         device=CPU,
@@ -154,8 +154,8 @@ def test_tf32_sets_and_restores_the_process_flags():
     )
     with setup.settings:
         get_technique("tf32").apply(setup, get_technique("tf32").Config(matmul=True, cudnn=False))
-        assert _current_precision() == (True, False)
-    assert _current_precision() == before
+        assert current_precision() == (True, False)
+    assert current_precision() == before
 
 
 def test_channels_last_converts_model_and_inputs():

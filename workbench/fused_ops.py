@@ -206,7 +206,7 @@ def residual_dropout_layer_norm(
         x, residual = x.to(common), residual.to(common)
     seed = int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0  # reproducible under manual_seed
     if residual is None and p == 0:
-        return x, ResidualDropoutLayerNorm.apply(x, None, weight, bias, eps, 0.0, 0)
+        return x, layer_norm(x, weight, bias, eps)
     return ResidualDropoutLayerNorm.apply(x, residual, weight, bias, eps, p, seed)
 
 

@@ -80,11 +80,11 @@ def _split(inputs: Any, parts: int) -> list:
     raise TypeError(f"cannot split inputs of type {type(inputs).__name__} into micro-batches")
 
 
-def _to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
+def to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=non_blocking)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(v, device, non_blocking) for v in value)
+        return type(value)(to_device(v, device, non_blocking) for v in value)
     return value
 
 
@@ -110,8 +110,8 @@ class Trainer:
     def next_batch(self) -> tuple[Any, torch.Tensor]:
         inputs, targets = next(self.batches)
         self.samples_seen += len(targets)
-        inputs = _to_device(inputs, self.setup.device, self.non_blocking)
-        targets = _to_device(targets, self.setup.device, self.non_blocking)
+        inputs = to_device(inputs, self.setup.device, self.non_blocking)
+        targets = to_device(targets, self.setup.device, self.non_blocking)
         for transform in self.setup.input_transforms:
             inputs = transform(inputs)
         return inputs, targets

@@ -19,11 +19,12 @@ so); add a row for it, in the process that calls ``ablate``, which is where MFU 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from workbench.loop import to_device
 
 # Dense peak TFLOP/s per compute dtype. Matched against torch.cuda.get_device_name() in this
 # order (first match wins), so more specific names come first ("A100" before "A10").
@@ -59,14 +60,10 @@ def compute_dtype(model: torch.nn.Module, autocast_dtype: torch.dtype | None) ->
     dtype = parameter.dtype if parameter is not None else torch.float32
     if dtype in (torch.float16, torch.bfloat16, torch.float64):
         return str(dtype).removeprefix("torch.")
-    return "tf32" if _matmul_tf32() else "float32"
+    from workbench.techniques.tf32 import current_precision
 
-
-def _matmul_tf32() -> bool:
-    """Whether float32 matmuls run as TF32 (convolutions follow cuDNN's own flag, on by default)."""
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # PyTorch >= 2.9
-        return torch.backends.cuda.matmul.fp32_precision == "tf32"
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+    matmul_tf32, _ = current_precision()  # the matmul flag decides; cuDNN convolutions have their own
+    return "tf32" if matmul_tf32 else "float32"
 
 
 def count_flops(
@@ -85,19 +82,12 @@ def count_flops(
     with torch.device("meta"):
         model = build()
     model = model.to("meta")  # a factory that places its parameters on a device explicitly
-    meta_inputs, meta_targets = _to_meta(inputs), _to_meta(targets)
+    meta = torch.device("meta")
+    meta_inputs, meta_targets = to_device(inputs, meta, False), to_device(targets, meta, False)
     with FlopCounterMode(display=False) as counter:
         loss = loss_fn(model(meta_inputs), meta_targets)
         loss.backward()
     return int(counter.get_total_flops())
-
-
-def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta")
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_meta(v) for v in value)
-    return copy.copy(value)
 
 
 def achieved_tflops(flops_per_sample: float, samples_per_s: float) -> float:

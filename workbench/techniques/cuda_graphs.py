@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from workbench.config import check_choice
+from workbench.config import check_choice, check_int
 from workbench.techniques.base import Context, Technique
 from workbench.telemetry import StepClock
 
@@ -64,15 +64,7 @@ class CudaGraphsConfig:
 
     def __post_init__(self) -> None:
         check_choice("cuda_graphs", "mode", self.mode, MODES)
-        if (
-            isinstance(self.warmup_steps, bool)
-            or not isinstance(self.warmup_steps, int)
-            or self.warmup_steps < 1
-        ):
-            raise ValueError(
-                f"cuda_graphs: warmup_steps must be an integer >= 1 (eager steps before capture); "
-                f"got {self.warmup_steps!r}"
-            )
+        check_int("cuda_graphs", "warmup_steps", self.warmup_steps, 1, why=" (eager steps before capture)")
 
 
 class _NoClock(StepClock):

@@ -51,7 +51,7 @@ def _set_precision(matmul: bool, cudnn: bool) -> None:
         torch.backends.cudnn.allow_tf32 = cudnn
 
 
-def _current_precision() -> tuple[bool, bool]:
+def current_precision() -> tuple[bool, bool]:
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         return (
             torch.backends.cuda.matmul.fp32_precision == "tf32",
@@ -75,7 +75,7 @@ class Tf32(Technique):
         return None
 
     def apply(self, setup, config: Tf32Config) -> str:
-        previous = _current_precision()
+        previous = current_precision()
         _set_precision(config.matmul, config.cudnn)
         setup.settings.callback(_set_precision, *previous)
         kernels = " and ".join(k for k, on in (("matmul", config.matmul), ("cuDNN conv", config.cudnn)) if on)
