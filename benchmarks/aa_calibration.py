@@ -1,11 +1,17 @@
-"""Calibration of the speedup intervals: how often does an A/A comparison contain 1.0?
+"""Calibration of the speedup intervals: how often does an A/A comparison contain 1.0, and how wide is it?
 
 Each trial is a complete ablation whose only arms are the baseline and its control (the
-same baseline again), so the true speedup is exactly 1.0. A 95% interval should contain it
-in about 95% of trials; much less would mean the intervals are too narrow for this
-machine's noise (or that the timing is biased), much more that they are needlessly wide.
+same baseline again, in the same blocks), so the true speedup is exactly 1.0. A 95%
+interval should contain it in about 95% of trials; much less would mean the intervals are
+too narrow for this machine's noise (or that the timing is biased), much more that they
+are needlessly wide.
 
-Run:  python benchmarks/aa_calibration.py [--trials 20] [--repeats 3] [--json benchmarks/results/aa-calibration.json]
+The trials keep every window's step times, so each candidate estimator of an arm's typical
+step time (workbench.stats.ESTIMATORS) is judged on the very same measurements: its
+coverage, and its median half-width. workbench uses the narrowest one that covers.
+
+Run:  python benchmarks/aa_calibration.py [--trials 40] [--blocks 3] [--steps 200]
+          [--json benchmarks/results/aa-calibration.json]
 """
 
 from __future__ import annotations
@@ -25,46 +31,87 @@ def wilson(hits: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     return centre - half, centre + half
 
 
+def control_intervals(results, estimator: str) -> tuple[float, float, float]:
+    """The control arm's (low, point, high) with ``estimator``, from the stored windows."""
+    from workbench import stats
+    from workbench.results import _side
+
+    by_block: dict[int, dict[str, dict]] = {}
+    for unit in results.record["units"]:
+        if unit["status"] == "ok":
+            by_block.setdefault(unit["block"], {})[unit["arm"]] = unit["result"]
+    ratios = [
+        stats.block_ratio(
+            _side(arms["baseline"]), _side(arms["baseline (control)"]), paired=True, estimator=estimator
+        )
+        for arms in by_block.values()
+        if {"baseline", "baseline (control)"} <= set(arms)
+    ]
+    speedup = stats.combine_blocks(ratios)
+    return speedup.low, speedup.point, speedup.high
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=40)
+    parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--model", default="mlp")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None, help="default: chosen from the step time")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
     import workbench as wb
+    from workbench import stats
     from workbench.environment import machine_summary
 
     started = time.time()
-    intervals = []
+    intervals: dict[str, list[tuple[float, float, float]]] = {name: [] for name in stats.ESTIMATORS}
+    walls, rounds = [], []
     for trial in range(args.trials):
+        trial_started = time.time()
         res = wb.ablate(
             model=args.model,
             techniques={},
             steps=args.steps,
-            warmup=5,
-            repeats=args.repeats,
+            warmup=args.warmup,
+            blocks=args.blocks,
+            rounds=args.rounds,
             control=True,
             out=False,
             progress=False,
             seed=trial,
         )
-        row = res.table.set_index("arm").loc["baseline (control)"]
-        intervals.append((row.speedup_low, row.speedup, row.speedup_high))
+        walls.append(time.time() - trial_started)
+        rounds += [block["rounds"] for block in res.record["blocks"]]
+        for name in stats.ESTIMATORS:
+            intervals[name].append(control_intervals(res, name))
+        low, point, high = intervals[stats.ESTIMATOR][-1]
         print(
-            f"trial {trial + 1}/{args.trials}: {row.speedup:.3f} [{row.speedup_low:.3f}, {row.speedup_high:.3f}]",
+            f"trial {trial + 1}/{args.trials} ({walls[-1]:.0f} s): control {point:.4f} [{low:.4f}, {high:.4f}] "
+            f"({stats.ESTIMATOR})",
             flush=True,
         )
-    intervals = [tuple(float(value) for value in interval) for interval in intervals]
-    hits = int(sum(low <= 1.0 <= high for low, _, high in intervals))
-    low, high = wilson(hits, args.trials)
-    widths = sorted(high - low for low, _, high in intervals)
-    print(
-        f"\n{hits}/{args.trials} A/A intervals contain 1.0 (coverage {hits / args.trials:.0%}, "
-        f"95% Wilson interval {low:.0%}-{high:.0%}); median interval width {widths[len(widths) // 2]:.3f}"
-    )
+    summary = {}
+    print(f"\n{args.trials} A/A trials, {args.model}, {args.steps} steps x {args.blocks} blocks:")
+    for name, found in intervals.items():
+        hits = int(sum(low <= 1.0 <= high for low, _, high in found))
+        half_widths = sorted(100 * max(high - point, point - low) / point for low, point, high in found)
+        coverage_low, coverage_high = wilson(hits, args.trials)
+        summary[name] = {
+            "covered": hits,
+            "coverage": hits / args.trials,
+            "coverage_interval": [coverage_low, coverage_high],
+            "median_half_width_pct": half_widths[len(half_widths) // 2],
+            "intervals": found,
+        }
+        print(
+            f"  {name:26s} {hits}/{args.trials} contain 1.0 (Wilson 95%: {coverage_low:.0%}-{coverage_high:.0%}); "
+            f"median half-width {summary[name]['median_half_width_pct']:.2f}%"
+            + ("   <- workbench's estimator" if name == stats.ESTIMATOR else "")
+        )
+    print(f"median wall time per ablation: {sorted(walls)[len(walls) // 2]:.1f} s; rounds per block: {sorted(set(rounds))}")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -72,13 +119,14 @@ def main() -> None:
                     "benchmark": "aa-calibration",
                     "model": args.model,
                     "steps": args.steps,
-                    "repeats": args.repeats,
+                    "warmup": args.warmup,
+                    "blocks": args.blocks,
+                    "rounds": sorted(set(rounds)),
                     "trials": args.trials,
-                    "covered": hits,
-                    "coverage_interval": [low, high],
-                    "intervals": intervals,
-                    "median_width": widths[len(widths) // 2],
+                    "estimator": stats.ESTIMATOR,
+                    "estimators": summary,
                     "wall_s": time.time() - started,
+                    "median_ablation_s": sorted(walls)[len(walls) // 2],
                     "machine": machine_summary(),
                 },
                 indent=1,

@@ -50,7 +50,7 @@ def test_a_known_sleep_is_timed_right():
         techniques={},
         steps=10,
         warmup=2,
-        repeats=1,
+        blocks=1,
         control=False,
         out=False,
         **QUIET,
@@ -70,7 +70,7 @@ def test_warmup_is_excluded_from_the_clock():
         techniques={},
         steps=10,
         warmup=3,
-        repeats=1,
+        blocks=1,
         control=False,
         out=False,
         **QUIET,
@@ -82,22 +82,22 @@ def test_warmup_is_excluded_from_the_clock():
 
 def _aa_interval():
     res = wb.ablate(
-        model="mlp", techniques={}, steps=150, warmup=5, repeats=5, control=True, out=False, **QUIET
+        model="mlp", techniques={}, steps=150, warmup=5, blocks=3, control=True, out=False, **QUIET
     )
     control = res.table.set_index("arm").loc["baseline (control)"]
     return control.speedup_low, control.speedup, control.speedup_high
 
 
 def test_running_the_baseline_twice_gives_one_inside_its_interval():
-    """The A/A check. A 95% interval misses by chance 1 time in 20, so one miss is retried;
-    two misses in a row (1 in 400 by chance) mean the timing or the interval is biased."""
+    """The A/A check, on a short budget. A 95% interval misses by chance 1 time in 20, so one miss
+    is retried; two misses in a row (1 in 400 by chance) mean the timing or the interval is biased."""
     low, point, high = _aa_interval()
     if not low <= 1.0 <= high:
         low, point, high = _aa_interval()
     assert low <= 1.0 <= high, (low, point, high)
-    # Processes on a shared 2-vCPU VM differ by up to 2x (memory layout, neighbours); the guard only
-    # rules out an interval so wide it would contain any answer.
-    assert 0.5 < low and high < 2.0, f"an interval this wide would contain anything: {(low, high)}"
+    # Arms side by side in one process share its luck, so the interval is narrow: processes here differ
+    # by 10-15% (up to 2x), and an interval that wide would contain any answer.
+    assert 0.85 < low and high < 1.15, f"an interval this wide would contain anything: {(low, high)}"
 
 
 # --- isolation ---------------------------------------------------------------------------
@@ -115,6 +115,7 @@ class Polluter(Technique):
     summary = "test-only technique that changes global state"
     order = 99
     Config = PolluterConfig
+    own_process_reason = "it changes process-wide state on purpose (a test)"
 
     def apply(self, setup, config):
         torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark  # backend flags
@@ -125,6 +126,13 @@ class Polluter(Technique):
         compiled(torch.ones(3))
         _record(os.environ["WORKBENCH_TEST_RECORDS"], "polluter-after-apply")
         return "polluted"
+
+
+class SneakyPolluter(Polluter):
+    """The same, without saying that it cannot share a process."""
+
+    name = "sneaky_polluter"
+    own_process_reason = None
 
 
 def _observe() -> dict:
@@ -157,8 +165,10 @@ def polluter(tmp_path, monkeypatch):
     records.mkdir()
     monkeypatch.setenv("WORKBENCH_TEST_RECORDS", str(records))
     register_technique(Polluter())
+    register_technique(SneakyPolluter())
     yield records
     unregister_technique("polluter")
+    unregister_technique("sneaky_polluter")
 
 
 def _digits_dataset():
@@ -169,28 +179,44 @@ def _digits_dataset():
     return torch.utils.data.TensorDataset(inputs, torch.tensor(digits.target[:256]))
 
 
-def test_arms_do_not_contaminate_each_other(polluter):
-    """Each (arm, repeat) runs in a fresh process: a polluting arm leaves the others pristine."""
-    res = wb.ablate(
+def _ablate_with(technique: str) -> wb.Results:
+    return wb.ablate(
         model=observing_mlp,
         data=_digits_dataset(),
-        techniques={"polluter": True},
+        techniques={technique: True},
         steps=3,
         warmup=1,
-        repeats=2,
+        blocks=2,
         batch_size=16,
         out=False,
         **QUIET,
     )
-    assert set(res.table.status) == {"ok"}
+
+
+def test_an_arm_that_needs_its_own_process_cannot_contaminate_the_others(polluter):
+    """A technique that declares it cannot share a process runs alone in every block, against a
+    baseline that also runs alone; the block's arms and the lone baseline never see its mess."""
+    res = _ablate_with("polluter")
+    table = res.table.set_index("arm")
+    assert set(table.status) == {"ok"}
+    assert (
+        table.loc["polluter", "process"] == "own" and table.loc["baseline (own process)", "process"] == "own"
+    )
+    assert table.loc["baseline", "process"] == table.loc["baseline (control)", "process"] == "block"
+    assert (
+        "its own process: polluter: it changes process-wide state on purpose"
+        in table.loc["polluter", "notes"]
+    )
     # The ablation process itself calls the factory once to inspect the model; skip that record.
     records = [r for r in (json.loads(p.read_text()) for p in polluter.iterdir()) if r["pid"] != os.getpid()]
     factory = [r for r in records if r["label"] == "model-factory"]
     dirty = [r for r in records if r["label"] == "polluter-after-apply"]
-    assert len(factory) == 6 and len(dirty) == 2
+    # Per block: the shared process builds baseline and control, then the polluter and the lone baseline.
+    assert len(factory) == 8 and len(dirty) == 2
+    assert len({r["pid"] for r in factory}) == 6, "2 blocks x (one shared process + two of their own)"
     # The polluter really did pollute its own process, so this test can fail...
     assert all(r["threads"] == 1 and r["patched"] and r["compiled_frames"] > 0 for r in dirty)
-    # ...and no arm, including the ones scheduled right after it, ever saw that.
+    # ...and no arm, including the ones that ran right after it, ever saw that.
     observed = ("cudnn_benchmark", "threads", "patched", "compiled_frames", "first_random")
     pristine = {key: factory[0][key] for key in observed}
     assert not pristine["patched"] and pristine["compiled_frames"] == 0
@@ -198,22 +224,46 @@ def test_arms_do_not_contaminate_each_other(polluter):
         assert pristine["threads"] > 1
     for record in factory:
         assert {key: record[key] for key in observed} == pristine
-    assert len({r["pid"] for r in factory}) == 6, "every (arm, repeat) must have its own process"
 
 
-def test_without_isolation_the_same_pollution_would_leak(polluter):
-    """The counterfactual: run two units in one process, and the second sees the first's mess."""
-    from helpers import unit_spec
+def test_an_arm_that_changes_process_wide_state_unannounced_is_caught_and_moved(polluter):
+    """The block reads process-wide state after every arm's build and window: an arm that leaves it
+    changed is named, with what it changed, and runs in a process of its own from then on."""
+    res = _ablate_with("sneaky_polluter")
+    table = res.table.set_index("arm")
+    assert set(table.status) == {"ok"}, table[["status", "reason"]]
+    assert table.loc["sneaky_polluter", "process"] == "own"
+    arm = next(a for a in res.record["arms"] if a["name"] == "sneaky_polluter")
+    assert "it changed process-wide state" in arm["own_process"]
+    assert "monkey-patched" in arm["own_process"] and "cudnn_benchmark" in arm["own_process"]
+    # Block 0's shared process ran twice: with the polluter (caught), then without it.
+    first = [b for b in res.record["blocks"] if b["block"] == 0 and b["job"] == "block"]
+    assert first[0]["attempts"] == 2 and first[0]["arms"] == ["baseline", "baseline (control)"]
+    # Its measurements come from its own processes, compared with a baseline that also ran alone.
+    assert table.loc["baseline (own process)", "status"] == "ok"
+    assert {u["process"] for u in res.record["units"] if u["arm"] == "sneaky_polluter"} == {"own"}
 
-    from workbench.worker import run_unit
+
+def test_the_check_catches_a_polluter_inside_one_process(polluter):
+    """The counterfactual, in this very process: without the check, the next arm would inherit the mess."""
+    from helpers import block_spec
+
+    from workbench.worker import SharedStateChanged, run_block
 
     threads = torch.get_num_threads()
+    spec = block_spec(
+        observing_mlp, arms={"clean": {}, "dirty": {"sneaky_polluter": True}}, data=_digits_dataset()
+    )
     try:
-        run_unit(unit_spec(observing_mlp, {"polluter": True}, data=_digits_dataset()))
-        run_unit(unit_spec(observing_mlp, {}, data=_digits_dataset()))
-        records = sorted((json.loads(p.read_text()) for p in polluter.iterdir()), key=lambda r: r["time"])
-        second_arm = [r for r in records if r["label"] == "model-factory"][-1]
-        assert second_arm["threads"] == 1 and second_arm["patched"] and second_arm["compiled_frames"] > 0
+        with pytest.raises(SharedStateChanged) as caught:
+            run_block(spec)
+        assert caught.value.arm == "dirty"
+        assert any("monkey-patched" in change for change in caught.value.changes)
+        # What an arm built after it would have seen: the polluter's threads, patches and compiled code.
+        after = _observe()
+        assert after["patched"] and after["compiled_frames"] > 0
+        if os.cpu_count() > 1:
+            assert after["threads"] == 1
     finally:
         torch.set_num_threads(threads)
         if hasattr(nn.Linear, "leaked_patch"):
@@ -288,14 +338,14 @@ def test_faulty_arms_are_recorded_and_the_rest_goes_on(faults, tmp_path):
         techniques=techniques,
         steps=3,
         warmup=1,
-        repeats=2,
+        blocks=2,
         control=False,
         timeout_s=20,
         out=tmp_path / "faults",
         **QUIET,
     )
     table = res.table.set_index("arm")
-    assert table.loc["baseline", "status"] == "ok" and table.loc["baseline", "repeats"] == 2
+    assert table.loc["baseline", "status"] == "ok" and table.loc["baseline", "blocks"] == 2
     assert table.loc["raises", "status"] == "failed"
     assert "RuntimeError: injected failure" in table.loc["raises", "reason"]
     assert table.loc["ooms", "status"] == "oom"
@@ -304,21 +354,41 @@ def test_faulty_arms_are_recorded_and_the_rest_goes_on(faults, tmp_path):
     assert table.loc["exits", "status"] == "failed" and "exited with code 3" in table.loc["exits", "reason"]
     assert table.loc["hangs", "status"] == "failed" and "timed out after 20 s" in table.loc["hangs", "reason"]
     assert table.loc["tf32", "status"] == "unavailable" and "CUDA" in table.loc["tf32", "reason"]
-    # A deterministic failure is not retried: its second repeat is skipped, and says why.
-    units = {(u["arm"], u["repeat"]): u for u in res.record["units"]}
+    units = {(u["arm"], u["block"]): u for u in res.record["units"]}
+    assert units[("raises", 0)]["process"] == "block" and units[("baseline", 0)]["status"] == "ok"
+    # Arms that end the whole process are named; the block runs again without each of them.
+    shared = next(b for b in res.record["blocks"] if b["block"] == 0 and b["job"] == "block")
+    assert shared["attempts"] == 4
+    assert {"baseline", "nans"} <= set(shared["arms"]) <= {"baseline", "nans", "raises", "ooms"}
+    # Out of memory beside the others: tried alone before it is called out of memory.
+    assert units[("ooms", 0)]["process"] == units[("killed", 0)]["process"] == "own"
+    # A deterministic failure is not retried: its next block skips it, and says why.
     assert units[("raises", 1)]["status"] == "skipped"
-    assert "earlier repeat failed" in units[("raises", 1)]["reason"]
+    assert "failed in an earlier block" in units[("raises", 1)]["reason"]
     # The crash left a log with the traceback, and no process behind.
     assert "injected failure" in units[("raises", 0)]["traceback"]
     assert not [
-        p for p in psutil.process_iter(["cmdline"]) if "workbench.worker" in " ".join(p.info["cmdline"] or [])
+        p for p in psutil.Process().children(recursive=True) if "workbench.worker" in " ".join(p.cmdline())
     ]
+
+
+def test_a_block_that_loses_an_arm_to_an_error_keeps_the_others(faults):
+    """The arm that raises is recorded with its error; the others finish in the same process."""
+    res = wb.ablate(
+        model="mlp", techniques={"raises": True, "amp": True}, steps=4, warmup=1, blocks=1, **QUIET, out=False
+    )
+    table = res.table.set_index("arm")
+    assert table.loc["raises", "status"] == "failed" and "injected failure" in table.loc["raises", "reason"]
+    assert set(table.drop(index="raises").status) == {"ok"}
+    (block,) = res.record["blocks"]
+    assert block["attempts"] == 1 and "raises" in block["arms"]  # one process, never restarted
+    assert {u["log"] for u in res.record["units"]} == {"logs/b0-block.log"}
 
 
 # --- persistence, stop and resume ---------------------------------------------------------
 
 
-def test_stop_keeps_finished_runs_and_a_rerun_resumes(tmp_path):
+def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     out = tmp_path / "resume"
     stop = threading.Event()
     arguments = {
@@ -326,27 +396,27 @@ def test_stop_keeps_finished_runs_and_a_rerun_resumes(tmp_path):
         "techniques": {"amp": True},
         "steps": 4,
         "warmup": 1,
-        "repeats": 2,
+        "blocks": 2,
         "out": out,
     }
 
-    def stop_after_first_unit(event):
+    def stop_after_first_block(event):
         if event["type"] == "unit":
             stop.set()
 
-    first = wb.ablate(**arguments, stop=stop, on_event=stop_after_first_unit, **QUIET)
+    first = wb.ablate(**arguments, stop=stop, on_event=stop_after_first_block, **QUIET)
     assert not first.complete
-    assert len(list((out / "units").glob("*.json"))) == 1
+    assert [p.name for p in (out / "units").glob("*.json")] == ["b0-block.json"]
     saved = wb.load_results(out)
-    assert "interrupted" in set(saved.table.status)
+    assert set(saved.table.status) == {"interrupted"} and set(saved.table.blocks) == {1}
 
     started = []
     second = wb.ablate(
         **arguments, on_event=lambda e: started.append(e) if e["type"] == "start" else None, **QUIET
     )
     assert second.complete
-    assert len(started) == 3 * 2 - 1, "the finished run must be skipped, the other five run"
-    assert set(second.table.status) == {"ok"} and set(second.table.repeats) == {2}
+    assert [(e["block"], e["arms"]) for e in started] == [(1, ["baseline", "baseline (control)", "amp"])]
+    assert set(second.table.status) == {"ok"} and set(second.table.blocks) == {2}
 
     with pytest.raises(ValueError, match=r"holds a different ablation \(differs in: steps\)"):
         wb.ablate(**{**arguments, "steps": 5}, **QUIET)
@@ -361,7 +431,39 @@ def test_stop_keeps_finished_runs_and_a_rerun_resumes(tmp_path):
     assert (foreign / "thesis.tex").read_text() == "precious"
 
 
-def test_ctrl_c_keeps_finished_runs_on_disk_and_leaves_no_orphans(tmp_path):
+def test_a_block_stopped_midway_is_run_again_whole(tmp_path):
+    """Stop while a block's process is running: its arms' windows so far are dropped, the finished
+    block is kept, and the rerun runs the stopped block from its start (a block is one process)."""
+    out = tmp_path / "mid-block"
+    stop = threading.Event()
+    arguments = {
+        "model": "mlp",
+        "techniques": {"grad_accum": {"steps": 2}},
+        "steps": 60,
+        "warmup": 1,
+        "blocks": 2,
+    }
+
+    def stop_in_block_1(event):
+        if event["type"] == "phase" and event.get("block") == 1 and event.get("round") == 3:
+            stop.set()
+
+    wb.ablate(**arguments, out=out, stop=stop, on_event=stop_in_block_1, **QUIET)
+    assert [p.name for p in (out / "units").glob("*.json")] == ["b0-block.json"]
+    rounds_seen = []
+    resumed = wb.ablate(
+        **arguments,
+        out=out,
+        on_event=lambda e: (
+            rounds_seen.append((e["block"], e["round"])) if e["type"] == "phase" and "round" in e else None
+        ),
+        **QUIET,
+    )
+    assert resumed.complete and set(resumed.table.blocks) == {2}
+    assert {block for block, _ in rounds_seen} == {1} and (1, 1) in rounds_seen
+
+
+def test_ctrl_c_keeps_finished_blocks_on_disk_and_leaves_no_orphans(tmp_path):
     out = tmp_path / "ctrl-c"
     command = [
         sys.executable,
@@ -373,10 +475,10 @@ def test_ctrl_c_keeps_finished_runs_on_disk_and_leaves_no_orphans(tmp_path):
         "-t",
         "amp",
         "--steps",
-        "300",
+        "600",
         "--warmup",
         "2",
-        "--repeats",
+        "--blocks",
         "3",
         "--out",
         str(out),
@@ -393,27 +495,26 @@ def test_ctrl_c_keeps_finished_runs_on_disk_and_leaves_no_orphans(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list((out / "units").glob("*.json"))) < 2:
+    while time.monotonic() < deadline and len(list((out / "units").glob("*.json"))) < 1:
         time.sleep(0.2)
+    children = psutil.Process(process.pid).children(recursive=True)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output
     assert "Stopped:" in output and "resume" in output
     finished = len(list((out / "units").glob("*.json")))
-    assert finished >= 2
+    assert finished >= 1
     assert not wb.load_results(out).complete
     time.sleep(0.5)
-    assert not [
-        p for p in psutil.process_iter(["cmdline"]) if "workbench.worker" in " ".join(p.info["cmdline"] or [])
-    ]
+    assert not [child for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
 
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming: {finished} already done" in resumed.stdout
+    assert f"resuming: {finished} processes already done" in resumed.stdout
     assert wb.load_results(out).complete
 
 
-def test_results_are_written_after_each_run(tmp_path):
+def test_results_are_written_after_each_process(tmp_path):
     seen = []
 
     def check_disk(event):
@@ -426,9 +527,9 @@ def test_results_are_written_after_each_run(tmp_path):
         techniques={},
         steps=2,
         warmup=1,
-        repeats=2,
+        blocks=2,
         out=tmp_path / "each",
         on_event=check_disk,
         **QUIET,
     )
-    assert seen == [1, 2, 3, 4]
+    assert seen == [2, 2, 4, 4]  # two arms (baseline, control) per block's process

@@ -32,7 +32,12 @@ QUIET = {"progress": False, "out": False}
         ({"steps": 0}, r"ablate: steps must be >= 1; got 0"),
         ({"steps": 2.5}, r"ablate: steps must be an integer >= 1; got 2.5"),
         ({"warmup": 0}, r"ablate: warmup must be >= 1; got 0 \(the first steps pay one-off costs"),
-        ({"repeats": 0}, r"ablate: repeats must be >= 1; got 0"),
+        ({"blocks": 0}, r"ablate: blocks must be >= 1; got 0"),
+        ({"rounds": 0}, r"ablate: rounds must be >= 1; got 0"),
+        (
+            {"rounds": 50, "steps": 10},
+            r"ablate: rounds=50 exceeds steps=10; each round's window needs at least one step",
+        ),
         ({"batch_size": -32}, r"ablate: batch_size must be >= 1; got -32"),
         ({"lr": 0}, r"ablate: lr must be > 0.0; got 0"),
         (
@@ -85,19 +90,21 @@ def test_a_model_factory_that_returns_no_module():
 @given(
     steps=st.one_of(st.integers(-3, 50), st.floats(), st.booleans(), st.none(), st.text(max_size=3)),
     warmup=st.one_of(st.integers(-3, 5), st.floats(allow_nan=True)),
-    repeats=st.one_of(st.integers(-3, 5), st.none()),
+    blocks=st.one_of(st.integers(-3, 5), st.none()),
+    rounds=st.one_of(st.integers(-3, 60), st.none(), st.floats()),
     batch_size=st.one_of(st.integers(-64, 256), st.sampled_from([1.0, "32"])),
     device=st.one_of(st.sampled_from(["auto", "cpu", "cuda", "cuda:0", "cuda:x", "gpu", ""]), st.integers()),
     mode=st.sampled_from(["one-at-a-time", "leave-one-out", "grid", "all", ""]),
     lr=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-1, 1)),
 )
-def test_run_config_validation_fuzz(steps, warmup, repeats, batch_size, device, mode, lr):
+def test_run_config_validation_fuzz(steps, warmup, blocks, rounds, batch_size, device, mode, lr):
     """Whatever the values, RunConfig either validates them or raises one ValueError line."""
     try:
         config = RunConfig(
             steps=steps,
             warmup=warmup,
-            repeats=repeats,
+            blocks=blocks,
+            rounds=rounds,
             batch_size=batch_size,
             device=device,
             mode=mode,
@@ -106,7 +113,8 @@ def test_run_config_validation_fuzz(steps, warmup, repeats, batch_size, device, 
     except ValueError as error:
         assert "\n" not in str(error)
         return
-    assert config.steps >= 1 and config.warmup >= 1 and config.repeats >= 1 and config.batch_size >= 1
+    assert config.steps >= 1 and config.warmup >= 1 and config.blocks >= 1 and config.batch_size >= 1
+    assert config.rounds is None or 1 <= config.rounds <= config.steps
     assert config.mode in ("one-at-a-time", "leave-one-out", "grid") and config.lr > 0
 
 
@@ -147,3 +155,9 @@ def test_cli_unknown_flag_is_argparse_exit_2():
         timeout=120,
     )
     assert done.returncode == 2 and "unrecognized arguments: --stepz" in done.stderr
+
+
+def test_the_old_name_of_blocks_still_works_and_says_so():
+    with pytest.warns(DeprecationWarning, match="repeats= is now blocks="):
+        table = wb.plan(model="mlp", techniques={}, repeats=2, device="cpu")
+    assert set(table.blocks) == {2}

@@ -43,14 +43,14 @@ def test_ablate_prints_the_table_and_writes_results_and_plot(tmp_path):
         "5",
         "--warmup",
         "1",
-        "--repeats",
+        "--blocks",
         "2",
         "--out",
         str(out),
         "--no-progress",
     )
     assert done.returncode == 0, done.stderr
-    assert "Plan: 3 arms x 2 repeats = 6 runs" in done.stdout
+    assert "Plan: 2 blocks; 3 arms side by side in one process per block; 2 processes" in done.stdout
     assert "baseline (control)" in done.stdout and "tf32: unavailable" in done.stdout
     for name in ("results.json", "table.csv", "losses.csv", "telemetry.csv", "plot.png"):
         assert (out / name).exists(), name
@@ -90,10 +90,11 @@ def test_loader_only_sweep_dry_run():
         "--dry-run",
     )
     assert done.returncode == 0, done.stderr
-    rows = done.stdout.splitlines()[1:]
-    names = [re.match(r"\s*(.*)\s+(baseline|treatment)\s", row).group(1).strip() for row in rows]
+    rows = done.stdout.split("\n\n")[0].splitlines()[1:]
+    names = [re.split(r"\s{2,}", row.strip())[0] for row in rows]  # the name column; no name has two spaces
     assert names == [
         "loader: baseline",
+        "loader: baseline (own process)",  # what the arm with a worker process is compared with
         "loader: dataloader[num_workers=0]",
         "loader: dataloader[num_workers=1]",
     ]

@@ -49,7 +49,7 @@ def test_capture_must_happen_inside_the_warmup():
     GRAPHS.validate(Context(device=cuda, warmup=3), GRAPHS.configure({"warmup_steps": 2}))
     # On CPU it is unavailable anyway, so a short warm-up does not stop the rest of the plan.
     assert wb.plan(model="mlp", techniques={"cuda_graphs": True}, warmup=1, device="cpu")[
-        "runs"
+        "blocks"
     ].tolist() == [3, 3, 0]
 
 
@@ -121,7 +121,7 @@ def test_graphed_step_equals_the_eager_step(model, amp, extra):
 def test_replay_beats_eager_on_a_launch_bound_step():
     """mlp at batch 8: hundreds of microsecond kernels, the textbook case. The threshold is the
     interval's low end above 1, not a speed goal (those live in BENCHMARKS.md)."""
-    results = wb.ablate(model="mlp", techniques={"cuda_graphs": True}, steps=100, warmup=5, repeats=3,
+    results = wb.ablate(model="mlp", techniques={"cuda_graphs": True}, steps=100, warmup=5, blocks=3,
                         batch_size=8, device="cuda", out=False, progress=False, control=False)  # fmt: skip
     row = results.table.set_index("arm").loc["cuda_graphs"]
     assert row["status"] == "ok", row["reason"]
@@ -147,7 +147,7 @@ def test_a_cpu_sync_in_the_loss_is_refused_clearly():
         return loss
 
     results = wb.ablate(model="mlp", loss_fn=loss_that_syncs, techniques={"cuda_graphs": {"warmup_steps": 1}},
-                        steps=3, warmup=2, repeats=1, device="cuda", out=False, progress=False, control=False)  # fmt: skip
+                        steps=3, warmup=2, blocks=1, device="cuda", out=False, progress=False, control=False)  # fmt: skip
     row = results.table.set_index("arm").loc["cuda_graphs"]
     assert row["status"] == "failed" and "synchronizes with the CPU" in row["reason"]
     assert results.table.set_index("arm").loc["baseline", "status"] == "ok"  # the rest went on
@@ -161,6 +161,6 @@ def test_ragged_batches_are_refused_clearly():
     ]
     model = lambda: torch.nn.Sequential(torch.nn.Linear(64, 10))  # noqa: E731
     results = wb.ablate(model=model, data=batches, techniques={"cuda_graphs": {"warmup_steps": 1}}, steps=8,
-                        warmup=2, repeats=1, device="cuda", out=False, progress=False, control=False)  # fmt: skip
+                        warmup=2, blocks=1, device="cuda", out=False, progress=False, control=False)  # fmt: skip
     row = results.table.set_index("arm").loc["cuda_graphs"]
     assert row["status"] == "failed" and "every batch must have the same shape" in row["reason"]

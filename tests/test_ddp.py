@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import unit_spec
+from helpers import arm_result, block_spec
 from torch import nn
 
 import workbench as wb
@@ -78,7 +78,7 @@ def test_one_call_gives_no_hook_fp16_and_powersgd_rows_with_measured_bytes():
         world_size=WORLD,
         steps=4,
         warmup=3,
-        repeats=1,
+        blocks=1,
         batch_size=16,
         device="cpu",
         out=False,
@@ -103,7 +103,7 @@ def test_one_call_gives_no_hook_fp16_and_powersgd_rows_with_measured_bytes():
 
 
 def _buckets_per_step(no_sync: bool) -> float:
-    spec = unit_spec(
+    spec = block_spec(
         "mlp",
         {"grad_accum": {"steps": 4}, "ddp_compression": {"hook": "none", "no_sync": no_sync}},
         steps=3,
@@ -111,8 +111,7 @@ def _buckets_per_step(no_sync: bool) -> float:
         batch_size=16,
     )
     answer = run_in_fresh_process(spec, log_path=_log(f"no-sync-{no_sync}"), timeout_s=120, world_size=WORLD)
-    assert answer["type"] == "result", answer
-    return answer["buckets_per_step"]
+    return arm_result(answer)["buckets_per_step"]
 
 
 def test_no_sync_communicates_once_per_accumulation_window():
@@ -169,7 +168,7 @@ def test_a_rank_that_dies_or_raises_fails_its_arm_and_the_rest_goes_on(how, mess
         world_size=WORLD,
         steps=3,
         warmup=2,
-        repeats=1,
+        blocks=1,
         device="cpu",
         out=False,
         progress=False,
@@ -211,10 +210,9 @@ def test_bad_distributed_settings_fail_clearly():
 def test_the_simulated_link_delays_each_bucket_by_its_bytes():
     link = Link(bandwidth_gbps=0.08, latency_ms=2.0)  # 10 MB/s
     assert link.delay_s(1e6) == pytest.approx(0.002 + 0.1)
-    spec = unit_spec("mlp", {"ddp_compression": {"hook": "none"}}, steps=2, warmup=2, batch_size=16)
+    spec = block_spec("mlp", {"ddp_compression": {"hook": "none"}}, steps=2, warmup=2, batch_size=16)
     spec.link = link
-    answer = run_in_fresh_process(spec, log_path=_log("link"), timeout_s=120, world_size=WORLD)
-    assert answer["type"] == "result", answer
+    answer = arm_result(run_in_fresh_process(spec, log_path=_log("link"), timeout_s=120, world_size=WORLD))
     wire = 2 * (WORLD - 1) / WORLD * answer["comm_bytes_per_step"]
     expected_ms = 1e3 * (answer["buckets_per_step"] * 0.002 + 8 * wire / 0.08e9)
     assert answer["comm_ms_per_step"] >= 0.9 * expected_ms
@@ -232,7 +230,7 @@ def test_the_same_ablation_runs_under_torchrun_with_one_node_and_two_ranks(tmp_p
     out = tmp_path / "results"
     command = [
         torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-        "-m", "workbench", "ablate", "--model", "mlp", "--steps", "3", "--warmup", "2", "--repeats", "1",
+        "-m", "workbench", "ablate", "--model", "mlp", "--steps", "3", "--warmup", "2", "--blocks", "1",
         "--no-control", "-t", "ddp_compression:hook=fp16", "--device", "cpu", "--no-progress", "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -141,7 +141,7 @@ def test_float16_uses_loss_scaling_and_trains():
     assert result["losses"][-1] < result["losses"][0]
 
 
-def test_tf32_sets_and_restores_the_process_flags():
+def test_tf32_sets_and_restores_the_process_flags_around_each_window():
     """tf32 is unavailable on CPU, but its flag handling is plain Python and can be checked here."""
     from workbench.techniques.tf32 import current_precision
 
@@ -152,8 +152,10 @@ def test_tf32_sets_and_restores_the_process_flags():
         loss_fn=default_loss,
         make_optimizer=make_optimizer("sgd", 0.1),
     )
-    with setup.settings:
-        get_technique("tf32").apply(setup, get_technique("tf32").Config(matmul=True, cudnn=False))
+    get_technique("tf32").apply(setup, get_technique("tf32").Config(matmul=True, cudnn=False))
+    assert current_precision() == before  # nothing yet: other arms of a block may run first
+    (window,) = setup.window_settings  # entered around each of this arm's windows
+    with window():
         assert current_precision() == (True, False)
     assert current_precision() == before
 

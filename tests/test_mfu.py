@@ -71,16 +71,19 @@ def test_compute_dtype():
     assert compute_dtype(model.half(), None) == "float16"
 
 
-def _unit(arm, repeat, samples_per_s, start, device_name="NVIDIA H100 80GB HBM3"):
+def _unit(arm, block, samples_per_s, start, device_name="NVIDIA H100 80GB HBM3"):
     return {
         "arm": arm,
-        "repeat": repeat,
+        "block": block,
         "status": "ok",
         "result": {
             "samples_per_s": samples_per_s,
             "wall_s": 1.0,
             "steps": 10,
+            "samples": samples_per_s,
             "step_s": [0.1] * 10,
+            # one timed window of this arm, [start, start + 10]
+            "windows": [{"round": 0, "steps": 10, "start": start, "end": start + 10, "step_s": [0.1] * 10}],
             "phase_ms": {"data": 1.0, "forward": 2.0, "backward": 3.0, "optimizer": 4.0, "replay": 0.0},
             "peak_mem_mib": 100.0,
             "peak_rss_mib": 100.0,
@@ -88,8 +91,6 @@ def _unit(arm, repeat, samples_per_s, start, device_name="NVIDIA H100 80GB HBM3"
             "cpu_util_pct": 50.0,
             "losses": [1.0] * 12,
             "notes": [],
-            "window_start": start,
-            "window_end": start + 10,
             "flops_per_sample": 1e9,
             "compute_dtype": "bfloat16",
             "device_name": device_name,
@@ -116,7 +117,7 @@ def test_summary_computes_tflops_mfu_and_gpu_readings_per_arm():
         {"time": 107.0, "gpu1_util_percent": 100.0, "gpu1_power_w": 650.0, "gpu1_sm_clock_mhz": 1700.0},
         {"time": 50.0, "gpu1_util_percent": 0.0},  # between the windows: no arm's
     ]
-    base, amp = summarize(arms, units, planned_repeats=1, complete=True, telemetry=telemetry)
+    base, amp = summarize(arms, units, planned_blocks=1, complete=True, telemetry=telemetry)
     assert base["tflops"] == pytest.approx(100.0) and amp["tflops"] == pytest.approx(200.0)
     assert amp["mfu_pct"] == pytest.approx(100 * 200 / 989.4)
     assert base["gpu_util_pct"] == 40.0 and amp["gpu_util_pct"] == 95.0
@@ -127,7 +128,7 @@ def test_summary_on_cpu_has_tflops_but_no_mfu():
     arms = [{"name": "baseline", "role": "baseline", "techniques": "none"}]
     unit = _unit("baseline", 0, 1e5, 0.0, device_name="cpu")
     unit["result"]["nvml_gpus"] = []
-    (row,) = summarize(arms, [unit], planned_repeats=1, complete=True, telemetry=[])
+    (row,) = summarize(arms, [unit], planned_blocks=1, complete=True, telemetry=[])
     assert row["tflops"] == pytest.approx(100.0)
     assert math.isnan(row["mfu_pct"]) and math.isnan(row["gpu_util_pct"])
 

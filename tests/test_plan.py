@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 import workbench as wb
-from workbench.ablation import _schedule, plan_arms
+from workbench.ablation import add_own_baseline, jobs_for_block, plan_arms
 from workbench.techniques import Technique, parse_techniques, register_technique, unregister_technique
 
 
@@ -15,7 +15,8 @@ def test_one_at_a_time():
     )
     assert list(table.name) == ["baseline", "baseline (control)", "channels_last", "amp", "tf32"]
     assert list(table.role) == ["baseline", "control", "treatment", "treatment", "treatment"]
-    assert list(table.runs) == [3, 3, 3, 3, 0]
+    assert list(table.blocks) == [3, 3, 3, 3, 0]
+    assert list(table.process) == ["block", "block", "block", "block", ""]
     assert "CUDA" in table.set_index("name").loc["tf32", "unavailable"]
     assert table.set_index("name").loc["amp", "techniques"] == "amp(dtype=bfloat16)"
 
@@ -43,7 +44,7 @@ def test_grid_shows_every_combination_and_its_size():
     )
     assert len(table) == 2**3
     assert "checkpointing+amp+grad_accum" in set(table.name)
-    assert table.runs.sum() == 8 * 3
+    assert table.blocks.sum() == 8 * 3
 
 
 def test_unavailable_techniques_stay_out_of_combinations():
@@ -60,20 +61,19 @@ def test_unavailable_techniques_stay_out_of_combinations():
     assert "no Conv2d" in reasons["channels_last"] and "CUDA" in reasons["tf32"]
 
 
-def test_interleaved_schedule_rotates_the_order_each_repeat():
+def test_each_block_runs_its_processes_in_a_rotated_order():
+    """The shared process and each arm's own process swap places from block to block."""
     arms = plan_arms("one-at-a-time", parse_techniques({"amp": True, "grad_accum": True}), control=False)
-    order = [(arm.name, repeat) for arm, repeat in _schedule(arms, 3)]
-    assert order == [
-        ("baseline", 0),
-        ("amp", 0),
-        ("grad_accum", 0),
-        ("amp", 1),
-        ("grad_accum", 1),
-        ("baseline", 1),
-        ("grad_accum", 2),
-        ("baseline", 2),
-        ("amp", 2),
+    arms[2].own_process = "a test"
+    add_own_baseline(arms, "train")
+    names = [[job.key for job in jobs_for_block(arms, block)] for block in range(3)]
+    assert names == [
+        ["block", "baseline_own_process", "grad_accum"],
+        ["baseline_own_process", "grad_accum", "block"],
+        ["grad_accum", "block", "baseline_own_process"],
     ]
+    shared = jobs_for_block(arms, 0)[0]
+    assert shared.shared and [arm.name for arm in shared.arms] == ["baseline", "amp"]
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ def test_incompatible_combinations_are_rejected_naming_both(conflicting):
         grid.loc["left+right", "unavailable"]
         == "left and right cannot be combined: both replace the data loader"
     )
-    assert grid.loc["amp+left+right", "runs"] == 0
-    assert grid.loc["amp+left", "runs"] == 3
+    assert grid.loc["amp+left+right", "blocks"] == 0
+    assert grid.loc["amp+left", "blocks"] == 3
     # one at a time never combines them
     assert wb.plan(model="mlp", techniques=chosen, device="cpu").unavailable.isna().all()
 
@@ -119,7 +119,14 @@ def test_incompatible_combinations_are_rejected_naming_both(conflicting):
 def test_none_selects_every_technique():
     table = wb.plan(model="resnet-mini", techniques=None, device="cpu", control=False)
     training = table[~table.name.str.startswith("loader: ")]
-    assert set(training.name) == {"baseline"} | {t.name for t in wb.list_techniques().itertuples()}
+    # dataloader's workers need processes of their own, so a baseline that runs alone comes along.
+    assert set(training.name) == {"baseline", "baseline (own process)"} | {
+        t.name for t in wb.list_techniques().itertuples()
+    }
     # dataloader is among them, so the loader-only twins come along (dali needs JPEG data here).
-    assert set(table.name) - set(training.name) == {"loader: baseline", "loader: dataloader"}
+    assert set(table.name) - set(training.name) == {
+        "loader: baseline",
+        "loader: baseline (own process)",
+        "loader: dataloader",
+    }
     assert table.set_index("name").loc["dali", "unavailable"].startswith("needs JPEG files")

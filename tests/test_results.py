@@ -18,50 +18,115 @@ def test_median_and_spread():
     assert math.isnan(median) and math.isnan(spread)
 
 
-def test_t_interval_arithmetic():
-    """Three paired rounds with ratios e^0.1, e^0.2, e^0.3: mean 0.2, sd 0.1, t(0.975, 2) = 4.3027."""
-    base = [stats.Window(100.0, [])] * 3
-    arm = [stats.Window(100.0 * math.exp(x), []) for x in (0.1, 0.2, 0.3)]
-    point, low, high = stats.speedup_interval(base, arm)
+def _side(step_s: float, windows: int = 4, steps: int = 5) -> stats.Side:
+    """An arm in a block whose every step took ``step_s`` (one sample per step)."""
+    return stats.Side([[step_s] * steps for _ in range(windows)], 1.0)
+
+
+def test_blocks_combine_into_a_t_interval():
+    """Three blocks with ratios e^0.1, e^0.2, e^0.3: mean 0.2, sd 0.1, t(0.975, 2) = 4.3027."""
+    ratios = [stats.block_ratio(_side(0.01), _side(0.01 / math.exp(x)), paired=True) for x in (0.1, 0.2, 0.3)]
+    speedup = stats.combine_blocks(ratios)
     half = 4.302652729911275 * 0.1 / math.sqrt(3)
-    assert point == pytest.approx(math.exp(0.2))
-    assert (low, high) == (pytest.approx(math.exp(0.2 - half)), pytest.approx(math.exp(0.2 + half)))
+    assert speedup.point == pytest.approx(math.exp(0.2))
+    assert (speedup.low, speedup.high) == (
+        pytest.approx(math.exp(0.2 - half)),
+        pytest.approx(math.exp(0.2 + half)),
+    )
+    assert speedup.between_block_pct == pytest.approx(10.0) and speedup.blocks == 3
 
 
-def test_pairing_cancels_drift():
-    """The machine slows down 30% over the run; a 10% faster arm is still found at 1.10."""
+def test_pairing_inside_a_block_cancels_drift():
+    """The machine slows down 30% over the block; a 10% faster arm is still found at 1.10, exactly."""
     drift = [1.0, 0.9, 0.8, 0.7]
-    base = [stats.Window(1000 * d, []) for d in drift]
-    arm = [stats.Window(1100 * d, []) for d in drift]
-    point, low, high = stats.speedup_interval(base, arm)
-    assert point == pytest.approx(1.1) and low == pytest.approx(1.1) and high == pytest.approx(1.1)
+    baseline = stats.Side([[0.010 / d] * 5 for d in drift], 1.0)
+    arm = stats.Side([[0.010 / (1.1 * d)] * 5 for d in drift], 1.0)
+    ratio = stats.block_ratio(baseline, arm, paired=True)
+    assert math.exp(ratio.log_ratio) == pytest.approx(1.1, rel=0.02) and ratio.within_se == pytest.approx(0)
 
 
-def test_interval_coverage_on_simulated_a_a_runs():
-    """Simulated identical arms with 15% per-run noise: the 95% interval holds 1.0 about 95% of the time."""
+def test_block_luck_cancels_in_the_ratio():
+    """Whole blocks run 2x faster or slower (process luck): the ratio inside each is unmoved."""
+    ratios = [
+        stats.block_ratio(_side(0.01 * luck), _side(0.01 * luck / 1.2), paired=True) for luck in (0.5, 1, 2)
+    ]
+    speedup = stats.combine_blocks(ratios)
+    assert speedup.point == pytest.approx(1.2) and speedup.high - speedup.low == pytest.approx(0, abs=1e-9)
+
+
+def test_interval_coverage_on_simulated_a_a_blocks():
+    """Identical arms, 2% noise per block and 20% per window: the 95% interval holds 1.0 about 95% of the time."""
     rng = np.random.default_rng(1)
-    hits = 0
-    trials = 2000
+    hits, trials = 0, 1000
     for _ in range(trials):
-        base = [stats.Window(v, []) for v in 1000 * np.exp(rng.normal(0, 0.15, 3))]
-        arm = [stats.Window(v, []) for v in 1000 * np.exp(rng.normal(0, 0.15, 3))]
-        _, low, high = stats.speedup_interval(base, arm)
-        hits += low <= 1.0 <= high
-    assert 0.93 <= hits / trials <= 0.97
+        ratios = []
+        for _block in range(3):
+            shift = rng.normal(0, 0.02)
+            baseline = stats.Side([list(0.01 * np.exp(rng.normal(0, 0.2, 4))) for _ in range(10)], 1.0)
+            arm = stats.Side([list(0.01 * np.exp(shift + rng.normal(0, 0.2, 4))) for _ in range(10)], 1.0)
+            ratios.append(stats.block_ratio(baseline, arm, paired=True))
+        speedup = stats.combine_blocks(ratios)
+        hits += speedup.low <= 1.0 <= speedup.high
+    assert 0.92 <= hits / trials <= 0.98
 
 
-def test_single_repeat_uses_within_window_steps():
+def test_a_single_block_takes_its_interval_from_its_rounds():
     rng = np.random.default_rng(0)
-    base = [stats.Window(1000.0, list(rng.normal(0.010, 0.001, 50)))]
-    arm = [stats.Window(1250.0, list(rng.normal(0.008, 0.0008, 50)))]
-    point, low, high = stats.speedup_interval(base, arm)
-    assert point == pytest.approx(1.25) and low < 1.25 < high and high - low < 0.2
+    baseline = stats.Side([list(rng.normal(0.010, 0.0005, 5)) for _ in range(8)], 1.0)
+    arm = stats.Side([list(rng.normal(0.008, 0.0004, 5)) for _ in range(8)], 1.0)
+    speedup = stats.combine_blocks([stats.block_ratio(baseline, arm, paired=True)])
+    assert speedup.blocks == 1 and math.isnan(speedup.between_block_pct)
+    assert speedup.low < 1.25 < speedup.high and speedup.high - speedup.low < 0.3
+    # One round too: the steps of the two windows are resampled (a bootstrap).
+    one = stats.combine_blocks(
+        [
+            stats.block_ratio(
+                stats.Side([baseline.windows[0] * 4], 1.0), stats.Side([arm.windows[0] * 4], 1.0), paired=True
+            )
+        ]
+    )
+    assert one.low < one.point < one.high
+
+
+def test_estimators_are_the_candidates_the_calibration_compares():
+    windows = [[0.010, 0.011, 0.050], [0.012, 0.010, 0.013]]
+    assert stats.typical_step_s(windows, "mean") == pytest.approx(np.mean(windows))
+    assert stats.typical_step_s(windows, "median_of_window_medians") == pytest.approx(0.0115)
+    assert stats.typical_step_s(windows, "p10") == pytest.approx(0.010)
+    assert stats.typical_step_s(windows, "trimmed_mean") == pytest.approx(
+        np.mean([0.010, 0.011, 0.012, 0.013])
+    )
+    assert stats.ESTIMATOR in stats.ESTIMATORS
+
+
+def test_blocks_that_disagree_beyond_their_noise_are_flagged():
+    steady = [stats.BlockRatio(x, 0.002, 9, None, None) for x in (0.0, 0.001, -0.001)]
+    assert not stats.combine_blocks(steady).blocks_disagree
+    apart = [stats.BlockRatio(x, 0.002, 9, None, None) for x in (0.0, 0.08, -0.08)]
+    assert stats.combine_blocks(apart).blocks_disagree
+
+
+def test_windows_slowed_by_the_arm_before_them_are_traced_to_it():
+    rng = np.random.default_rng(0)
+    arms = ["baseline", "control", "lingering"]
+    sequences = []
+    for _ in range(3):
+        sequence, previous = [], None
+        for _round in range(30):
+            for arm in rng.permutation(arms):
+                slowed = 0.25 if previous == "lingering" else 0.0
+                sequence.append((str(arm), slowed + rng.normal(0, 0.03)))
+                previous = arm
+        sequences.append(sequence)
+    effects = stats.follower_effects(sequences)
+    assert effects["lingering"].clear and effects["lingering"].slowdown == pytest.approx(0.25, abs=0.05)
+    assert not effects["baseline"].clear and not effects["control"].clear
 
 
 def test_noisy_flag():
-    assert stats.is_noisy([100, 140, 100], 1.0, 0.99, 1.01)  # 40% spread between repeats
-    assert stats.is_noisy([100, 101, 100], 1.5, 1.2, 1.8)  # interval +-20%
-    assert not stats.is_noisy([100, 101, 102], 1.5, 1.45, 1.55)
+    assert stats.is_noisy(1.5, 1.2, 1.8)  # interval +-20%
+    assert not stats.is_noisy(1.5, 1.45, 1.55)
+    assert not stats.is_noisy(float("nan"), float("nan"), float("nan"))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +137,7 @@ def small_results(tmp_path_factory):
         techniques={"amp": True, "grad_accum": {"steps": 2}, "tf32": True},
         steps=8,
         warmup=2,
-        repeats=2,
+        blocks=2,
         out=out,
         progress=False,
     )
@@ -95,7 +160,8 @@ def test_table_has_the_contract_columns_and_sane_values(small_results):
     )
     assert table.set_index("arm").loc["baseline", "speedup"] == 1.0
     assert (ok.loss_vs_baseline.between(0.5, 2.0)).all()
-    assert set(ok.repeats) == {2}
+    assert set(ok.blocks) == {2} and set(ok.process) == {"block"}
+    assert (ok.activation_mb > 0).all() and ok.peak_rss_mb.isna().all()  # RSS: the block's, not an arm's
 
 
 def test_save_and_load_round_trip_json_and_csv(small_results, tmp_path):
@@ -103,21 +169,30 @@ def test_save_and_load_round_trip_json_and_csv(small_results, tmp_path):
     for name in ("results.json", "table.csv", "losses.csv", "telemetry.csv"):
         assert (folder / name).exists()
     record = json.loads((folder / "results.json").read_text())  # plain JSON, nothing to unpickle
-    assert record["schema"] == "workbench-results/1"
+    assert record["schema"] == "workbench-results/2"
     assert record["environment"]["torch"] and record["environment"]["cpu"]
     loaded = load_results(folder)
     assert loaded.table.equals(small_results.table)
     assert loaded.complete and loaded.config["steps"] == 8
-    assert len(loaded.losses) == 4 * 2 * 10  # 4 arms that ran, 2 repeats, warmup + steps
-    assert set(loaded.losses.columns) == {"arm", "repeat", "step", "loss", "timed"}
+    losses = loaded.losses
+    assert set(losses.columns) == {"arm", "block", "step", "loss", "timed"}
+    assert len(losses[losses.timed]) == 4 * 2 * 8  # 4 arms that ran, 2 blocks, the timed steps
+    assert set(losses[~losses.timed].step) >= {1, 2}  # the warm-up, and any re-warm steps between windows
     assert load_results(folder / "results.json").table.equals(loaded.table)
 
 
 def test_ablate_out_folder_is_loadable(small_results):
     assert load_results(small_results.path).table.equals(small_results.table)
     assert (small_results.path / "plan.json").exists()
-    assert len(list((small_results.path / "units").glob("*.json"))) == 8
-    assert len(list((small_results.path / "logs").glob("*.log"))) == 8
+    # One process per block: all four arms that can run here ran side by side in it.
+    assert sorted(p.name for p in (small_results.path / "units").glob("*.json")) == [
+        "b0-block.json",
+        "b1-block.json",
+    ]
+    assert sorted(p.name for p in (small_results.path / "logs").glob("*.log")) == [
+        "b0-block.log",
+        "b1-block.log",
+    ]
 
 
 def test_loading_rejects_what_is_not_ours(tmp_path):
@@ -146,6 +221,7 @@ def test_loss_drift_is_called_out():
             "step_s": [0.01] * 4,
             "wall_s": 0.04,
             "steps": 4,
+            "samples": 4,
             "losses": losses,
             "phase_ms": dict.fromkeys(("data", "forward", "backward", "optimizer"), 1.0),
             "peak_mem_mib": 1.0,
@@ -155,7 +231,7 @@ def test_loss_drift_is_called_out():
             "notes": [],
             "warmup": 1,
         }
-        return {"arm": arm, "repeat": 0, "status": "ok", "reason": "", "result": result}
+        return {"arm": arm, "block": 0, "status": "ok", "reason": "", "result": result}
 
     arms = [
         {"name": "baseline", "role": "baseline", "techniques": "none", "unavailable": None},
@@ -189,7 +265,7 @@ def test_loss_drift_is_called_out():
         unit("loader: baseline", [0.0] * 5),
         unit("loader: dali", [0.0] * 5),
     ]
-    rows = summarize(arms, units, planned_repeats=1, complete=True)
+    rows = summarize(arms, units, planned_blocks=1, complete=True)
     assert rows[1]["loss_vs_baseline"] == 1.5
     assert "convergence: final loss 50% above the baseline's" in rows[1]["notes"]
     assert "the technique changed the numerics" in rows[1]["notes"]

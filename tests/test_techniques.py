@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import train, unit_spec
+from helpers import arm_result, block_spec, train
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from technique_settings import TECHNIQUE_SETTINGS
@@ -62,11 +62,11 @@ def test_technique_trains(name, model, tmp_path):
     if reason:
         pytest.skip(f"{name} is unavailable here: {reason}")
     if row.get("world_size", 1) > 1:
-        spec = unit_spec(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
-        result = run_in_fresh_process(
+        spec = block_spec(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
+        answer = run_in_fresh_process(
             spec, log_path=tmp_path / "unit.log", timeout_s=300, world_size=row["world_size"]
         )
-        assert result["type"] == "result", result
+        result = arm_result(answer)
     else:
         result = train(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
     assert len(result["losses"]) == 4

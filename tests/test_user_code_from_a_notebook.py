@@ -33,7 +33,7 @@ def my_loss(outputs, targets):
     """
 res = wb.ablate(model=TinyNet, data=NoisyBlobs(), loss_fn=my_loss,
                 techniques={"checkpointing": {"select": "layers.*"}, "grad_accum": {"steps": 2}, "dataloader": {"num_workers": 1}},
-                steps=4, warmup=1, repeats=1, batch_size=16, out=False, progress=False)
+                steps=4, warmup=1, blocks=1, batch_size=16, out=False, progress=False)
 table = res.table.set_index("arm")
 print(dict(table.status))
 assert set(table.status) == {"ok"}, table[["status", "reason"]]

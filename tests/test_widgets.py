@@ -115,7 +115,7 @@ def test_invalid_combinations_show_the_api_message(change, message):
 
 def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
     panel = wb.panel(
-        model="mlp", techniques={"amp": True}, steps=200, warmup=2, repeats=2, out=tmp_path / "panel"
+        model="mlp", techniques={"amp": True}, steps=200, warmup=2, blocks=2, out=tmp_path / "panel"
     )
     assert panel.run() is True
     assert panel.run() is False and "already in progress" in panel.status.value
@@ -128,9 +128,9 @@ def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
     assert not panel.run_button.disabled and panel.stop_button.disabled
 
 
-def test_stop_keeps_finished_runs(tmp_path):
+def test_stop_keeps_finished_blocks(tmp_path):
     panel = wb.panel(
-        model="mlp", techniques={"amp": True}, steps=300, warmup=2, repeats=3, out=tmp_path / "stop"
+        model="mlp", techniques={"amp": True}, steps=300, warmup=2, blocks=3, out=tmp_path / "stop"
     )
     panel.run()
     deadline = time.monotonic() + 120
@@ -150,30 +150,36 @@ def test_live_run_gathers_events_and_the_live_plot_renders():
         {
             "type": "plan",
             "arms": [{"name": "baseline", "unavailable": None}, {"name": "amp", "unavailable": None}],
-            "runs": 4,
+            "processes": 2,
+            "remaining": 2,
         }
     )
-    live(
-        {
+    live({"type": "start", "block": 0, "arms": ["baseline", "amp"], "process": "block", "attempt": 1})
+    live({"type": "phase", "block": 0, "arm": "amp", "phase": "measure", "round": 3, "of": 10})
+    assert live.snapshot()["current"] == "block 1: amp: measure 3/10"
+    for block, rate in ((0, 120.0), (1, 125.0)):  # one line per block: no line across the gap between them
+        progress = {
             "type": "progress",
             "arm": "amp",
-            "repeat": 0,
-            "samples_per_s": 120.0,
+            "block": block,
+            "round": 3,
             "step": 5,
             "of": 10,
             "loss": 1.0,
         }
-    )
+        live({**progress, "samples_per_s": rate})
     result = {
         "samples_per_s": 130.0,
         "losses": [2.0, 1.5, 1.2],
         "phase_ms": {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0},
     }
-    live({"type": "unit", "arm": "amp", "repeat": 0, "status": "ok", "result": result})
+    live({"type": "unit", "arm": "amp", "block": 0, "status": "ok", "result": result})
+    live({"type": "process_done", "block": 0, "job": "block"})
     live({"type": "telemetry", "time": time.time(), "cpu_percent": 80.0, "memory_used_mib": 2048.0})
     snapshot = live.snapshot()
     assert snapshot["state"] == "running" and len(snapshot["finished"]) == 1
-    assert [rate for _, rate in snapshot["throughput"]["amp"]] == [120.0, 130.0]
+    assert snapshot["processes_done"] == 1 and snapshot["processes"] == 2
+    assert [(rate, block) for _, rate, block in snapshot["throughput"]["amp"]] == [(120.0, 0), (125.0, 1)]
     figure = plot_live(snapshot)
     assert figure._repr_png_()[:4] == b"\x89PNG"
     gpu = {
@@ -235,7 +241,7 @@ def test_telemetry_is_stored_with_results_and_exported_to_csv(tmp_path):
         techniques={},
         steps=400,
         warmup=2,
-        repeats=1,
+        blocks=1,
         control=False,
         out=tmp_path / "t",
         progress=False,
@@ -249,7 +255,7 @@ def test_telemetry_is_stored_with_results_and_exported_to_csv(tmp_path):
 
 def test_out_false_keeps_nothing_on_disk(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    panel = wb.panel(model="mlp", techniques={}, steps=5, warmup=1, repeats=1, control=False, out=False)
+    panel = wb.panel(model="mlp", techniques={}, steps=5, warmup=1, blocks=1, control=False, out=False)
     assert panel.arguments()["out"] is False
     assert panel.run()
     results = panel.wait(timeout=120)

@@ -1,4 +1,4 @@
-"""Controlled ablations: plan the arms, run them isolated and interleaved, summarise.
+"""Controlled ablations: plan the arms, run them side by side in blocks, summarise.
 
 Design, in the order a run happens:
 
@@ -14,13 +14,20 @@ Design, in the order a run happens:
    of them alone, and the baseline, also gets a loader-only twin (kind ``loader``): the same
    pipeline feeding a model that does no work. Its samples/s is what the loader can feed,
    to read next to what training consumes.
-3. Interleave: repeat r runs every arm once, in an order rotated by r (A B C, B C A, C A B),
-   so drift of the machine (heat, other load) and position effects hit every arm alike.
-4. Isolate: each (arm, repeat) runs in a fresh process (see workbench.worker), with its
-   own warm-up excluded from the clock.
-5. Persist: each finished (arm, repeat) is written to ``out/units/`` atomically, and the
-   summary is rewritten after it. Ctrl-C keeps everything finished; running again with the
-   same ``out`` resumes, skipping what is done.
+3. Decide where each arm runs. Arms share a block: one fresh process that builds them all,
+   warms each up, then runs them interleaved in windows, round after round, in a fresh random
+   order (workbench.block). The luck of a process (10-15% of speed between processes here)
+   then cancels in every ratio. An arm whose technique cannot share a process (see
+   ``Technique.own_process``), or one that turns out not to fit beside the others, runs in a
+   process of its own, against a baseline that also runs alone; the results say so.
+4. Repeat: ``blocks`` fresh processes of each kind. Block b runs its processes in an order
+   rotated by b. The speedup is computed inside each block, then combined over blocks
+   (workbench.stats).
+5. Persist: each finished process is written to ``out/units/`` atomically, and the summary
+   is rewritten after it. Ctrl-C keeps everything finished; running again with the same
+   ``out`` resumes, restarting the unfinished blocks. An arm that fails inside a block is
+   recorded and the others go on; one that kills its block's process is named, recorded,
+   and the block runs again without it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -42,6 +50,7 @@ from typing import Any
 
 import torch
 
+from workbench.block import ArmSpec
 from workbench.config import RunConfig
 from workbench.data import DataSource, resolve_data
 from workbench.devices import resolve_device
@@ -52,7 +61,9 @@ from workbench.process import Interrupted, run_in_fresh_process
 from workbench.results import SCHEMA, Results, summarize, write_json_atomic
 from workbench.techniques import Context, Technique, conflict_reason, parse_techniques
 from workbench.telemetry import Sampler
-from workbench.worker import UnitSpec
+from workbench.worker import WINDOW_TARGET_S, BlockSpec
+
+DDP_OWN_PROCESS = "a data-parallel arm is a process group of its own (one process per rank)"
 
 
 @dataclass
@@ -62,6 +73,11 @@ class Arm:
     techniques: list[tuple[Technique, Any]] = field(default_factory=list)
     unavailable: str | None = None  # why it cannot run here; None when it can
     kind: str = "train"  # "train", or "loader": the input pipeline alone, with a no-op model
+    own_process: str | None = None  # why it runs in a process of its own; None: it shares the block
+
+    @property
+    def process(self) -> str:
+        return "own" if self.own_process else "block"
 
     def record(self) -> dict:
         described = ", ".join(t.describe(c) for t, c in self.techniques) or "none"
@@ -69,12 +85,17 @@ class Arm:
             "name": self.name,
             "kind": self.kind,
             "role": self.role,
+            "process": self.process,
+            "own_process": self.own_process,
             "techniques": described,
             "technique_names": [t.name for t, _ in self.techniques],
             # Only the input pipeline differs from the baseline (dataloader, dali).
             "input_pipeline": bool(self.techniques) and all(t.input_pipeline for t, _ in self.techniques),
             "unavailable": self.unavailable,
         }
+
+    def spec(self) -> ArmSpec:
+        return ArmSpec(self.name, self.techniques, loader_only=self.kind == "loader")
 
 
 def sweep_names(techniques: list[tuple[Technique, Any]]) -> list[str]:
@@ -137,6 +158,60 @@ def loader_twins(arms: list[Arm]) -> list[Arm]:
     ]
 
 
+def own_baseline_name(kind: str) -> str:
+    return "baseline (own process)" if kind == "train" else f"{kind}: baseline (own process)"
+
+
+def assign_processes(arms: list[Arm], ctx: Context) -> list[Arm]:
+    """Mark the arms that need a process of their own, and add a baseline that runs alone for them.
+
+    With several ranks every arm is a process group of its own. Otherwise an arm shares the
+    block unless one of its techniques says why it cannot (``Technique.own_process``), or a
+    technique allowed once per process (``Technique.one_per_process``: torch.compile) is
+    already held by an earlier arm of the block.
+    """
+    runnable = [arm for arm in arms if not arm.unavailable]
+    if ctx.world_size > 1:
+        for arm in runnable:
+            arm.own_process = DDP_OWN_PROCESS
+        return arms
+    holder: dict[str, str] = {}  # a once-per-process technique -> the arm that holds it in the block
+    for arm in runnable:
+        arm.own_process = _own_process_reason(arm, ctx, holder)
+        if arm.own_process is None:
+            for technique, _ in arm.techniques:
+                if technique.one_per_process:
+                    holder.setdefault(technique.name, arm.name)
+    for kind in dict.fromkeys(arm.kind for arm in runnable if arm.own_process):
+        add_own_baseline(arms, kind)
+    return arms
+
+
+def _own_process_reason(arm: Arm, ctx: Context, holder: dict[str, str]) -> str | None:
+    for technique, config in arm.techniques:
+        reason = technique.own_process(ctx, config)
+        if reason:
+            return f"{technique.name}: {reason}"
+    for technique, _ in arm.techniques:
+        if technique.one_per_process and technique.name in holder:
+            return f"{technique.name}: {technique.one_per_process}; {holder[technique.name]!r} uses it in the block"
+    return None
+
+
+def add_own_baseline(arms: list[Arm], kind: str) -> Arm:
+    """The baseline that arms of ``kind`` running in their own processes are compared with."""
+    name = own_baseline_name(kind)
+    for arm in arms:
+        if arm.name == name:
+            return arm
+    baseline = Arm(
+        name, "baseline", kind=kind, own_process="the baseline for the arms that run in their own processes"
+    )
+    shared = [i for i, arm in enumerate(arms) if arm.kind == kind and arm.role in ("baseline", "control")]
+    arms.insert(shared[-1] + 1 if shared else 0, baseline)
+    return baseline
+
+
 @dataclass
 class Prepared:
     """A validated ablation, ready to run (or to show as a plan)."""
@@ -195,7 +270,7 @@ def prepare(
         arms = loader_twins(arms)
     elif loader_arms:
         arms += loader_twins(arms)
-    arms += unavailable
+    arms = assign_processes(arms, ctx) + unavailable
     described: dict[str, str] = {}
     for technique, config in chosen:
         text = technique.describe(config)
@@ -221,21 +296,43 @@ def _fingerprint(prepared: Prepared) -> dict:
     """What must match for a rerun with the same ``out`` to resume rather than start over."""
     settings = {k: v for k, v in prepared.config.items() if k != "timeout_s"}
     settings["arms"] = [
-        [arm.name, arm.record()["techniques"]] for arm in prepared.arms if not arm.unavailable
+        [arm.name, arm.record()["techniques"], arm.process] for arm in prepared.arms if not arm.unavailable
     ]
     text = json.dumps(settings, sort_keys=True, default=str)
     # Compare in the form it is stored in (JSON), so a reloaded plan equals a fresh one.
     return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16], "settings": json.loads(text)}
 
 
-def _schedule(arms: list[Arm], repeats: int) -> list[tuple[Arm, int]]:
-    """(arm, repeat) in run order: every repeat runs each arm once, rotated by one each time."""
+@dataclass
+class Job:
+    """One process to run: a block's shared process (several arms), or one arm's own process."""
+
+    block: int
+    arms: list[Arm]
+    shared: bool
+
+    @property
+    def key(self) -> str:
+        return "block" if self.shared else _slug(self.arms[0].name)
+
+    @property
+    def file(self) -> str:
+        return f"units/b{self.block}-{self.key}.json"
+
+
+def jobs_for_block(arms: list[Arm], block: int) -> list[Job]:
+    """Block ``block``'s processes: the shared one first, then each own-process arm, rotated by ``block``.
+
+    Rotating moves every process through every position across blocks, so a slow start or a
+    drift of the machine does not always land on the same arms.
+    """
     runnable = [arm for arm in arms if not arm.unavailable]
-    order = []
-    for repeat in range(repeats):
-        shift = repeat % len(runnable)
-        order += [(arm, repeat) for arm in runnable[shift:] + runnable[:shift]]
-    return order
+    shared = [arm for arm in runnable if not arm.own_process]
+    jobs = ([Job(block, shared, True)] if shared else []) + [
+        Job(block, [arm], False) for arm in runnable if arm.own_process
+    ]
+    shift = block % len(jobs) if jobs else 0
+    return jobs[shift:] + jobs[:shift]
 
 
 def _default_out(label: str) -> Path:
@@ -243,18 +340,23 @@ def _default_out(label: str) -> Path:
 
 
 class _Progress:
-    """A tqdm.auto bar over (arm, repeat) runs, with the arm and phase in flight."""
+    """A tqdm.auto bar over the processes to run, with the block, arm and phase in flight."""
 
     def __init__(self, enabled: bool, total: int, already: int):
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=already, desc="ablate", unit="run", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=already, desc="ablate", unit="process", dynamic_ncols=True)
 
     def show(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=True)
+            self.bar.set_postfix_str(text, refresh=False)  # tqdm redraws at most 10 times a second
+
+    def grow(self, more: int) -> None:
+        if self.bar is not None:
+            self.bar.total += more
+            self.bar.refresh()
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -266,7 +368,7 @@ class _Progress:
 
 
 def _open_out(out: Any, prepared: Prepared, overwrite: bool) -> tuple[Path, list[dict]]:
-    """The output folder, and the units a previous run of this same ablation finished there."""
+    """The output folder, and the processes a previous run of this same ablation finished there."""
     folder = Path(out)
     fingerprint = _fingerprint(prepared)
     plan_file = folder / "plan.json"
@@ -285,10 +387,22 @@ def _open_out(out: Any, prepared: Prepared, overwrite: bool) -> tuple[Path, list
                 f"out={str(folder)!r} holds a different ablation (differs in: {', '.join(differing)}); "
                 "choose another out, or pass overwrite=True to discard it"
             )
-        units = [json.loads(p.read_text()) for p in sorted((folder / "units").glob("*.json"))]
-        return folder, units
+        jobs = [json.loads(p.read_text()) for p in sorted((folder / "units").glob("*.json"))]
+        return folder, sorted(jobs, key=lambda job: job.get("finished_at", 0))
     write_json_atomic(plan_file, fingerprint)
     return folder, []
+
+
+def _blocks_from(blocks: int, repeats: int | None) -> int:
+    """``repeats`` is the old name of ``blocks``: accepted, with a warning that says so."""
+    if repeats is None:
+        return blocks
+    warnings.warn(
+        "ablate: repeats= is now blocks= (each block is one process running every arm side by side)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return repeats
 
 
 def ablate(
@@ -299,13 +413,14 @@ def ablate(
     mode: str = "one-at-a-time",
     steps: int = 30,
     warmup: int = 5,
-    repeats: int = 3,
+    blocks: int = 3,
     batch_size: int = 32,
     device: str = "auto",
     seed: int = 0,
     out: str | Path | None | bool = None,
     progress: bool = True,
     *,
+    rounds: int | None = None,
     control: bool = True,
     loader_arms: bool | str | None = None,
     world_size: int = 1,
@@ -316,6 +431,7 @@ def ablate(
     overwrite: bool = False,
     on_event: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
+    repeats: int | None = None,
 ) -> Results:
     """Run a controlled ablation and return its Results (``.table``, ``.plot()``, ``.save()``).
 
@@ -329,25 +445,33 @@ def ablate(
     techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``; None = all, defaults;
                 a list of values sweeps a setting: ``{"dataloader": {"num_workers": [0, 2]}}``
     mode        ``one-at-a-time`` | ``leave-one-out`` | ``grid``
-    steps       timed optimizer steps per repeat; ``warmup`` untimed steps before them
-    repeats     fresh-process runs per arm, interleaved across arms
+    steps       timed optimizer steps per arm in each block; ``warmup`` untimed steps before them
+    blocks      fresh processes, each running every arm side by side (the repeats): the speedup
+                is computed inside each block and combined over blocks
+    rounds      windows per arm in a block: each round runs every arm for ``steps / rounds``
+                steps, in a fresh random order; None: windows of about 15 ms, from the step
+                time measured in warm-up
     batch_size  samples per optimizer step (grad_accum splits it; it never grows)
-    out         folder for results (written after every run, resumable); None = a new folder
+    out         folder for results (written after every process, resumable); None = a new folder
                 under ./workbench-results; False = keep nothing on disk
-    control     also rerun the baseline (an A/A check of the machine's noise)
+    control     also run the baseline a second time in every block (an A/A check of the noise)
     loader_arms time the input pipeline alone too (kind ``loader`` rows, a no-op model);
                 None: when dataloader or dali is ablated on a Dataset; ``"only"``: nothing else
     world_size  ranks per arm: > 1 runs every arm as a DDP job on this machine (gloo on CPU,
                 NCCL on CUDA), each rank on its own shard with ``batch_size`` samples per step;
-                throughput is the job's (all ranks), and communication is measured
+                throughput is the job's (all ranks), and communication is measured. Each arm
+                is then a process group of its own, in every block
     link        a simulated network between the ranks, ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``:
                 each gradient bucket is delayed by latency + bytes / bandwidth (a simulation)
-    timeout_s   limit for one (arm, repeat); past it the arm is recorded as failed
-    on_event    called with a dict per event, for live UIs: ``plan``, then per run ``start``,
-                ``phase``, ``progress`` (throttled: step, loss, samples/s), ``unit`` (the finished
-                run, with its measurements in ``result``), ``telemetry`` (one sampler reading,
-                1 Hz), and finally ``done`` or ``stopped``
+    timeout_s   limit for one arm in one block; past it the arm is recorded as failed, and its
+                block runs again without it
+    on_event    called with a dict per event, for live UIs: ``plan``; per process ``start``
+                (its block and arms); per arm ``phase`` (startup, warmup, measure with its
+                round), ``progress`` (throttled: step, loss, samples/s), ``arm_error``; ``unit``
+                (one arm's measurements in one block, in ``result``); ``telemetry`` (one
+                sampler reading, 1 Hz); and finally ``done`` or ``stopped``
     stop        a threading.Event; setting it ends the run like Ctrl-C, returning partial results
+    repeats     the former name of ``blocks``
 
     Under ``torchrun`` (``torchrun --nnodes ... -m workbench ablate ...``) every process runs
     this; each arm then spans all of torchrun's ranks (``world_size`` is theirs), and rank 0
@@ -365,7 +489,8 @@ def ablate(
     run = RunConfig(
         steps=steps,
         warmup=warmup,
-        repeats=repeats,
+        blocks=_blocks_from(blocks, repeats),
+        rounds=rounds,
         batch_size=batch_size,
         device=device,
         seed=seed,
@@ -391,16 +516,16 @@ def ablate(
             launcher.start(timeout_s)
             if launcher.resuming(len(finished)):
                 raise ValueError("ablate: resuming under torchrun is not supported; pass a new out folder")
-        results = _run(
+        runner = _Runner(
             prepared,
             folder,
             finished,
-            progress,
             on_event or (lambda event: None),
             stop,
             kept=temporary is None,
             launcher=launcher,
         )
+        results = runner.run(progress)
     finally:
         if temporary is not None:
             temporary.cleanup()
@@ -417,7 +542,7 @@ def plan(
     loss_fn: Callable | None = None,
     techniques: Mapping[str, Any] | None = None,
     mode: str = "one-at-a-time",
-    repeats: int = 3,
+    blocks: int = 3,
     batch_size: int = 32,
     device: str = "auto",
     control: bool = True,
@@ -426,14 +551,22 @@ def plan(
     link: Any = None,
     steps: int = 30,
     warmup: int = 5,
+    *,
+    rounds: int | None = None,
+    repeats: int | None = None,
 ):
-    """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them."""
+    """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them.
+
+    ``process`` says where each arm runs: ``block`` (side by side with the others in each
+    block's process) or ``own`` (a process of its own per block, with ``own_process`` saying why).
+    """
     import pandas as pd
 
     run = RunConfig(
         steps=steps,
         warmup=warmup,
-        repeats=repeats,
+        blocks=_blocks_from(blocks, repeats),
+        rounds=rounds,
         batch_size=batch_size,
         device=device,
         mode=mode,
@@ -443,187 +576,341 @@ def plan(
         link=link,
     )
     prepared = prepare(model, data, loss_fn, techniques, run)
-    rows = [{**arm.record(), "runs": 0 if arm.unavailable else repeats} for arm in prepared.arms]
-    return pd.DataFrame(rows)[["name", "role", "techniques", "unavailable", "runs"]]
+    rows = [{**arm.record(), "blocks": 0 if arm.unavailable else run.blocks} for arm in prepared.arms]
+    for row in rows:
+        if row["unavailable"]:
+            row["process"] = ""
+    columns = ["name", "role", "process", "techniques", "unavailable", "own_process", "blocks"]
+    return pd.DataFrame(rows)[columns]
 
 
 def describe_plan(event: dict) -> str:
-    """One line saying what will run: arms, repeats, what is unavailable, what is resumed."""
-    unavailable = sum(1 for arm in event["arms"] if arm["unavailable"])
-    runnable = len(event["arms"]) - unavailable
-    text = (
-        f"Plan: {runnable} arms x {event['repeats']} repeats = {event['runs']} runs, interleaved, "
-        f"each in a fresh process"
+    """One line saying what will run: arms, blocks, processes, what is unavailable, what is resumed."""
+    arms = event["arms"]
+    unavailable = sum(1 for arm in arms if arm["unavailable"])
+    shared = sum(1 for arm in arms if not arm["unavailable"] and arm["process"] == "block")
+    own = len(arms) - unavailable - shared
+    parts = []
+    if shared:
+        parts.append(f"{shared} arms side by side in one process per block")
+    if own:
+        parts.append(
+            f"{own} arm{'s' * (own != 1)} in {'their' if own != 1 else 'its'} own process{'es' * (own != 1)}"
+        )
+    rounds = (
+        f"{event['steps']} timed steps per arm in {event['rounds']} windows"
+        if event["rounds"]
+        else f"{event['steps']} timed steps per arm in windows of about {1e3 * WINDOW_TARGET_S:.0f} ms"
     )
+    text = f"Plan: {event['blocks']} blocks; {' and '.join(parts)}; {event['processes']} processes; {rounds}"
     if unavailable:
         text += f"; {unavailable} unavailable"
-    if event["remaining"] < event["runs"]:
-        text += f"; resuming: {event['runs'] - event['remaining']} already done"
+    if event["remaining"] < event["processes"]:
+        text += f"; resuming: {event['processes'] - event['remaining']} processes already done"
     return text + (
         f". Results: {event['out']}" if event["out"] else ". Results are kept in memory only (out=False)."
     )
 
 
-def _run(
-    prepared: Prepared,
-    folder: Path,
-    finished: list[dict],
-    progress: bool,
-    on_event: Callable[[dict], None],
-    stop: threading.Event | None,
-    kept: bool = True,
-    launcher: Torchrun | None = None,
-) -> Results:
-    run = prepared.run
-    env = environment()
-    units = list(finished)
-    done = {(u["arm"], u["repeat"]) for u in units}
-    schedule = _schedule(prepared.arms, run.repeats)
-    arm_records = [arm.record() for arm in prepared.arms]
-    sampler = Sampler(on_sample=lambda sample: on_event({"type": "telemetry", **sample})).start()
-    record = {
-        "schema": SCHEMA,
-        "created": datetime.now().isoformat(timespec="seconds"),
-        "config": prepared.config,
-        "environment": env,
-        "arms": arm_records,
-    }
+class _Runner:
+    """Runs the planned processes block by block, keeps every measurement, and resumes."""
 
-    def save(complete: bool) -> Results:
-        record.update(
-            units=units,
+    def __init__(
+        self,
+        prepared: Prepared,
+        folder: Path,
+        finished: list[dict],
+        on_event: Callable[[dict], None],
+        stop: threading.Event | None,
+        kept: bool = True,
+        launcher: Torchrun | None = None,
+    ):
+        self.prepared, self.run_config = prepared, prepared.run
+        self.folder, self.on_event, self.stop, self.kept, self.launcher = (
+            folder,
+            on_event,
+            stop,
+            kept,
+            launcher,
+        )
+        self.units: list[dict] = []
+        self.block_records: list[dict] = []
+        self.done: set[tuple[int, str]] = set()
+        self.failed: dict[str, str] = {}  # arm -> why: its later blocks are skipped, not rerun
+        for job in finished:  # resuming: what a previous run of this ablation finished
+            self._keep(job)
+        self.sampler = Sampler(on_sample=lambda sample: on_event({"type": "telemetry", **sample}))
+        self.record = {
+            "schema": SCHEMA,
+            "created": datetime.now().isoformat(timespec="seconds"),
+            "config": prepared.config,
+            "environment": environment(),
+        }
+
+    # --- bookkeeping ------------------------------------------------------------------------
+
+    def _keep(self, job: dict) -> None:
+        """Take in one finished process's record (just run, or read back when resuming)."""
+        self.done.add((job["block"], job["job"]))
+        for name, reason in job.get("moved", {}).items():
+            self._move(name, reason)
+        self.units += job["units"]
+        for unit in job["units"]:
+            if unit["status"] in ("failed", "oom"):
+                self.failed.setdefault(unit["arm"], unit["reason"])
+        if job.get("process"):
+            self.block_records.append(job["process"])
+
+    def _move(self, name: str, reason: str) -> None:
+        """From now on, run arm ``name`` in a process of its own (it could not share the block)."""
+        arm = next(arm for arm in self.prepared.arms if arm.name == name)
+        if not arm.own_process:
+            arm.own_process = reason
+            add_own_baseline(self.prepared.arms, arm.kind)
+
+    def save(self, complete: bool) -> Results:
+        arms = [arm.record() for arm in self.prepared.arms]
+        self.record.update(
+            arms=arms,
+            units=self.units,
+            blocks=self.block_records,
             complete=complete,
-            telemetry=sampler.samples,
-            table=summarize(arm_records, units, run.repeats, complete, sampler.samples),
+            telemetry=self.sampler.samples,
+            table=summarize(arms, self.units, self.run_config.blocks, complete, self.sampler.samples),
         )
-        write_json_atomic(folder / "results.json", record)
-        return Results(record, folder)
+        write_json_atomic(self.folder / "results.json", self.record)
+        return Results(self.record, self.folder)
 
-    remaining = [(arm, r) for arm, r in schedule if (arm.name, r) not in done]
-    bar = _Progress(progress, total=len(schedule), already=len(schedule) - len(remaining))
-    plan_event = {
-        "type": "plan",
-        "arms": arm_records,
-        "runs": len(schedule),
-        "remaining": len(remaining),
-        "repeats": run.repeats,
-        "out": str(folder) if kept else None,
-    }
-    on_event(plan_event)
-    if progress:
-        print(describe_plan(plan_event), flush=True)
-    failed_arms: dict[str, str] = {u["arm"]: u["reason"] for u in units if u["status"] in ("failed", "oom")}
-    try:
-        with tempfile.TemporaryDirectory(prefix="workbench-inductor-") as compile_cache:
-            for arm, repeat in remaining:
-                unit = {"arm": arm.name, "repeat": repeat, "log": f"logs/{_slug(arm.name)}-r{repeat}.log"}
-                if arm.name in failed_arms:
-                    # A failure that happened once (an import error, an OOM) happens again: skip, say why.
-                    unit.update(
-                        status="skipped",
-                        reason=f"not run: an earlier repeat failed ({failed_arms[arm.name]})",
-                        result=None,
-                    )
-                else:
-                    only_rank = None
-                    if launcher is not None:  # this process starts only its own rank's worker
-                        rank = launcher.rank
-                        only_rank = (rank.rank, rank.local_rank, launcher.master_addr, launcher.unit_port())
-                    unit.update(
-                        _run_unit(
-                            prepared, arm, repeat, folder, compile_cache, bar, on_event, stop, only_rank
-                        )
-                    )
-                    failed = unit["status"] in ("failed", "oom")
-                    if launcher is not None:  # every node follows rank 0's verdict, to stay in step
-                        failed = not launcher.agree(not failed)
-                    if failed:
-                        failed_arms[arm.name] = unit["reason"] or "failed on rank 0"
-                unit["finished_at"] = time.time()
-                write_json_atomic(folder / "units" / f"{_slug(arm.name)}-r{repeat}.json", unit)
-                units.append(unit)
-                save(complete=False)
-                bar.advance()
-                on_event({"type": "unit", **unit})
-    except (Interrupted, KeyboardInterrupt):
-        sampler.stop()
+    def _planned(self) -> int:
+        """Processes this ablation runs in all, as planned now (an arm moved to its own adds some)."""
+        return sum(len(jobs_for_block(self.prepared.arms, block)) for block in range(self.run_config.blocks))
+
+    # --- running ----------------------------------------------------------------------------
+
+    def run(self, progress: bool) -> Results:
+        run = self.run_config
+        planned = max(self._planned(), len(self.done))
+        bar = _Progress(progress, total=planned, already=len(self.done))
+        plan_event = {
+            "type": "plan",
+            "arms": [arm.record() for arm in self.prepared.arms],
+            "blocks": run.blocks,
+            "rounds": run.rounds,  # None: each block chooses them from its step time
+            "steps": run.steps,
+            "processes": planned,
+            "remaining": planned - len(self.done),
+            "out": str(self.folder) if self.kept else None,
+        }
+        self.on_event(plan_event)
+        if progress:
+            print(describe_plan(plan_event), flush=True)
+        self.sampler.start()
+        try:
+            with tempfile.TemporaryDirectory(prefix="workbench-inductor-") as compile_cache:
+                for block in range(run.blocks):
+                    queue = jobs_for_block(self.prepared.arms, block)
+                    while queue:
+                        job = queue.pop(0)
+                        if (block, job.key) in self.done:
+                            continue
+                        self._run_job(job, Path(compile_cache), bar)
+                        # Arms moved to their own processes run in this block too, after the others.
+                        queued = {j.key for j in queue}
+                        queue += [
+                            j
+                            for j in jobs_for_block(self.prepared.arms, block)
+                            if not j.shared and j.key not in queued and (block, j.key) not in self.done
+                        ]
+                        if bar.bar is not None and self._planned() > bar.bar.total:
+                            bar.grow(self._planned() - bar.bar.total)
+        except (Interrupted, KeyboardInterrupt):
+            self.sampler.stop()
+            bar.close()
+            results = self.save(complete=False)
+            where = (
+                f"are saved in {self.folder}. Run the same ablation with the same out to resume."
+                if self.kept
+                else "are in the returned results only (out=False)."
+            )
+            print(f"\nStopped: {len(self.done)} of {planned} processes {where}", flush=True)
+            self.on_event({"type": "stopped", "out": str(self.folder)})
+            if self.stop is not None and self.stop.is_set():
+                return results
+            raise KeyboardInterrupt from None
+        self.sampler.stop()
         bar.close()
-        results = save(complete=False)
-        finished_count = sum(1 for u in units if u["status"] != "skipped")
-        where = (
-            f"are saved in {folder}. Run the same ablation with the same out to resume."
-            if kept
-            else "are in the returned results only (out=False)."
+        results = self.save(complete=True)
+        self.on_event({"type": "done", "out": str(self.folder)})
+        return results
+
+    def _run_job(self, job: Job, compile_cache: Path, bar: _Progress) -> None:
+        """Run one process (again without an arm that killed it, if one did) and keep what it measured."""
+        started = time.time()
+        units = [self._skipped(arm, job) for arm in job.arms if arm.name in self.failed]
+        runnable = [arm for arm in job.arms if arm.name not in self.failed]
+        moved: dict[str, str] = {}
+        block_record = None
+        attempt = 0
+        while runnable:
+            attempt += 1
+            answer, arm_errors = self._launch(job, runnable, attempt, compile_cache, bar)
+            if answer["type"] == "result":
+                for arm in runnable:
+                    if arm.name in answer["arms"]:
+                        units.append(self._unit(arm, job, attempt, "ok", "", result=answer["arms"][arm.name]))
+                    else:
+                        failure = answer["failures"].get(arm.name) or {
+                            "status": "failed",
+                            "reason": "no result",
+                        }
+                        self._failed_in_block(arm, job, attempt, failure, len(runnable), units, moved)
+                block_record = {
+                    **answer["block"],
+                    "job": job.key,
+                    "attempts": attempt,
+                    "wall_s": time.time() - started,
+                }
+                break
+            # The process died or was ended. Arms that reported their own failure first keep it.
+            for arm in list(runnable):
+                if arm.name in arm_errors:
+                    self._failed_in_block(
+                        arm, job, attempt, arm_errors[arm.name], len(runnable), units, moved
+                    )
+                    runnable.remove(arm)
+            culprit = next((arm for arm in runnable if arm.name == answer.get("arm")), None)
+            if culprit is None or len(runnable) == 1:
+                # Nothing to single out (the process failed before or between arms): all of them failed.
+                for arm in runnable:
+                    units.append(self._unit(arm, job, attempt, answer["status"], answer["reason"], answer))
+                break
+            if answer.get("shared_state"):
+                moved[culprit.name] = f"it changed process-wide state ({'; '.join(answer['shared_state'])})"
+            elif answer["status"] == "oom":
+                moved[culprit.name] = (
+                    f"its block's process ended while it ran ({answer['reason']}): it may not fit in memory "
+                    "beside the other arms"
+                )
+            else:
+                units.append(self._unit(culprit, job, attempt, answer["status"], answer["reason"], answer))
+            runnable.remove(culprit)  # and run the block again without it
+        if self.launcher is not None:  # every node follows rank 0's verdict, to stay in step
+            ok = self.launcher.agree(all(u["status"] not in ("failed", "oom") for u in units))
+            for unit in units:
+                if not ok and unit["status"] == "ok":
+                    unit.update(status="failed", reason="failed on rank 0", result=None)
+        record = {
+            "block": job.block,
+            "job": job.key,
+            "units": units,
+            "moved": moved,
+            "process": block_record,
+            "finished_at": time.time(),
+        }
+        write_json_atomic(self.folder / job.file, record)
+        self._keep(record)
+        self.save(complete=False)
+        bar.advance()
+        for unit in units:
+            self.on_event({"type": "unit", **unit})
+        self.on_event({"type": "process_done", "block": job.block, "job": job.key})
+
+    def _failed_in_block(
+        self, arm: Arm, job: Job, attempt: int, failure: dict, arms_in_process: int, units: list, moved: dict
+    ) -> None:
+        """An arm failed inside a running process. Out of memory beside others: try it alone."""
+        if job.shared and arms_in_process > 1 and failure["status"] == "oom":
+            moved[arm.name] = f"it ran out of memory beside the block's other arms ({failure['reason']})"
+        else:
+            units.append(self._unit(arm, job, attempt, failure["status"], failure["reason"], failure))
+
+    def _unit(self, arm: Arm, job: Job, attempt: int, status: str, reason: str, detail: dict | None = None,
+              result: dict | None = None) -> dict:  # fmt: skip
+        unit = {
+            "arm": arm.name,
+            "block": job.block,
+            "process": "block" if job.shared else "own",
+            "status": status,
+            "reason": reason,
+            "result": result,
+            "log": str(self._log_path(job, attempt).relative_to(self.folder)),
+        }
+        if status != "ok":
+            unit["traceback"] = (detail or {}).get("traceback", "")
+        return unit
+
+    def _skipped(self, arm: Arm, job: Job) -> dict:
+        # A failure that happened once (an import error, an OOM) happens again: skip, and say why.
+        return {
+            "arm": arm.name,
+            "block": job.block,
+            "process": "block" if job.shared else "own",
+            "status": "skipped",
+            "reason": f"not run: it failed in an earlier block ({self.failed[arm.name]})",
+            "result": None,
+        }
+
+    def _log_path(self, job: Job, attempt: int) -> Path:
+        suffix = f"-attempt{attempt}" if attempt > 1 else ""
+        return self.folder / "logs" / f"b{job.block}-{job.key}{suffix}.log"
+
+    def _launch(
+        self, job: Job, arms: list[Arm], attempt: int, compile_cache: Path, bar: _Progress
+    ) -> tuple[dict, dict[str, dict]]:
+        """Start the process for ``arms`` and wait for its answer; also the arms' own error reports."""
+        run, prepared = self.run_config, self.prepared
+        spec = BlockSpec(
+            model=prepared.model,
+            data=prepared.data,
+            loss_fn=prepared.loss_fn,
+            arms=[arm.spec() for arm in arms],
+            steps=run.steps,
+            warmup=run.warmup,
+            rounds=run.rounds,
+            batch_size=run.batch_size,
+            device=prepared.config["device"],
+            seed=run.seed,
+            block=job.block,
+            optimizer=run.optimizer,
+            lr=run.lr,
+            link=run.link,
+            comm_timeout_s=min(120.0, run.timeout_s),
         )
-        print(f"\nStopped: {finished_count} of {len(schedule)} runs {where}", flush=True)
-        on_event({"type": "stopped", "out": str(folder)})
-        if stop is not None and stop.is_set():
-            return results
-        raise KeyboardInterrupt from None
-    sampler.stop()
-    bar.close()
-    results = save(complete=True)
-    on_event({"type": "done", "out": str(folder)})
-    return results
+        arm_errors: dict[str, dict] = {}
+        where = f"block {job.block + 1}/{run.blocks}" + ("" if job.shared else f", {arms[0].name} alone")
 
+        def relay(message: dict) -> None:
+            if message["type"] == "arm_error":
+                arm_errors[message["arm"]] = message
+            arm = message.get("arm")
+            if arm is not None:
+                detail = f" {message['round']}/{message['of']}" if message.get("phase") == "measure" else ""
+                bar.show(f"{where}: {arm}: {message.get('phase', 'measure')}{detail}")
+            self.on_event({**message, "block": job.block})
 
-def _run_unit(
-    prepared: Prepared,
-    arm: Arm,
-    repeat: int,
-    folder: Path,
-    compile_cache: str,
-    bar: _Progress,
-    on_event: Callable[[dict], None],
-    stop: threading.Event | None,
-    only_rank: tuple[int, int, str, int] | None = None,
-) -> dict:
-    run = prepared.run
-    spec = UnitSpec(
-        model=prepared.model,
-        data=prepared.data,
-        loss_fn=prepared.loss_fn,
-        techniques=arm.techniques,
-        steps=run.steps,
-        warmup=run.warmup,
-        batch_size=run.batch_size,
-        device=prepared.config["device"],
-        seed=run.seed,
-        optimizer=run.optimizer,
-        lr=run.lr,
-        labels={"arm": arm.name, "repeat": repeat},
-        loader_only=arm.kind == "loader",
-        link=run.link,
-        comm_timeout_s=min(120.0, run.timeout_s),
-    )
-    label = f"{arm.name} (repeat {repeat + 1}/{run.repeats})"
-    bar.show(f"{label}: starting")
-
-    def relay(message: dict) -> None:
-        phase = message.get("phase", "measure")
-        detail = f" {message['step']}/{message['of']}" if "step" in message else ""
-        bar.show(f"{label}: {phase}{detail}")
-        on_event({**message, "arm": arm.name, "repeat": repeat})
-
-    on_event({"type": "start", "arm": arm.name, "repeat": repeat})
-    answer = run_in_fresh_process(
-        spec,
-        log_path=folder / "logs" / f"{_slug(arm.name)}-r{repeat}.log",
-        timeout_s=run.timeout_s,
-        # Each arm gets its own compiled-code cache, empty for its first repeat: startup_s (taken
-        # from that repeat) is a cold compile, and no arm's compile time benefits from another's.
-        env={"TORCHINDUCTOR_CACHE_DIR": str(Path(compile_cache) / _slug(arm.name))},
-        on_message=relay,
-        should_stop=(lambda: stop.is_set()) if stop is not None else (lambda: False),
-        world_size=run.world_size,
-        only_rank=only_rank,
-    )
-    if answer["type"] == "result":
-        result = {k: v for k, v in answer.items() if k != "type"}
-        return {"status": "ok", "reason": "", "result": result}
-    return {
-        "status": answer["status"],
-        "reason": answer["reason"],
-        "traceback": answer.get("traceback", ""),
-        "result": None,
-    }
+        bar.show(f"{where}: starting")
+        self.on_event(
+            {
+                "type": "start",
+                "block": job.block,
+                "arms": [arm.name for arm in arms],
+                "process": "block" if job.shared else "own",
+                "attempt": attempt,
+            }
+        )
+        only_rank = None
+        if self.launcher is not None:  # this process starts only its own rank's worker
+            rank = self.launcher.rank
+            only_rank = (rank.rank, rank.local_rank, self.launcher.master_addr, self.launcher.unit_port())
+        answer = run_in_fresh_process(
+            spec,
+            log_path=self._log_path(job, attempt),
+            timeout_s=run.timeout_s,
+            # A fresh compiled-code cache for every process: each compile is a cold one (startup_s).
+            env={"TORCHINDUCTOR_CACHE_DIR": str(compile_cache / f"b{job.block}-{job.key}-{attempt}")},
+            on_message=relay,
+            should_stop=(lambda: self.stop.is_set()) if self.stop is not None else (lambda: False),
+            world_size=run.world_size,
+            only_rank=only_rank,
+        )
+        return answer, arm_errors

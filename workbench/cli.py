@@ -26,7 +26,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "mode": "one-at-a-time",
         "steps": 20,
         "warmup": 3,
-        "repeats": 4,
+        "blocks": 4,
         "batch_size": 32,
     },
 }
@@ -133,7 +133,16 @@ def _parser() -> argparse.ArgumentParser:
     ablate.add_argument("--mode", help="one-at-a-time | leave-one-out | grid")
     ablate.add_argument("--steps", type=int)
     ablate.add_argument("--warmup", type=int)
-    ablate.add_argument("--repeats", type=int)
+    ablate.add_argument(
+        "--blocks",
+        "--repeats",
+        dest="blocks",
+        type=int,
+        help="fresh processes, each running every arm side by side (default 3)",
+    )
+    ablate.add_argument(
+        "--rounds", type=int, help="windows per arm in a block (default 10, fewer for short runs)"
+    )
     ablate.add_argument("--batch-size", type=int)
     ablate.add_argument("--device")
     ablate.add_argument("--seed", type=int)
@@ -166,6 +175,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def format_plan(table) -> str:
+    """The dry run's table: one left-aligned row per arm, then why arms run alone or not at all."""
+    shown = table[["name", "role", "process", "blocks", "techniques"]]
+    widths = {column: max(len(column), *(len(str(v)) for v in shown[column])) for column in shown}
+    lines = ["  ".join(f"{column:<{widths[column]}}" for column in shown)]
+    lines += [
+        "  ".join(f"{str(v):<{widths[c]}}" for c, v in zip(shown, row, strict=True))
+        for row in shown.itertuples(index=False)
+    ]
+    alone = [f"  {row.name}: {row.own_process}" for row in table.itertuples() if row.process == "own"]
+    skipped = [
+        f"  {row.name}: {row.unavailable}" for row in table.itertuples() if isinstance(row.unavailable, str)
+    ]
+    if alone:
+        lines += [
+            "",
+            "In a process of their own (each compared with a baseline that also runs alone):",
+            *alone,
+        ]
+    if skipped:
+        lines += ["", "Unavailable here:", *skipped]
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def _run_ablate(args: argparse.Namespace) -> int:
     import workbench as wb
 
@@ -177,7 +210,8 @@ def _run_ablate(args: argparse.Namespace) -> int:
         "mode",
         "steps",
         "warmup",
-        "repeats",
+        "blocks",
+        "rounds",
         "batch_size",
         "device",
         "seed",
@@ -201,7 +235,10 @@ def _run_ablate(args: argparse.Namespace) -> int:
             "data",
             "techniques",
             "mode",
-            "repeats",
+            "blocks",
+            "rounds",
+            "steps",
+            "warmup",
             "batch_size",
             "device",
             "control",
@@ -209,7 +246,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
             "world_size",
             "link",
         )
-        print(wb.plan(**{k: v for k, v in settings.items() if k in keys}).to_string(index=False))
+        print(format_plan(wb.plan(**{k: v for k, v in settings.items() if k in keys})))
         return 0
     from workbench.ablation import describe_plan
 

@@ -73,9 +73,10 @@ def _is_cuda_index(value: str) -> bool:
 class RunConfig:
     """How each arm is trained and timed. Everything here is the same for every arm."""
 
-    steps: int = 30  # timed optimizer steps per repeat
-    warmup: int = 5  # untimed optimizer steps before the clock starts
-    repeats: int = 3  # independent runs per arm, interleaved across arms
+    steps: int = 30  # timed optimizer steps per arm per block, split into `rounds` windows
+    warmup: int = 5  # untimed optimizer steps per arm before its first window
+    blocks: int = 3  # fresh processes, each running every arm side by side (repeats)
+    rounds: int | None = None  # windows per arm in a block; None: from the step time (workbench.worker)
     batch_size: int = 32  # samples per optimizer step (grad_accum splits it, never grows it)
     device: str = "auto"
     seed: int = 0
@@ -86,7 +87,7 @@ class RunConfig:
     loader_arms: bool | str | None = None  # loader-only twins of input-pipeline arms; None: automatic
     world_size: int = 1  # ranks per arm: > 1 runs every arm as a DDP job (gloo on CPU, NCCL on CUDA)
     link: object = None  # a workbench.distributed.Link: a simulated network between the ranks
-    timeout_s: float = 1800.0  # one repeat of one arm; past it the arm is recorded as failed
+    timeout_s: float = 1800.0  # one arm in one block; past it the arm is recorded as failed
 
     def __post_init__(self) -> None:
         check_int("ablate", "steps", self.steps, 1)
@@ -97,7 +98,13 @@ class RunConfig:
             1,
             why=" (the first steps pay one-off costs: allocation, compilation, autotuning)",
         )
-        check_int("ablate", "repeats", self.repeats, 1)
+        check_int("ablate", "blocks", self.blocks, 1)
+        if self.rounds is not None:
+            check_int("ablate", "rounds", self.rounds, 1)
+        if self.rounds is not None and self.rounds > self.steps:
+            raise ValueError(
+                f"ablate: rounds={self.rounds} exceeds steps={self.steps}; each round's window needs at least one step"
+            )
         check_int("ablate", "batch_size", self.batch_size, 1)
         check_int("ablate", "seed", self.seed, 0)
         check_device(self.device)

@@ -53,8 +53,10 @@ class TrainSetup:
     # cuda_graphs: runs the compute step (trainer.compute) as a captured CUDA graph, replayed.
     graph_step: Callable[[Trainer, Any, torch.Tensor, StepClock], torch.Tensor] | None = None
     autocast_cache: bool = True  # autocast's weight-cast cache must be off inside graph capture
-    # Process-wide flags a technique flips (e.g. TF32) are entered here and restored on exit.
-    settings: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    # Process-wide switches a technique flips (TF32): context managers entered around each of
+    # this arm's windows (warm-up, timed windows, the memory step) and left after it, so that
+    # other arms sharing the process never run under them.
+    window_settings: list[Callable[[], contextlib.AbstractContextManager]] = field(default_factory=list)
 
 
 def split_batch(inputs: Any, targets: torch.Tensor, parts: int):

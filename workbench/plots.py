@@ -96,8 +96,8 @@ def plot_results(results) -> ResultsFigure:
     where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")
     config = results.config
     figure.suptitle(
-        f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps x "
-        f"{config['repeats']} repeats, batch {config['batch_size']}, {device} ({where})",
+        f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps per arm x "
+        f"{config.get('blocks', config.get('repeats'))} blocks, batch {config['batch_size']}, {device} ({where})",
         fontsize=10,
     )
     return figure
@@ -120,8 +120,13 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     started = snapshot["started"]
 
     for arm, points in snapshot["throughput"].items():
-        seconds, rates = zip(*points, strict=True)
-        speed_ax.plot(seconds, rates, "o-", markersize=3, color=colors.get(arm), label=arm)
+        # One line per block: between blocks a new process starts, and nothing was measured.
+        for index, block in enumerate(dict.fromkeys(point[2] for point in points)):
+            seconds = [point[0] for point in points if point[2] == block]
+            rates = [point[1] for point in points if point[2] == block]
+            speed_ax.plot(
+                seconds, rates, "o-", markersize=3, color=colors.get(arm), label=arm if index == 0 else None
+            )
     speed_ax.set_title("Throughput while running")
     speed_ax.set_xlabel("seconds since start")
     speed_ax.set_ylabel("samples/s")
@@ -139,7 +144,7 @@ def plot_live(snapshot: dict) -> ResultsFigure:
         phase_ax.barh(names, values, left=left, color=color, label=phase, height=0.6)
         left += values
     phase_ax.invert_yaxis()
-    phase_ax.set_title("Step breakdown (finished runs)")
+    phase_ax.set_title("Step breakdown (finished blocks)")
     phase_ax.set_xlabel("ms per optimizer step")
     if names:
         phase_ax.legend(fontsize=7, frameon=False, ncol=2)
@@ -152,7 +157,7 @@ def plot_live(snapshot: dict) -> ResultsFigure:
             alpha=0.7,
             linewidth=1,
         )
-    loss_ax.set_title("Loss (finished runs)")
+    loss_ax.set_title("Loss (finished blocks)")
     loss_ax.set_xlabel("optimizer step, warm-up included")
 
     samples = snapshot["telemetry"]
@@ -207,9 +212,8 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     for axes in (gpu_ax, gpu_detail_ax):
         axes.set_xlabel("seconds since start")
 
-    done = len(snapshot["finished"])
     figure.suptitle(
-        f"{snapshot['state']}: {done} of {snapshot['runs'] or '?'} runs finished"
+        f"{snapshot['state']}: {snapshot['processes_done']} of {snapshot['processes'] or '?'} processes finished"
         + (f"; now {snapshot['current']}" if snapshot["state"] == "running" and snapshot["current"] else ""),
         fontsize=10,
     )

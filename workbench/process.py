@@ -1,10 +1,14 @@
-"""Run one UnitSpec in a fresh process (see workbench.worker) and collect its answer.
+"""Run one block (a BlockSpec) in a fresh process (see workbench.worker) and collect its answer.
 
 The child runs in its own session (process group), so that a timeout, a Stop or Ctrl-C
-can end it together with its DataLoader workers, leaving no orphans. A data-parallel unit
+can end it together with its DataLoader workers, leaving no orphans. A data-parallel block
 runs as several rank processes, each leading its own session: a rank that raises or dies
-ends the unit within a few seconds, with a reason that names the rank. Its messages are
+ends the block within a few seconds, with a reason that names the rank. Its messages are
 JSON lines; its log (stderr and prints) goes to a file whose tail explains a crash.
+
+``timeout_s`` limits each arm, not the block: the worker says which arm it is working on
+(every ``phase`` message names it), the time is added up per arm, and the arm that passes
+the limit is named in the answer, so the caller can run the block again without it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,28 @@ EXIT_GRACE_S = 30.0  # after the result arrives, how long the processes may take
 
 
 class Interrupted(Exception):
-    """The run was stopped (Stop button or Ctrl-C) while a unit was in flight."""
+    """The run was stopped (Stop button or Ctrl-C) while a block was in flight."""
+
+
+class ArmTimer:
+    """Time spent on each arm of a block, from the worker's messages; which arm is in flight."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.spent: dict[str, float] = {}
+        self.current: str | None = None
+        self.since = time.monotonic()
+
+    def switch(self, arm: str | None) -> None:
+        now = time.monotonic()
+        if self.current is not None:
+            self.spent[self.current] = self.spent.get(self.current, 0.0) + now - self.since
+        self.current, self.since = arm, now
+
+    def overdue(self) -> bool:
+        """The arm in flight (or, before the first arm, the process's start) passed timeout_s."""
+        spent = self.spent.get(self.current, 0.0) if self.current is not None else 0.0
+        return spent + time.monotonic() - self.since > self.timeout_s
 
 
 def _serialize(spec) -> bytes:
@@ -78,12 +103,12 @@ def run_in_fresh_process(
     world_size: int = 1,
     only_rank: tuple[int, int, str, int] | None = None,
 ) -> dict:
-    """Run ``spec`` in ``python -m workbench.worker``; return its result or error message (a dict).
+    """Run the BlockSpec ``spec`` in ``python -m workbench.worker``; return its result or error (a dict).
 
     With ``world_size`` N > 1 it starts N rank processes that form one process group on a free
     port of 127.0.0.1; rank 0's messages and result are the unit's. The returned dict has
     ``type`` ``"result"`` (the measurements) or ``"error"`` (with ``status`` ``failed`` or
-    ``oom`` and a one-line ``reason``). Raises Interrupted when ``should_stop()`` turns true
+    ``oom``, a one-line ``reason``, and ``arm``: the arm in flight, or None). Raises Interrupted when ``should_stop()`` turns true
     or on KeyboardInterrupt, after ending every rank.
 
     ``only_rank=(rank, local_rank, master_addr, master_port)`` starts just that rank, which
@@ -175,7 +200,7 @@ def _run_ranks(
     ]
     for reader in readers:
         reader.start()
-    deadline = time.monotonic() + timeout_s
+    timer = ArmTimer(timeout_s)
     answer: dict | None = None
     rank_errors: dict[int, dict] = {}
     dead_since: float | None = None  # when a rank was first seen dead without rank 0 finishing
@@ -188,12 +213,13 @@ def _run_ranks(
             if should_stop():
                 stopped = True
                 raise Interrupted
-            if time.monotonic() > deadline:
+            if answer is None and timer.overdue():
                 stopped = True
                 answer = {
                     "type": "error",
                     "status": "failed",
                     "reason": f"timed out after {timeout_s:.0f} s (timeout_s); the arm's process was ended",
+                    "arm": timer.current,
                 }
                 break
             if answered_at is not None and time.monotonic() - answered_at > EXIT_GRACE_S:
@@ -234,7 +260,10 @@ def _run_ranks(
                 rank_errors.setdefault(rank, message)
             elif rank == 0 and message.get("type") == "result":
                 answer, answered_at = message, time.monotonic()
+                timer.switch(None)
             elif rank == 0:
+                if message.get("type") == "phase":
+                    timer.switch(message.get("arm"))
                 on_message(message)
     except KeyboardInterrupt:
         stopped = True
@@ -262,7 +291,8 @@ def _run_ranks(
             reader.join(timeout=5)
     if answer is not None:
         return answer
-    return _failure(processes, rank_errors)
+    # The arm in flight when the block died is the likely cause; the worker names it when it knows.
+    return {"arm": timer.current, **_failure(processes, rank_errors)}
 
 
 def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict]) -> dict:

@@ -19,11 +19,13 @@ from workbench import stats
 from workbench.mfu import achieved_tflops, mfu_percent, peak_tflops
 from workbench.telemetry import PHASES
 
-SCHEMA = "workbench-results/1"
+SCHEMA = "workbench-results/2"  # 2: blocks (several arms per process) replaced one process per run
+READABLE_SCHEMAS = (SCHEMA, "workbench-results/1")
 STATUSES = ("ok", "unavailable", "failed", "oom", "diverged", "interrupted")
 TABLE_COLUMNS = [
     "arm",
     "kind",
+    "process",  # "block": side by side with the other arms; "own": a process of its own (see reason)
     "techniques",
     "status",
     "reason",
@@ -32,6 +34,10 @@ TABLE_COLUMNS = [
     "speedup",
     "speedup_low",
     "speedup_high",
+    # The spread of the speedup's logarithm, in percent: inside a block (from its rounds), and
+    # between blocks. See workbench/stats.py.
+    "within_block_pct",
+    "between_block_pct",
     "step_ms",
     "data_ms",
     "forward_ms",
@@ -39,6 +45,7 @@ TABLE_COLUMNS = [
     "optimizer_ms",
     "replay_ms",
     "peak_mem_mb",
+    "activation_mb",
     "peak_rss_mb",
     "startup_s",
     "final_loss",
@@ -57,16 +64,17 @@ TABLE_COLUMNS = [
     "compression_ratio",
     "comm_ms",
     "comm_share",
-    "repeats",
+    "blocks",
     "noisy",
     "notes",
 ]
-SHORT_WINDOW_S = 0.5  # below this, timer and scheduler noise weigh on each window
-FINAL_LOSS_STEPS = 5
-LOSS_DRIFT = 0.10  # a final loss further than this from the baseline's is called out  # final_loss averages the last few steps, so one noisy batch does not decide it
+SHORT_WINDOW_S = 0.5  # below this (all of an arm's windows in a block), timer noise weighs on each
+FINAL_LOSS_STEPS = 5  # final_loss averages the last few steps, so one noisy batch does not decide it
+LOSS_DRIFT = 0.10  # a final loss further than this from the baseline's is called out
 
 
 def _median(values: list[float]) -> float:
+    values = [v for v in values if v is not None]
     return float(np.median(values)) if values else math.nan
 
 
@@ -81,120 +89,214 @@ def _divergence(result: dict) -> str | None:
     return None
 
 
+def _side(result: dict) -> stats.Side:
+    """One arm's windows in one block, for workbench.stats."""
+    windows = result.get("windows") or [{"step_s": result["step_s"]}]
+    return stats.Side([w["step_s"] for w in windows], result["samples"] / result["steps"])
+
+
+def _baseline_of(arm: dict, arms: list[dict]) -> str | None:
+    """Each kind of arm (training, loader-only) in each kind of process has its own baseline."""
+    for other in arms:
+        if (
+            other["role"] == "baseline"
+            and other.get("kind", "train") == arm.get("kind", "train")
+            and other.get("process", "block") == arm.get("process", "block")
+        ):
+            return other["name"]
+    return None
+
+
 def summarize(
     arms: list[dict],
     units: list[dict],
-    planned_repeats: int,
+    planned_blocks: int,
     complete: bool,
     telemetry: list[dict] | None = None,
 ) -> list[dict]:
-    """One row per arm, from the arms' plan, the finished units and the sampler's telemetry."""
+    """One row per arm, from the arms' plan, the finished units and the sampler's telemetry.
+
+    A unit is one arm in one block: ``{"arm", "block", "status", "reason", "result"}``.
+    """
     by_arm: dict[str, list[dict]] = {arm["name"]: [] for arm in arms}
     for unit in units:
         by_arm.setdefault(unit["arm"], []).append(unit)
-    # Each kind of arm (training, loader-only) is compared with its own baseline.
-    baselines = {arm.get("kind", "train"): arm["name"] for arm in arms if arm["role"] == "baseline"}
+    lingering = follower_effects(units)  # work that goes on after an arm's windows
     rows = []
     for arm in arms:
-        kind = arm.get("kind", "train")
-        baseline = baselines.get(kind)
-        base_ok = {u["repeat"]: u["result"] for u in by_arm.get(baseline, []) if u["status"] == "ok"}
-        # A loader-only arm trains a no-op model: its loss means nothing.
-        base_loss = _median([_final_loss(r) for r in base_ok.values()]) if kind == "train" else math.nan
-        base_comm = _median(
-            [r["comm_bytes_per_step"] for r in base_ok.values() if "comm_bytes_per_step" in r]
-        )
-        row: dict[str, Any] = dict.fromkeys(TABLE_COLUMNS, math.nan)
-        row.update(
-            arm=arm["name"],
-            kind=kind,
-            techniques=arm["techniques"],
-            status="ok",
-            reason="",
-            repeats=0,
-            noisy=False,
-            notes="",
-        )
-        if arm.get("unavailable"):
-            row.update(status="unavailable", reason=arm["unavailable"])
-            rows.append(row)
-            continue
-        arm_units = sorted(by_arm[arm["name"]], key=lambda u: u["repeat"])
-        ok = [u for u in arm_units if u["status"] == "ok"]
-        bad = [u for u in arm_units if u["status"] not in ("ok", "skipped")]
-        results = [u["result"] for u in ok]
-        notes = list(ok[0]["result"]["notes"]) if ok else []
-        if bad:
-            row.update(status=bad[0]["status"], reason=f"repeat {bad[0]['repeat'] + 1}: {bad[0]['reason']}")
-        elif len(ok) < planned_repeats:
-            row.update(
-                status="interrupted" if not complete else "failed",
-                reason=f"{len(ok)} of {planned_repeats} repeats finished before the run was stopped",
-            )
-        for result in results:
-            divergence = _divergence(result)
-            if divergence and row["status"] == "ok":
-                row.update(status="diverged", reason=divergence)
-        if results:
-            throughputs = [r["samples_per_s"] for r in results]
-            row["samples_per_s"], row["samples_per_s_spread"] = stats.median_and_spread(throughputs)
-            row["step_ms"] = _median([1e3 * r["wall_s"] / r["steps"] for r in results])
-            for phase in PHASES:  # records from before the replay phase existed lack it
-                row[f"{phase}_ms"] = _median([r["phase_ms"].get(phase, 0.0) for r in results])
-            row["peak_mem_mb"] = _median([r["peak_mem_mib"] for r in results])
-            row["peak_rss_mb"] = _median([r["peak_rss_mib"] for r in results])
-            row["startup_s"] = results[0]["startup_s"]  # the first repeat: a cold compile cache
-            if kind == "train":
-                row["final_loss"] = _median([_final_loss(r) for r in results if not _divergence(r)])
-            row["cpu_util_pct"] = _median([r["cpu_util_pct"] for r in results])
-            if all("comm_bytes_per_step" in r for r in results):
-                _communication(row, results, base_comm)
-            notes += _utilization(row, results, telemetry or [])
-            row["repeats"] = len(results)
-            row["loss_vs_baseline"] = row["final_loss"] / base_loss if base_loss else math.nan
-            paired = [(base_ok[u["repeat"]], u["result"]) for u in ok if u["repeat"] in base_ok]
-            if arm["name"] == baseline:
-                row.update(speedup=1.0, speedup_low=1.0, speedup_high=1.0)
-            elif paired:
-                windows = [
-                    [stats.Window(r["samples_per_s"], r["step_s"]) for r in side]
-                    for side in zip(*paired, strict=True)
-                ]
-                row["speedup"], row["speedup_low"], row["speedup_high"] = stats.speedup_interval(*windows)
-            else:
-                notes.append("no baseline repeat to compare with")
-            row["noisy"] = stats.is_noisy(
-                throughputs, row["speedup"], row["speedup_low"], row["speedup_high"]
-            )
-            if len(results) == 1:
-                notes.append("1 repeat: the interval ignores run-to-run variation")
-            window_s = _median([r["wall_s"] for r in results])
-            if window_s < SHORT_WINDOW_S:
+        baseline = _baseline_of(arm, arms)
+        base_ok = {u["block"]: u["result"] for u in by_arm.get(baseline, []) if u["status"] == "ok"}
+        row = _row(arm, sorted(by_arm[arm["name"]], key=lambda u: u["block"]), planned_blocks, complete)
+        if row["status"] != "unavailable" and row["blocks"]:
+            notes = row.pop("_notes")
+            ok = [u for u in by_arm[arm["name"]] if u["status"] == "ok"]
+            notes += _compare(row, arm, ok, baseline, base_ok)
+            notes += _utilization(row, [u["result"] for u in ok], telemetry or [])
+            effect = lingering.get(arm["name"])
+            if effect is not None and effect.clear:
                 notes.append(
-                    f"timed windows last only {1e3 * window_s:.0f} ms; more steps give tighter intervals"
+                    f"windows that ran right after this arm's were {100 * effect.slowdown:.0f}% slower "
+                    f"(+/-{100 * effect.se:.0f}%) than after other arms': its work seems to go on between its "
+                    "windows (threads, prefetching), which slows the other arms; run it in its own process"
                 )
-            drift = row["loss_vs_baseline"] - 1.0
-            if arm["name"] != baseline and abs(drift) > LOSS_DRIFT:  # NaN (loader arms) never is
-                why = (
-                    # A different pipeline draws its own random augmentations (crops, flips): the arms
-                    # trained on different samples of the same distribution, not on different maths.
-                    "this input pipeline draws its own random augmentations, so the arms saw different "
-                    "samples; compare over more steps"
-                    if arm.get("input_pipeline")
-                    else "the technique changed the numerics"
-                )
-                notes.append(
-                    f"convergence: final loss {abs(drift):.0%} {'above' if drift > 0 else 'below'} the baseline's "
-                    f"after the same steps; {why}"
-                )
-            if arm["role"] == "control" and not row["speedup_low"] <= 1.0 <= row["speedup_high"]:
-                notes.append(
-                    "A/A check failed: this rerun of the baseline is outside its own interval, so the machine "
-                    "is noisier than the intervals say; distrust small speedups"
-                )
-        row["notes"] = "; ".join(notes)
+            row["notes"] = "; ".join(dict.fromkeys(notes))  # in order, each note once
+        else:
+            row["notes"] = "; ".join(row.pop("_notes", []))
         rows.append(row)
     return rows
+
+
+def follower_effects(units: list[dict]) -> dict[str, stats.FollowerEffect]:
+    """For each arm of the shared blocks: how much slower the windows right after its windows ran."""
+    windows: dict[int, list[tuple[float, str, float]]] = {}  # block -> (start, arm, deviation)
+    for unit in units:
+        result = unit.get("result")
+        if unit.get("process", "block") != "block" or not result or not result.get("windows"):
+            continue
+        means = [float(np.mean(w["step_s"])) for w in result["windows"] if w["step_s"]]
+        usual = float(np.median(means)) if means else math.nan
+        for window in result["windows"]:
+            if window["step_s"]:
+                deviation = math.log(float(np.mean(window["step_s"])) / usual)
+                windows.setdefault(unit["block"], []).append((window["start"], unit["arm"], deviation))
+    sequences = [[(arm, deviation) for _, arm, deviation in sorted(block)] for block in windows.values()]
+    return stats.follower_effects(sequences)
+
+
+def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) -> dict[str, Any]:
+    """The arm's status and its own measurements (no comparison with the baseline yet)."""
+    row: dict[str, Any] = dict.fromkeys(TABLE_COLUMNS, math.nan)
+    row.update(
+        arm=arm["name"],
+        kind=arm.get("kind", "train"),
+        process=arm.get("process", "block"),
+        techniques=arm["techniques"],
+        status="ok",
+        reason="",
+        blocks=0,
+        noisy=False,
+        notes="",
+        _notes=[],
+    )
+    if arm.get("unavailable"):
+        row.update(status="unavailable", reason=arm["unavailable"])
+        return row
+    ok = [u for u in arm_units if u["status"] == "ok"]
+    bad = [u for u in arm_units if u["status"] not in ("ok", "skipped")]
+    results = [u["result"] for u in ok]
+    if bad:
+        row.update(status=bad[0]["status"], reason=f"block {bad[0]['block'] + 1}: {bad[0]['reason']}")
+    elif len(ok) < planned_blocks:
+        row.update(
+            status="interrupted" if not complete else "failed",
+            reason=f"{len(ok)} of {planned_blocks} blocks finished before the run was stopped",
+        )
+    for result in results:
+        divergence = _divergence(result)
+        if divergence and row["status"] == "ok":
+            row.update(status="diverged", reason=divergence)
+    if not results:
+        return row
+    notes = list(dict.fromkeys(note for r in results for note in r["notes"]))
+    if arm.get("own_process"):
+        notes.insert(0, f"its own process: {arm['own_process']}")
+    # Wall clock, all timed steps: what a job like this one would see (the speedup uses ESTIMATOR).
+    throughputs = [r["samples_per_s"] for r in results]
+    row["samples_per_s"], row["samples_per_s_spread"] = stats.median_and_spread(throughputs)
+    row["step_ms"] = _median([1e3 * r["wall_s"] / r["steps"] for r in results])
+    for phase in PHASES:  # records from before the replay phase existed lack it
+        row[f"{phase}_ms"] = _median([r["phase_ms"].get(phase, 0.0) for r in results])
+    row["peak_mem_mb"] = _median([r["peak_mem_mib"] for r in results])
+    row["activation_mb"] = _median([r.get("activation_mib") for r in results])
+    row["peak_rss_mb"] = _median([r.get("peak_rss_mib") for r in results])
+    # Each block builds the arm afresh; the median is the typical start-up in such a process.
+    row["startup_s"] = _median([r["startup_s"] for r in results])
+    if row["kind"] == "train":  # a loader-only arm trains a no-op model: its loss means nothing
+        row["final_loss"] = _median([_final_loss(r) for r in results if not _divergence(r)])
+    row["cpu_util_pct"] = _median([r["cpu_util_pct"] for r in results])
+    row["blocks"] = len(results)
+    window_s = _median([r["wall_s"] for r in results])
+    if window_s < SHORT_WINDOW_S:
+        notes.append(
+            f"timed windows total only {1e3 * window_s:.0f} ms per block; more steps give tighter intervals"
+        )
+    row["_notes"] = notes
+    return row
+
+
+def _compare(
+    row: dict, arm: dict, ok: list[dict], baseline: str | None, base_ok: dict[int, dict]
+) -> list[str]:
+    """Speedup, loss and communication against the baseline of the same kind and process."""
+    notes: list[str] = []
+    results = [u["result"] for u in ok]
+    base_results = list(base_ok.values())
+    base_loss = _median([_final_loss(r) for r in base_results]) if row["kind"] == "train" else math.nan
+    row["loss_vs_baseline"] = row["final_loss"] / base_loss if base_loss else math.nan
+    if all("comm_bytes_per_step" in r for r in results):
+        base_comm = _median([r["comm_bytes_per_step"] for r in base_results if "comm_bytes_per_step" in r])
+        _communication(row, results, base_comm)
+    paired = [(base_ok[u["block"]], u["result"]) for u in ok if u["block"] in base_ok]
+    if arm["name"] == baseline:
+        row.update(speedup=1.0, speedup_low=1.0, speedup_high=1.0)
+    elif paired:
+        shared = row["process"] == "block"  # then window i of both ran in round i of one process
+        ratios = [stats.block_ratio(_side(b), _side(a), paired=shared) for b, a in paired]
+        speedup = stats.combine_blocks(ratios)
+        row.update(
+            speedup=speedup.point,
+            speedup_low=speedup.low,
+            speedup_high=speedup.high,
+            within_block_pct=speedup.within_block_pct,
+            between_block_pct=speedup.between_block_pct,
+        )
+        if speedup.blocks == 1:
+            notes.append("1 block: the interval ignores process-to-process variation")
+        if speedup.blocks_disagree:
+            notes.append(
+                f"blocks disagree: their ratios spread {speedup.between_block_pct:.1f}% where the noise inside a "
+                f"block is {speedup.within_block_pct:.1f}%; the processes (or nodes) differed in a way the ratio "
+                "did not cancel"
+            )
+        wall = stats.combine_blocks(
+            [stats.block_ratio(_side(b), _side(a), paired=shared, estimator="mean") for b, a in paired]
+        )
+        if len(paired) >= 2 and not (
+            wall.low <= speedup.point <= wall.high or speedup.low <= wall.point <= speedup.high
+        ):
+            notes.append(
+                f"over all steps (wall clock) the speedup is {wall.point:.2f} [{wall.low:.2f}, {wall.high:.2f}], "
+                f"not {speedup.point:.2f}: this arm's slow steps are not the baseline's (stalls, allocations, "
+                "garbage collection); the wall-clock figure is what a job would see"
+            )
+        if not shared:
+            notes.append(
+                "measured in its own process against a baseline in its own process: the luck of two processes "
+                "(10-15% here) is in this interval"
+            )
+    else:
+        notes.append("no baseline block to compare with")
+    row["noisy"] = stats.is_noisy(row["speedup"], row["speedup_low"], row["speedup_high"])
+    drift = row["loss_vs_baseline"] - 1.0
+    if arm["name"] != baseline and abs(drift) > LOSS_DRIFT:  # NaN (loader arms) never is
+        why = (
+            # A different pipeline draws its own random augmentations (crops, flips): the arms
+            # trained on different samples of the same distribution, not on different maths.
+            "this input pipeline draws its own random augmentations, so the arms saw different "
+            "samples; compare over more steps"
+            if arm.get("input_pipeline")
+            else "the technique changed the numerics"
+        )
+        notes.append(
+            f"convergence: final loss {abs(drift):.0%} {'above' if drift > 0 else 'below'} the baseline's "
+            f"after the same steps; {why}"
+        )
+    if arm["role"] == "control" and not row["speedup_low"] <= 1.0 <= row["speedup_high"]:
+        notes.append(
+            "A/A check failed: this rerun of the baseline is outside its own interval, so the machine "
+            "is noisier than the intervals say; distrust small speedups"
+        )
+    return notes
 
 
 def _utilization(row: dict, results: list[dict], telemetry: list[dict]) -> list[str]:
@@ -213,18 +315,19 @@ def _utilization(row: dict, results: list[dict], telemetry: list[dict]) -> list[
     if gpus and telemetry:
         for column, reading in (("gpu_util_pct", "util_percent"), ("gpu_power_w", "power_w"),
                                 ("sm_clock_mhz", "sm_clock_mhz")):  # fmt: skip
+            # Only the samples taken while one of this arm's windows ran (not another arm's).
+            spans = [(w["start"], w["end"]) for r in results for w in r.get("windows", [])]
             values = [
                 sample[f"gpu{index}_{reading}"]
-                for r in results
                 for sample in telemetry
-                if r["window_start"] <= sample["time"] <= r["window_end"]
+                if any(start <= sample["time"] <= end for start, end in spans)
                 for index in gpus
                 if f"gpu{index}_{reading}" in sample
             ]
             row[column] = float(np.mean(values)) if values else math.nan
         if math.isnan(row["gpu_util_pct"]):
             notes.append(
-                "no GPU readings inside the timed windows (NVML samples once a second); use more steps"
+                "no GPU readings inside this arm's timed windows (NVML samples once a second); use more steps"
             )
     return notes
 
@@ -280,10 +383,10 @@ class Results:
         import pandas as pd
 
         table = pd.DataFrame(self.record["table"], columns=TABLE_COLUMNS)
-        text = ("arm", "kind", "techniques", "status", "reason", "notes", "noisy", "repeats")
+        text = ("arm", "kind", "process", "techniques", "status", "reason", "notes", "noisy", "blocks")
         numeric = [c for c in TABLE_COLUMNS if c not in text]
         table[numeric] = table[numeric].astype(float)
-        table["repeats"] = table["repeats"].fillna(0).astype(int)
+        table["blocks"] = table["blocks"].fillna(0).astype(int)
         table["noisy"] = table["noisy"].astype(bool)
         return table
 
@@ -301,25 +404,63 @@ class Results:
 
     @property
     def losses(self):
-        """Long-format loss curves: arm, repeat, step (1 = first warm-up step), loss, timed."""
+        """Long-format loss curves: arm, block, step (1 = first warm-up step), loss, timed."""
         import pandas as pd
 
         rows = []
         for unit in self.record["units"]:
             if unit["status"] != "ok":
                 continue
-            warmup = unit["result"]["warmup"]
-            for index, loss in enumerate(unit["result"]["losses"]):
+            result = unit["result"]
+            # Which steps the clock timed: not the warm-up, nor the untimed re-warm step of each window.
+            timed = result.get("timed") or [
+                index >= result["warmup"] for index in range(len(result["losses"]))
+            ]
+            for index, (loss, in_window) in enumerate(zip(result["losses"], timed, strict=True)):
                 rows.append(
                     {
                         "arm": unit["arm"],
-                        "repeat": unit["repeat"],
+                        "block": unit["block"],
                         "step": index + 1,
                         "loss": loss,
-                        "timed": index >= warmup,
+                        "timed": in_window,
                     }
                 )
-        return pd.DataFrame(rows, columns=["arm", "repeat", "step", "loss", "timed"])
+        return pd.DataFrame(rows, columns=["arm", "block", "step", "loss", "timed"])
+
+    @property
+    def blocks(self):
+        """One row per process that ran: its block, the arms side by side in it, rounds, order, RSS."""
+        import pandas as pd
+
+        rows = [
+            {
+                "block": b["block"],
+                "process": "block" if len(b["arms"]) > 1 else "own",
+                "arms": ", ".join(b["arms"]),
+                "rounds": b["rounds"],
+                "window_steps": b["window_steps"][0] if b["window_steps"] else 0,
+                "warmup": b["warmup"],
+                "rss_growth_mb": b["rss_growth_mib"],
+                "attempts": b.get("attempts", 1),
+                "wall_s": b.get("wall_s"),
+            }
+            for b in self.record.get("blocks", [])
+        ]
+        return pd.DataFrame(
+            rows,
+            columns=[
+                "block",
+                "process",
+                "arms",
+                "rounds",
+                "window_steps",
+                "warmup",
+                "rss_growth_mb",
+                "attempts",
+                "wall_s",
+            ],
+        )
 
     @property
     def telemetry(self):
@@ -372,9 +513,11 @@ class Results:
         )
         text = text_table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
         text += (
-            "\n\nspeedup: vs baseline, paired by repeat; an interval that contains 1.00 is no measurable change."
-            "\n* noisy: repeats spread or the interval reaches more than 10% from the speedup; more repeats help."
-            "\npeak_mem_mb: most memory held by tensors in a step (MiB); peak_rss_mb in the table: what the OS saw."
+            "\n\nspeedup: vs the baseline inside each block (one process running the arms side by side), then"
+            "\n  combined over blocks; an interval that contains 1.00 is no measurable change."
+            "\n* noisy: the interval reaches more than 10% from the speedup; more blocks or steps help."
+            "\npeak_mem_mb: most memory this arm's tensors held in a step (MiB); activation_mb in the table: what"
+            "\n  autograd saved for backward; peak_rss_mb: what the OS saw (a process of its own only)."
         )
         if "mfu_pct" in columns:
             text += "\nmfu_pct: model FLOPs per second over the GPU's dense peak for the dtype in use (workbench.mfu)."
@@ -404,8 +547,13 @@ def load_results(path: str | os.PathLike) -> Results:
         )
     with open(file) as handle:
         record = json.load(handle)
-    if record.get("schema") != SCHEMA:
+    if record.get("schema") not in READABLE_SCHEMAS:
         raise ValueError(
             f"{file} is not a workbench results file (schema {record.get('schema')!r}, expected {SCHEMA!r})"
         )
+    if record["schema"] != SCHEMA:  # one process per (arm, repeat): read its repeats as blocks of one
+        for row in record["table"]:
+            row["blocks"] = row.pop("repeats", 0)
+        for unit in record["units"]:
+            unit["block"] = unit.get("repeat", 0)
     return Results(record, file.parent)

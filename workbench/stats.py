@@ -1,31 +1,57 @@
 """The statistics behind every number in the results table.
 
-Per arm
-    Each repeat gives one throughput: samples in the timed window / wall time of the
-    window. The arm's ``samples_per_s`` is the median over repeats and
-    ``samples_per_s_spread`` their interquartile range (with 2-3 repeats: close to the range).
+Blocks, windows, steps
+    A block is one worker process that runs every arm it holds side by side: after warm-up,
+    R rounds, each running every arm for one window of W steps, in a fresh random order (see
+    workbench.block). Arms that cannot share a process run in processes of their own, one
+    per block, against a baseline that does too. Repeats are blocks.
+
+Typical step time (``ESTIMATOR``)
+    An arm's windows in a block give it a list of step times. Their typical value is
+    ``ESTIMATORS[ESTIMATOR]`` of them; the candidates are the mean, the median of the
+    per-window medians, a 20% trimmed mean, and the 10th percentile. The choice was made
+    on A/A evidence (benchmarks/aa_calibration.py, BENCHMARKS.md): of the estimators whose
+    intervals still contain 1.0 for identical arms, the one with the narrowest intervals.
+    Throughput in a block = samples per step / typical step time.
 
 Speedup
-    Each round (repeat) runs the baseline and the arm back to back, so machine drift
-    cancels in their ratio. ``speedup`` is the geometric mean of the per-round ratios
-    (arm throughput / baseline throughput), and its 95% interval is the paired
-    t-interval on their logarithms: mean +/- t(0.975, n-1) * sd / sqrt(n), exponentiated.
-    With few repeats the t quantile is large (4.30 for 3 repeats), and that width is
-    honest: a bootstrap over 3 rounds would exclude 1.0 whenever all three ratios fall on
-    the same side, which pure noise does one time in four.
-    With a single repeat there is no run-to-run information; the interval then comes from
-    resampling step times within the two windows (2,000 bootstrap draws), and the row is
-    flagged as ignoring run-to-run variation.
+    Inside each block: the arm's throughput over the baseline's in the same block, so the
+    block's own speed (its process luck, 10-15% between processes here) cancels in the
+    ratio. Across blocks: ``speedup`` is the geometric mean of the block ratios, and its 95%
+    interval is the t-interval on their logarithms, mean +/- t(0.975, B-1) * sd / sqrt(B),
+    with the block as the blocking factor. With few blocks the t quantile is large (4.30 for
+    3 blocks), and that width is honest.
+    With a single block there is no block-to-block information: the interval then comes
+    from the block's own rounds (paired round by round in a shared block), and the row says
+    that it ignores process-to-process variation. With a single round too, it comes from
+    resampling step times within the two windows (2,000 bootstrap draws).
+
+Spread within and between blocks
+    ``within_block_pct``: the standard error of a block's log ratio from its own rounds (the
+    median over blocks), in percent. ``between_block_pct``: the standard deviation of the
+    block ratios' logarithms, in percent. Blocks that disagree far more than their own noise
+    says they should point at a difference between the processes (or nodes) that the ratio
+    did not cancel; the table notes it.
+
+Work that outlives a window
+    An arm whose work goes on after its window ends (a background thread, a prefetching
+    pipeline) slows whichever window runs next. Each window is compared with its arm's own
+    typical window in the block; ``follower_effect`` says how much slower the windows right
+    after a given arm's ran than the windows after any other arm's. The order of the arms is
+    random in every round, so without such leftover work the two are equal. Windows are
+    compared by their mean step here, not ESTIMATOR: the slowed steps are what to look for.
 
 Noise
-    An arm is flagged ``noisy`` when its repeats spread (IQR) by more than 10% of their
-    median, or when its speedup interval reaches more than 10% either side of the speedup. The control arm (the baseline
-    run a second time) shows the machine's noise floor: its interval should contain 1.0.
+    An arm is flagged ``noisy`` when its speedup interval reaches more than 10% either side
+    of the speedup. The control arm (the baseline run a second time, in the same block)
+    shows the machine's noise floor: its interval should contain 1.0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,14 +59,34 @@ import numpy as np
 NOISE_THRESHOLD = 0.10
 BOOTSTRAP_SAMPLES = 2000
 CONFIDENCE = 0.95
+DISAGREEMENT = 3.0  # blocks disagree when their spread is this many times their own noise
 
 
-@dataclass(frozen=True)
-class Window:
-    """One timed window: its wall-clock throughput and the step times inside it."""
+def _all_steps(windows: Sequence[Sequence[float]]) -> np.ndarray:
+    return np.concatenate([np.asarray(w, dtype=float) for w in windows]) if windows else np.array([])
 
-    samples_per_s: float
-    step_s: Sequence[float]
+
+def _trimmed_mean(values: np.ndarray, cut: float = 0.2) -> float:
+    ordered = np.sort(values)
+    drop = int(len(ordered) * cut)
+    return float(ordered[drop : len(ordered) - drop].mean()) if len(ordered) > 2 * drop else math.nan
+
+
+# Each takes an arm's windows in one block (a list of step-time lists) and returns one step time.
+ESTIMATORS: dict[str, Callable[[Sequence[Sequence[float]]], float]] = {
+    "mean": lambda windows: float(_all_steps(windows).mean()),
+    "median_of_window_medians": lambda windows: float(np.median([np.median(w) for w in windows])),
+    "trimmed_mean": lambda windows: _trimmed_mean(_all_steps(windows)),
+    "p10": lambda windows: float(np.percentile(_all_steps(windows), 10)),
+}
+ESTIMATOR = "p10"
+
+
+def typical_step_s(windows: Sequence[Sequence[float]], estimator: str = ESTIMATOR) -> float:
+    """The typical step time of one arm in one block (see the module docstring)."""
+    if not windows or not any(len(w) for w in windows):
+        return math.nan
+    return ESTIMATORS[estimator]([w for w in windows if len(w)])
 
 
 def median_and_spread(values: Sequence[float]) -> tuple[float, float]:
@@ -52,40 +98,6 @@ def median_and_spread(values: Sequence[float]) -> tuple[float, float]:
     return float(median), float(q3 - q1)
 
 
-def _resampled_throughputs(window: Window, rng: np.random.Generator, n: int) -> np.ndarray:
-    """``n`` bootstrap replicates of one window's throughput, resampling its step times.
-
-    Each replicate scales the wall-clock throughput by mean(step times) / mean(resampled
-    step times), so the replicates centre on the measured wall-clock figure.
-    """
-    steps = np.asarray(window.step_s, dtype=float)
-    if len(steps) < 2 or steps.mean() <= 0:
-        return np.full(n, window.samples_per_s)
-    draws = steps[rng.integers(0, len(steps), size=(n, len(steps)))].mean(axis=1)
-    return window.samples_per_s * steps.mean() / draws
-
-
-def speedup_interval(
-    baseline: Sequence[Window],
-    arm: Sequence[Window],
-    *,
-    confidence: float = CONFIDENCE,
-    seed: int = 0,
-) -> tuple[float, float, float]:
-    """(speedup, low, high) of ``arm`` over ``baseline``; the two lists are paired by round."""
-    if len(baseline) != len(arm):
-        raise ValueError("baseline and arm windows must be paired round by round")
-    rounds = len(arm)
-    if rounds == 0:
-        return float("nan"), float("nan"), float("nan")
-    if rounds == 1:
-        return _within_window_interval(baseline[0], arm[0], confidence, seed)
-    log_ratios = np.log([a.samples_per_s / b.samples_per_s for a, b in zip(arm, baseline, strict=True)])
-    mean = float(log_ratios.mean())
-    half_width = float(t_quantile(confidence, rounds - 1) * log_ratios.std(ddof=1) / np.sqrt(rounds))
-    return float(np.exp(mean)), float(np.exp(mean - half_width)), float(np.exp(mean + half_width))
-
-
 def t_quantile(confidence: float, degrees_of_freedom: int) -> float:
     """The two-sided Student-t critical value, e.g. 4.303 for 95% and 2 degrees of freedom."""
     from scipy.stats import t
@@ -93,22 +105,164 @@ def t_quantile(confidence: float, degrees_of_freedom: int) -> float:
     return float(t.ppf(0.5 + confidence / 2, degrees_of_freedom))
 
 
-def _within_window_interval(
-    baseline: Window, arm: Window, confidence: float, seed: int
-) -> tuple[float, float, float]:
+@dataclass(frozen=True)
+class Side:
+    """One arm in one block: its windows' step times and the samples each step processes."""
+
+    windows: Sequence[Sequence[float]]
+    samples_per_step: float
+
+    def throughput(self, estimator: str = ESTIMATOR) -> float:
+        return self.samples_per_step / typical_step_s(self.windows, estimator)
+
+    def window_throughputs(self, estimator: str = ESTIMATOR) -> np.ndarray:
+        return np.array(
+            [self.samples_per_step / typical_step_s([w], estimator) for w in self.windows if len(w)]
+        )
+
+
+@dataclass(frozen=True)
+class BlockRatio:
+    """Arm over baseline inside one block: the log of the throughput ratio, and its own noise."""
+
+    log_ratio: float
+    within_se: float  # standard error of log_ratio from the block's windows (nan: fewer than 2)
+    degrees_of_freedom: int
+    baseline: Side
+    arm: Side
+
+
+def block_ratio(baseline: Side, arm: Side, *, paired: bool, estimator: str = ESTIMATOR) -> BlockRatio:
+    """The ratio in one block. ``paired``: window i of both ran in round i of the same process."""
+    log_ratio = math.log(arm.throughput(estimator) / baseline.throughput(estimator))
+    arm_windows = np.log(arm.window_throughputs(estimator))
+    base_windows = np.log(baseline.window_throughputs(estimator))
+    if paired and len(arm_windows) == len(base_windows) >= 2:
+        differences = arm_windows - base_windows
+        se = float(differences.std(ddof=1) / math.sqrt(len(differences)))
+        dof = len(differences) - 1
+    elif len(arm_windows) >= 2 and len(base_windows) >= 2:
+        se = math.sqrt(
+            arm_windows.var(ddof=1) / len(arm_windows) + base_windows.var(ddof=1) / len(base_windows)
+        )
+        dof = min(len(arm_windows), len(base_windows)) - 1
+    else:
+        se, dof = math.nan, 0
+    return BlockRatio(log_ratio, se, dof, baseline, arm)
+
+
+@dataclass(frozen=True)
+class Speedup:
+    point: float
+    low: float
+    high: float
+    blocks: int
+    within_block_pct: float  # median over blocks of the within-block standard error, in percent
+    between_block_pct: float  # standard deviation of the block log ratios, in percent (nan: 1 block)
+
+    @property
+    def blocks_disagree(self) -> bool:
+        """The blocks spread far more than the noise inside them says they should."""
+        return (
+            self.blocks >= 3
+            and math.isfinite(self.within_block_pct)
+            and self.between_block_pct > DISAGREEMENT * max(self.within_block_pct, 0.1)
+        )
+
+
+def combine_blocks(ratios: Sequence[BlockRatio], *, confidence: float = CONFIDENCE, seed: int = 0) -> Speedup:
+    """The speedup over all blocks, with the block as the blocking factor (see the module docstring)."""
+    if not ratios:
+        return Speedup(math.nan, math.nan, math.nan, 0, math.nan, math.nan)
+    logs = np.array([r.log_ratio for r in ratios])
+    within = [r.within_se for r in ratios if math.isfinite(r.within_se)]
+    within_pct = 100 * float(np.median(within)) if within else math.nan
+    mean = float(logs.mean())
+    if len(ratios) >= 2:
+        sd = float(logs.std(ddof=1))
+        half = t_quantile(confidence, len(ratios) - 1) * sd / math.sqrt(len(ratios))
+        return Speedup(
+            math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(ratios), within_pct, 100 * sd
+        )
+    (only,) = ratios
+    if only.degrees_of_freedom >= 1:
+        half = t_quantile(confidence, only.degrees_of_freedom) * only.within_se
+        return Speedup(math.exp(mean), math.exp(mean - half), math.exp(mean + half), 1, within_pct, math.nan)
+    low, high = _within_window_interval(only.baseline, only.arm, confidence, seed)
+    return Speedup(math.exp(mean), low, high, 1, within_pct, math.nan)
+
+
+def _resampled_step_means(steps: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
+    if len(steps) < 2:
+        return np.full(n, steps.mean())
+    return steps[rng.integers(0, len(steps), size=(n, len(steps)))].mean(axis=1)
+
+
+def _within_window_interval(baseline: Side, arm: Side, confidence: float, seed: int) -> tuple[float, float]:
+    """One block, one window each: resample the step times of the two windows (a bootstrap)."""
     rng = np.random.default_rng(seed)
-    ratios = _resampled_throughputs(arm, rng, BOOTSTRAP_SAMPLES) / _resampled_throughputs(
-        baseline, rng, BOOTSTRAP_SAMPLES
+    base_steps, arm_steps = _all_steps(baseline.windows), _all_steps(arm.windows)
+    point = arm.throughput() / baseline.throughput()
+    # Each replicate scales the point by the resampled change in mean step time.
+    ratios = (
+        point
+        * (_resampled_step_means(base_steps, rng, BOOTSTRAP_SAMPLES) / base_steps.mean())
+        / (_resampled_step_means(arm_steps, rng, BOOTSTRAP_SAMPLES) / arm_steps.mean())
     )
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(ratios, [tail, 100 - tail])
-    return arm.samples_per_s / baseline.samples_per_s, float(low), float(high)
+    return float(low), float(high)
 
 
-def is_noisy(samples_per_s: Sequence[float], speedup: float, low: float, high: float) -> bool:
-    median, spread = median_and_spread(samples_per_s)
-    if len(samples_per_s) >= 2 and median > 0 and spread / median > NOISE_THRESHOLD:
-        return True
+def is_noisy(speedup: float, low: float, high: float) -> bool:
+    """The interval reaches more than NOISE_THRESHOLD either side of the speedup."""
     if not (np.isfinite(speedup) and speedup > 0):
         return False
     return bool(max(speedup - low, high - speedup) / speedup > NOISE_THRESHOLD)
+
+
+FOLLOWER_THRESHOLD = 0.05  # windows after an arm's this much slower (and clearly so) are called out
+
+
+@dataclass(frozen=True)
+class FollowerEffect:
+    """How much slower the windows right after an arm's ran, than those after other arms' windows."""
+
+    slowdown: float  # mean log-deviation after this arm minus after the others (~ a fraction)
+    se: float
+    windows: int  # windows that ran right after this arm's
+
+    @property
+    def clear(self) -> bool:
+        return self.windows >= 3 and self.slowdown > FOLLOWER_THRESHOLD and self.slowdown > 3 * self.se
+
+
+def follower_effects(sequences: Sequence[Sequence[tuple[str, float]]]) -> dict[str, FollowerEffect]:
+    """From each block's windows in the order they ran, ``(arm, log(window's mean step / arm's usual))``.
+
+    For every arm X and every other arm Y: Y's windows that ran right after one of X's,
+    against Y's windows that ran right after a third arm's (see the module docstring); the
+    differences are averaged over Y. X's own windows are not the question, and comparing
+    each Y with itself keeps a slow or erratic arm from weighing on one side only.
+    """
+    followed: list[tuple[str, str, float]] = []  # (previous arm, arm, deviation)
+    for sequence in sequences:
+        for (previous, _), (arm, deviation) in itertools.pairwise(sequence):
+            if previous != arm:
+                followed.append((previous, arm, deviation))
+    arms = {arm for _, arm, _ in followed} | {previous for previous, _, _ in followed}
+    effects = {}
+    for suspect in arms:
+        differences, variances, windows = [], [], 0
+        for follower in arms - {suspect}:
+            after = [d for p, a, d in followed if a == follower and p == suspect]
+            others = [d for p, a, d in followed if a == follower and p != suspect]
+            if len(after) < 2 or len(others) < 2:
+                continue
+            differences.append(float(np.mean(after) - np.mean(others)))
+            variances.append(np.var(after, ddof=1) / len(after) + np.var(others, ddof=1) / len(others))
+            windows += len(after)
+        if differences:
+            se = math.sqrt(sum(variances)) / len(differences)
+            effects[suspect] = FollowerEffect(float(np.mean(differences)), se, windows)
+    return effects

@@ -7,29 +7,36 @@ Step clock
     On CUDA, events are recorded on the stream and read once the window is over, so the
     breakdown adds no synchronization inside the step.
 
-Throughput
-    Comes from the wall clock around the whole timed window, with the device
-    synchronized before each read. The per-phase numbers explain it; they never replace it.
+Windows
+    Each timed window (see workbench.block) reads the wall clock around its steps, with the
+    device synchronized before each read, and keeps every step's time. How a window's or a
+    block's step times become one figure is workbench.stats' business. The per-phase
+    numbers explain the step; they never replace it.
 
-Peak memory (``peak_mem_mb``): the most bytes live tensors held at once during a step.
-    CUDA: ``torch.cuda.max_memory_allocated`` over the timed window.
-    CPU: the same quantity, measured in one extra step after the timed window (so the
-    profiler costs the timing nothing): the peak the CPU allocator reports during that step,
-    from the profiler's allocation events, plus the weights, buffers, gradients and optimizer
-    state already live when it starts. Compiled graphs are included.
+Peak memory (``peak_mem_mb``): the most bytes this arm's tensors held at once during a step.
+    Several arms may share the process (a block), so it is the arm's own persistent tensors
+    (weights, buffers, optimizer state) plus the most a step allocated on top of what was
+    live when it began: see :class:`ArmMemory`. CUDA reads the allocator's peak per window;
+    CPU runs one extra step after the timed windows under the profiler. Compiled graphs are
+    included.
+
+Activation memory (``activation_mb``): the tensors autograd saved for backward in one step,
+    read with saved-tensor hooks in that extra step. Checkpointing's saving shows here.
 
 Resident memory (``peak_rss_mb``): what the operating system sees, the growth of the
-    process's resident set: the high-water mark (``VmHWM``, reset at the start of the window
-    through ``/proc/self/clear_refs``) minus the resident size measured just before the model
-    was built (after ``malloc_trim`` returned the free heap pages left by data loading). It includes allocator
-    slack: glibc keeps freed blocks, which hides much of what activation checkpointing
-    saves (measured here: 9% less RSS where live tensors drop by 41%). It is what the
-    out-of-memory killer looks at. DataLoader worker processes are not included. Where the
-    high-water mark cannot be reset it falls back to ``ru_maxrss`` (lifetime peak).
+    process's resident set: the high-water mark (``VmHWM``, reset when the timed windows begin
+    through ``/proc/self/clear_refs``) minus the resident size measured just before the models
+    were built (after ``malloc_trim`` returned the free heap pages left by data loading). It
+    includes allocator slack: glibc keeps freed blocks, which hides much of what activation
+    checkpointing saves (measured here: 9% less RSS where live tensors drop by 41%). It is
+    what the out-of-memory killer looks at. DataLoader worker processes are not included.
+    Where the high-water mark cannot be reset it falls back to ``ru_maxrss`` (lifetime peak).
+    It is process-wide, so it cannot be split between the arms of a block: the arm of a
+    process of its own reports it, a block reports it once for all its arms.
 
 Utilization
     CPU time (user + system) of the training process and its live children (DataLoader
-    workers) over the window, divided by wall time and by the cores it may use.
+    workers) over the arm's windows, divided by their wall time and by the cores it may use.
 """
 
 from __future__ import annotations
@@ -170,43 +177,124 @@ def _profiled_peak_bytes(step: Callable[[], object]) -> int:
     return peak
 
 
-class PeakMemory:
-    """Peak memory of training, in MiB (see the module docstring): tensors, and the process's RSS."""
+def _saved_activation_bytes(step: Callable[[], object], model: torch.nn.Module) -> int:
+    """Bytes autograd kept for backward during ``step``: the activations, read with saved-tensor hooks.
+
+    Every tensor an operation saves for its backward passes the pack hook; the distinct
+    storages among them, less the parameters (weights are saved too, but they are not
+    activations), are the activation memory. Inside a checkpointed region PyTorch's own hook
+    takes over and keeps nothing, which is exactly the saving this number shows.
+    """
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                saved[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
+            pass
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step()
+    return sum(saved.values())
+
+
+class ArmMemory:
+    """Peak tensor memory of one arm, in MiB, when other arms may share the process.
+
+    Peak = the arm's own persistent tensors (weights, buffers, optimizer state) + the most
+    that a step of this arm allocated on top of what was live when the step began (the
+    per-window delta). Other arms' tensors are live too, but they are in both terms of the
+    delta, so they cancel.
+    CUDA: ``memory_allocated`` at each window's start, ``max_memory_allocated`` after it (the
+    peak statistics are reset per window), the largest delta over the arm's windows.
+    CPU: the allocator keeps no peak, so one extra, untimed step runs under the profiler,
+    whose allocation events count only what was allocated while it ran (the delta).
+    Activation memory (``activation_mib``) is read in that extra step with saved-tensor hooks.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.cuda = device.type == "cuda"
         self.method = (
-            "cuda.max_memory_allocated" if device.type == "cuda" else "cpu-allocator-peak (profiled step)"
+            "cuda.max_memory_allocated per window" if self.cuda else "cpu-allocator-peak (profiled step)"
         )
-        self.rss_method = "rss-hwm-growth"
+        self.notes: list[str] = []
+        self._window_start_bytes = 0
+        self._transient_bytes = 0
+
+    def window_start(self) -> None:
+        if self.cuda:
+            self._window_start_bytes = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def window_end(self) -> None:
+        if self.cuda:
+            delta = torch.cuda.max_memory_allocated(self.device) - self._window_start_bytes
+            self._transient_bytes = max(self._transient_bytes, delta)
+
+    def measure_step(
+        self,
+        step: Callable[[], object],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        graphed: bool = False,
+    ) -> tuple[float, float]:
+        """(peak MiB, activation MiB) after the timed windows; runs one extra step (see the class)."""
+        resident = _live_tensor_bytes(model, optimizer)
+        activation = float("nan")
+        if graphed:  # a replayed CUDA graph runs no autograd: there is nothing to hook
+            step()
+            self.notes.append("activation memory not measured: the step is a replayed CUDA graph")
+            return (resident + self._transient_bytes) / 2**20, activation
+
+        def hooked_step() -> None:
+            nonlocal activation
+            activation = _saved_activation_bytes(step, model) / 2**20
+
+        if self.cuda:
+            self._run(hooked_step, step)
+            return (resident + self._transient_bytes) / 2**20, activation
+        try:
+            transient = _profiled_peak_bytes(lambda: self._run(hooked_step, step))
+        except (ImportError, AttributeError):  # the profiler's event tree is not public API
+            self.method = "not measured (allocator events unavailable in this PyTorch)"
+            return float("nan"), activation
+        return (resident + transient) / 2**20, activation
+
+    def _run(self, hooked_step: Callable[[], None], step: Callable[[], object]) -> None:
+        try:
+            hooked_step()
+        except RuntimeError as error:  # e.g. a compiled graph that refuses saved-tensor hooks
+            self.notes.append(f"activation memory not measured ({error})")
+            step()
+
+
+class ProcessRss:
+    """Growth of the process's resident set (what the OS sees): see the module docstring.
+
+    It is process-wide: in a block, every arm's tensors, caches and allocator slack are in
+    it together, so it describes the block, not one arm.
+    """
+
+    def __init__(self):
+        self.method = "rss-hwm-growth"
         self._base_kb = 0
 
-    def mark_before_model(self) -> None:
-        _return_free_heap_to_os()  # as in begin_window, so both readings see a trimmed heap
+    def mark_before_models(self) -> None:
+        _return_free_heap_to_os()
         self._base_kb = _read_status_kb("VmRSS") or _maxrss_kb()
 
-    def begin_window(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+    def begin_windows(self) -> None:
         if not _reset_rss_peak():
-            self.rss_method = "ru_maxrss-growth (lifetime peak: the high-water mark could not be reset)"
+            self.method = "ru_maxrss-growth (lifetime peak: the high-water mark could not be reset)"
 
-    def rss_growth_mib(self) -> float:
-        peak_kb = _read_status_kb("VmHWM") if self.rss_method == "rss-hwm-growth" else None
+    def growth_mib(self) -> float:
+        peak_kb = _read_status_kb("VmHWM") if self.method == "rss-hwm-growth" else None
         return max((peak_kb or _maxrss_kb()) - self._base_kb, 0) / 1024
-
-    def tensor_peak_mib(
-        self, step: Callable[[], object], model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> float:
-        """CUDA: the window's max_memory_allocated. CPU: one extra, untimed step under the profiler."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        resident = _live_tensor_bytes(model, optimizer)
-        try:
-            return (resident + _profiled_peak_bytes(step)) / 2**20
-        except (ImportError, AttributeError, RuntimeError):  # the profiler's event tree is not public API
-            self.method = "rss-hwm-growth (allocator events unavailable in this PyTorch)"
-            return self.rss_growth_mib()
 
 
 def usable_cores() -> int:
@@ -216,33 +304,29 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-class CpuUsage:
-    """CPU seconds of this process and its live children (DataLoader workers) over a window."""
+def process_cpu_seconds(children: list | None = None) -> float:
+    """CPU seconds (user + system) of this process, plus those of ``children`` (psutil.Process list).
 
-    def __init__(self):
-        import psutil
+    The process's own time is one system call. Listing children scans /proc (about a
+    millisecond), so an arm with DataLoader workers lists them once (``worker_processes``)
+    and passes them here.
+    """
+    times = os.times()
+    total = times.user + times.system
+    for child in children or ():
+        try:
+            child_times = child.cpu_times()
+            total += child_times.user + child_times.system
+        except Exception:  # a worker may exit between listing and reading
+            continue
+    return total
 
-        self._process = psutil.Process()
-        self._start_cpu = 0.0
-        self._start_wall = 0.0
 
-    def _cpu_seconds(self) -> float:
-        total = 0.0
-        for process in [self._process, *self._process.children(recursive=True)]:
-            try:
-                times = process.cpu_times()
-                total += times.user + times.system
-            except Exception:  # a worker may exit between listing and reading
-                continue
-        return total
+def worker_processes() -> list:
+    """This process's live children (DataLoader workers), as psutil.Process objects."""
+    import psutil
 
-    def begin(self) -> None:
-        self._start_cpu, self._start_wall = self._cpu_seconds(), time.perf_counter()
-
-    def percent(self) -> float:
-        """Share of the usable cores kept busy, in percent (100 = every usable core busy)."""
-        wall = time.perf_counter() - self._start_wall
-        return 100.0 * (self._cpu_seconds() - self._start_cpu) / max(wall, 1e-9) / usable_cores()
+    return psutil.Process().children(recursive=True)
 
 
 class _NvmlReader:

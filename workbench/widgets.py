@@ -40,9 +40,11 @@ class LiveRun:
         self._lock = threading.Lock()
         self.started = time.time()
         self.arms: list[str] = []
-        self.runs = 0
-        self.finished: list[dict] = []  # "unit" events: finished (arm, repeat) runs
-        self.throughput: dict[str, list[tuple[float, float]]] = {}  # arm -> [(seconds, samples/s)]
+        self.processes = 0  # blocks' processes planned (a block's shared one, arms' own ones)
+        self.processes_done = 0
+        self.finished: list[dict] = []  # "unit" events: one arm's measurements in one block
+        # arm -> [(seconds, samples/s, block)]: the block lets a plot break the line between processes
+        self.throughput: dict[str, list[tuple[float, float, int]]] = {}
         self.telemetry: list[dict] = []
         self.current = ""
         self.state = "idle"  # idle, running, done, stopped, failed
@@ -55,19 +57,22 @@ class LiveRun:
             elapsed = time.time() - self.started
             if kind == "plan":
                 self.arms = [arm["name"] for arm in event["arms"] if not arm["unavailable"]]
-                self.runs = event["runs"]
+                self.processes = event["processes"]
+                self.processes_done = event["processes"] - event["remaining"]
                 self.state = "running"
-            elif kind in ("start", "phase"):
-                self.current = (
-                    f"{event['arm']} (repeat {event['repeat'] + 1}): {event.get('phase', 'starting')}"
-                )
+            elif kind == "start":
+                alone = f", {event['arms'][0]} in its own process" if event["process"] == "own" else ""
+                self.current = f"block {event['block'] + 1}{alone}: starting"
+            elif kind == "phase" and "arm" in event:
+                round_text = f" {event['round']}/{event['of']}" if event.get("phase") == "measure" else ""
+                self.current = f"block {event['block'] + 1}: {event['arm']}: {event['phase']}{round_text}"
             elif kind == "progress":
-                self.throughput.setdefault(event["arm"], []).append((elapsed, event["samples_per_s"]))
+                point = (elapsed, event["samples_per_s"], event["block"])
+                self.throughput.setdefault(event["arm"], []).append(point)
             elif kind == "unit":
                 self.finished.append(event)
-                result = event.get("result")
-                if result:
-                    self.throughput.setdefault(event["arm"], []).append((elapsed, result["samples_per_s"]))
+            elif kind == "process_done":
+                self.processes_done += 1
             elif kind == "telemetry":
                 self.telemetry.append(event)
             elif kind in ("done", "stopped"):
@@ -78,7 +83,8 @@ class LiveRun:
             return {
                 "started": self.started,
                 "arms": list(self.arms),
-                "runs": self.runs,
+                "processes": self.processes,
+                "processes_done": self.processes_done,
                 "finished": list(self.finished),
                 "throughput": {arm: list(points) for arm, points in self.throughput.items()},
                 "telemetry": list(self.telemetry),
@@ -195,7 +201,7 @@ class AblationPanel(w.VBox):
         mode: str = "one-at-a-time",
         steps: int = 30,
         warmup: int = 5,
-        repeats: int = 3,
+        blocks: int = 3,
         batch_size: int = 32,
         device: str = "auto",
         seed: int = 0,
@@ -238,7 +244,7 @@ class AblationPanel(w.VBox):
         self.device = w.Dropdown(options=_device_options(device), value=device, description="device", **small)
         self.steps = w.IntText(value=steps, description="steps", **small)
         self.warmup = w.IntText(value=warmup, description="warmup", **small)
-        self.repeats = w.IntText(value=repeats, description="repeats", **small)
+        self.blocks = w.IntText(value=blocks, description="blocks", **small)
         self.batch_size = w.IntText(value=batch_size, description="batch size", **small)
         self.out = w.Text(
             value="" if out in (None, False) else str(out),
@@ -277,7 +283,7 @@ class AblationPanel(w.VBox):
         settings = w.VBox(
             [
                 w.HBox([self.model, self.data, self.mode, self.device]),
-                w.HBox([self.steps, self.warmup, self.repeats, self.batch_size]),
+                w.HBox([self.steps, self.warmup, self.blocks, self.batch_size]),
                 self.out,
             ]
         )
@@ -343,7 +349,7 @@ class AblationPanel(w.VBox):
             "mode": self.mode.value,
             "steps": self.steps.value,
             "warmup": self.warmup.value,
-            "repeats": self.repeats.value,
+            "blocks": self.blocks.value,
             "batch_size": self.batch_size.value,
             "device": self.device.value,
             "seed": self.seed,
@@ -366,18 +372,19 @@ class AblationPanel(w.VBox):
 
         arguments = self.arguments()
         try:  # the same validation, and the same one-line messages, as the API
-            keys = ("model", "data", "loss_fn", "techniques", "mode", "repeats", "batch_size", "device")
-            plan(**{key: arguments[key] for key in keys})
-            from workbench.config import RunConfig
-
-            RunConfig(
-                steps=arguments["steps"],
-                warmup=arguments["warmup"],
-                repeats=arguments["repeats"],
-                batch_size=arguments["batch_size"],
-                device=arguments["device"],
-                mode=arguments["mode"],
+            keys = (
+                "model",
+                "data",
+                "loss_fn",
+                "techniques",
+                "mode",
+                "blocks",
+                "batch_size",
+                "device",
+                "steps",
+                "warmup",
             )
+            plan(**{key: arguments[key] for key in keys})
         except ValueError as error:
             self.status.value = _error_html(str(error))
             return False
@@ -387,7 +394,10 @@ class AblationPanel(w.VBox):
         self.final_image.value, self.table.value = b"", ""
         self.final_image.layout.display = "none"
         self.run_button.disabled, self.stop_button.disabled = True, False
-        self.status.value = "Starting: every run is a fresh process, so the first one takes a few seconds."
+        self.status.value = (
+            "Starting: each block is a fresh process that runs every arm side by side, so it takes a few "
+            "seconds to start."
+        )
         self._thread = threading.Thread(
             target=self._run_in_background, args=(arguments,), daemon=True, name="workbench-panel-run"
         )
@@ -401,7 +411,7 @@ class AblationPanel(w.VBox):
         """End the run like Ctrl-C: the run in flight is dropped, finished ones are kept."""
         if self.running:
             self._stop.set()
-            self.status.value = "Stopping: ending the run in flight; finished runs are kept."
+            self.status.value = "Stopping: ending the process in flight; finished blocks are kept."
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the run finishes (for scripts and tests); returns its Results."""
@@ -429,7 +439,7 @@ class AblationPanel(w.VBox):
                 index=False, float_format=lambda v: f"{v:.3g}", na_rep="-", classes="workbench-table"
             )
             where = f" Results: {self.results.path}" if self.results.path else ""
-            verb = "Done" if self.results.complete else "Stopped; finished runs are kept"
+            verb = "Done" if self.results.complete else "Stopped; finished blocks are kept"
             self.status.value = f"<b>{verb}.</b>{html.escape(where)}"
         elif self.error:
             self.status.value = _error_html(self.error)
@@ -450,8 +460,10 @@ class AblationPanel(w.VBox):
         self.live_image.value = plot_live(snapshot)._repr_png_()
         self.live_image.layout.display = None
         if snapshot["state"] == "running":
-            done = len(snapshot["finished"])
-            self.status.value = f"Running: {done} of {snapshot['runs']} runs finished. Now: {html.escape(snapshot['current'])}"
+            self.status.value = (
+                f"Running: {snapshot['processes_done']} of {snapshot['processes']} processes finished. "
+                f"Now: {html.escape(snapshot['current'])}"
+            )
 
 
 def _device_options(device: str) -> list[str]:

@@ -1,12 +1,18 @@
-"""One repeat of one arm, run in a fresh Python process: ``python -m workbench.worker``.
+"""A block in a fresh Python process: ``python -m workbench.worker``.
 
-This is the isolation mechanism. Every (arm, repeat) starts from a new interpreter, so
-nothing one arm did can leak into the next: not compiled-code caches (TorchDynamo's are
-per process), not the caching allocator's pools, not RNG state, not cuDNN/TF32 flags,
-not monkey-patched modules. Every arm seeds the same RNGs the same way, so every arm
-starts from the same weights and sees the same batches.
+A block is the unit of measurement (see workbench.block): one process that builds every arm
+it is given, warms each up, then runs them interleaved in timed windows, round after round.
+Most ablations run one block per repeat with all their arms inside; an arm that cannot share
+a process (see ``Technique.own_process``) runs as a block of one, and so does every arm of a
+data-parallel ablation, whose ranks are processes of their own.
 
-The parent sends one JSON line (its ``sys.path``) and then the cloudpickled UnitSpec on
+Fresh processes keep blocks apart: nothing one block did can leak into the next, not
+compiled-code caches, not the caching allocator's pools, not flags or monkey-patches.
+Inside a block, each arm keeps its own random state and process-wide switches, and an arm
+that leaves process-wide state changed is caught and moved to a process of its own
+(workbench.process_state).
+
+The parent sends one JSON line (its ``sys.path``) and then the cloudpickled BlockSpec on
 stdin. The worker answers with JSON lines on its stdout (progress, then one result or
 error); whatever the user's code prints goes to stderr, which the parent keeps as a log.
 Results therefore never travel as pickles.
@@ -15,61 +21,94 @@ Results therefore never travel as pickles.
 from __future__ import annotations
 
 import json
+import math
 import os
-import random
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from workbench.data import DataSource, endless_batches
-from workbench.devices import synchronize
-from workbench.distributed import (
-    DDP_ORDER,
-    CommMeter,
-    CommSettings,
-    Rank,
-    gather_to_rank0,
-    init_process_group,
-    wrap_ddp,
-)
-from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
-from workbench.mfu import compute_dtype, count_flops
-from workbench.models import NoOpModel, build_model, noop_loss
-from workbench.telemetry import CpuUsage, PeakMemory, StepClock, nvml_indices, usable_cores
+from workbench.block import ArmSpec, BlockArm
+from workbench.data import DataSource
+from workbench.distributed import CommMeter, Rank, gather_to_rank0, init_process_group
+from workbench.process_state import differences, fingerprint
+from workbench.telemetry import ProcessRss, nvml_indices, usable_cores
 
 
 @dataclass
-class UnitSpec:
-    """Everything one arm's process needs to train and time one repeat."""
+class BlockSpec:
+    """Everything one block's process needs: the arms, and how each is trained and timed."""
 
     model: Any  # a built-in name or a zero-argument factory
     data: DataSource
     loss_fn: Callable | None
-    techniques: list[tuple[Any, Any]]  # (Technique, config), already in composition order
-    steps: int
-    warmup: int
+    arms: list[ArmSpec]
+    steps: int  # timed steps per arm, split into ``rounds`` windows
+    warmup: int  # untimed steps per arm before its first window
+    rounds: int | None  # windows per arm, each round running every arm once; None: see choose_rounds
     batch_size: int
     device: str
     seed: int
+    block: int = 0  # which block this is; with ``seed``, it seeds the order of the arms
+    rewarm: int | None = None  # untimed steps before each window; None: see choose_rewarm
     optimizer: str = "adamw"
     lr: float = 1e-3
     progress_interval_s: float = 0.5
-    labels: dict[str, Any] = field(default_factory=dict)  # arm name and repeat, for messages
-    loader_only: bool = False  # time the input pipeline alone, with a model that does no work
     link: Any = None  # a workbench.distributed.Link: the simulated network, for DDP arms
     comm_timeout_s: float = 120.0  # a collective waiting longer than this for a dead peer fails
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
+WINDOW_TARGET_S = 0.015  # how long a window lasts when rounds are chosen from the step time
+
+
+def window_steps(steps: int, rounds: int) -> list[int]:
+    """The steps of each round's window: ``steps`` split into ``rounds`` as evenly as whole steps allow."""
+    base, extra = divmod(steps, rounds)
+    return [base + (1 if r < extra else 0) for r in range(rounds)]
+
+
+def choose_rounds(steps: int, step_s: float) -> int:
+    """Rounds such that each window lasts about WINDOW_TARGET_S (at least one step per window).
+
+    This machine's speed wanders within a fraction of a second, and only arms measured
+    close together in time share the same speed: windows of a few milliseconds up to ~15 ms
+    gave the tightest A/A ratios, windows of 50+ steps (150+ ms) were twice as noisy
+    (BENCHMARKS.md, "Windows and rounds").
+    """
+    per_window = max(1, round(WINDOW_TARGET_S / step_s)) if step_s > 0 else steps
+    return max(1, min(steps, math.ceil(steps / per_window)))
+
+
+REWARM_BELOW_S = 0.010  # steps shorter than this get an untimed re-warm step before each window
+
+
+def choose_rewarm(arms: int, step_s: float) -> int:
+    """Untimed steps before each window: 1 for short steps beside other arms, else 0.
+
+    Between two windows of an arm the other arms fill the caches with their own weights and
+    activations, and the first step back pays to reload them: 5-9% of a 5 ms mlp step here,
+    within the noise for 40-130 ms steps (resnet-mini, gpt-mini; BENCHMARKS.md). A real job
+    never pays it, so short steps get one untimed step first; for long steps the reload is a
+    sliver of the step and a re-warm step would double the run's cost. Alone in a process,
+    nothing evicts the arm's data.
+    """
+    return 1 if arms > 1 and 0 < step_s < REWARM_BELOW_S else 0
+
+
+class SharedStateChanged(Exception):
+    """An arm left process-wide state changed: the block cannot go on measuring the others."""
+
+    def __init__(self, arm: str, changes: list[str]):
+        self.arm, self.changes = arm, changes
+        super().__init__(
+            f"{arm} changed process-wide state and did not restore it ({'; '.join(changes)}), so it "
+            "cannot share a process with other arms"
+        )
 
 
 def _initialize_runtime(device: torch.device) -> None:
@@ -79,79 +118,26 @@ def _initialize_runtime(device: torch.device) -> None:
     first backward starts the autograd engine and thread pools. Every arm pays this equally
     and none of it is the technique's doing, so it counts neither in startup_s nor in memory.
     """
-    import torch._dynamo  # noqa: F401  (imported lazily by torch.optim otherwise)
+    import torch._dynamo  # (imported lazily by torch.optim otherwise)
+
+    # The first torch.compile in a process patches nn.Module.__init__ once, for good (TorchDynamo
+    # tags new modules). Done here, it belongs to every block's starting state, not to the arm
+    # that happens to compile first.
+    install = getattr(torch._dynamo.mutation_guard, "install_generation_tagging_init", None)
+    if install is not None:
+        install()
 
     weight = torch.zeros(8, 8, device=device, requires_grad=True)
     (weight @ weight).sum().backward()
     torch.optim.SGD([weight], lr=0.1).step()
 
 
-def timed_window(
-    trainer: Trainer,
-    clock: StepClock,
-    steps: int,
-    losses: list,
-    emit: Callable[[dict], None] = lambda message: None,
-    progress_interval_s: float = 0.5,
-) -> float:
-    """Run ``steps`` optimizer steps between two synchronized clock reads; return the wall time.
-
-    Per step, the harness adds only the clock's phase marks, a loss kept on the device, and
-    one ``perf_counter`` call to throttle progress messages (benchmarks/overhead.py measures
-    what that costs against a hand-written loop).
-    """
-    device = trainer.setup.device
-    samples_before = trainer.samples_seen
-    synchronize(device)
-    t0 = time.perf_counter()
-    next_report = t0 + progress_interval_s
-    for index in range(steps):
-        losses.append(trainer.step(clock))
-        now = time.perf_counter()
-        if now >= next_report:  # a message costs microseconds, a step may cost less: at most 2 a second
-            rate = (trainer.samples_seen - samples_before) / (now - t0)
-            emit(
-                {
-                    "type": "progress",
-                    "step": index + 1,
-                    "of": steps,
-                    "loss": float(losses[-1]),
-                    "samples_per_s": rate,
-                }
-            )
-            next_report = now + progress_interval_s
-    synchronize(device)
-    return time.perf_counter() - t0
-
-
-def _apply_techniques(spec: UnitSpec, setup: TrainSetup, rank: Rank, meter: CommMeter | None) -> list[str]:
-    """Apply each technique in order; with several ranks, wrap the model in DDP at DDP_ORDER."""
-    notes, wrapped = [], not rank.distributed
-    for technique, config in spec.techniques:
-        if not wrapped and technique.order > DDP_ORDER:
-            setup.model, wrapped = wrap_ddp(setup.model, setup.device, setup.comm, meter), True
-        notes.append(technique.apply(setup, config))
-    if not wrapped:
-        setup.model = wrap_ddp(setup.model, setup.device, setup.comm, meter)
-    if rank.distributed:
-        notes += setup.comm.notes  # what the DDP wrapper had to adapt, said once
-    if rank.distributed and setup.device.type == "cpu":
-        notes.append(f"{torch.get_num_threads()} CPU thread(s) per rank")
-    if rank.distributed and spec.link is not None:
-        notes.append(
-            spec.link.describe() + " (a simulation: each bucket is delayed by latency + bytes/bandwidth)"
-        )
-    return notes
-
-
-def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None) -> dict:
-    """Build, warm up, then time ``spec.steps`` optimizer steps. Returns JSON-ready numbers.
-
-    With several ranks (RANK/WORLD_SIZE in the environment) every rank runs this, under DDP,
-    on its own shard of the data; rank 0 returns the measurements of all of them.
-    """
+def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | None]:
+    """This process's rank and device; with several ranks, the process group and its meter."""
     rank = Rank.from_env()
     device = torch.device(spec.device)
+    if rank.distributed and len(spec.arms) != 1:
+        raise ValueError("a data-parallel block holds exactly one arm")
     if rank.distributed and device.type == "cuda":
         device = torch.device("cuda", rank.local_rank)
         torch.cuda.set_device(device)
@@ -166,126 +152,170 @@ def run_unit(spec: UnitSpec, emit: Callable[[dict], None] = lambda message: None
         init_process_group(rank, device, spec.comm_timeout_s)
         meter = CommMeter(rank.world_size, spec.link)
         meter.install()
-    started = time.perf_counter()
-    _seed_everything(spec.seed)
-    memory = PeakMemory(device)
-    memory.mark_before_model()
+    return rank, device, meter
 
-    emit({"type": "phase", "phase": "startup"})
-    if spec.loader_only:
-        model, loss_fn = NoOpModel().to(device), noop_loss
-    else:
-        model, loss_fn = build_model(spec.model, spec.data.spec).to(device), spec.loss_fn or default_loss
-    setup = TrainSetup(
-        model=model,
-        device=device,
-        loss_fn=loss_fn,
-        make_optimizer=make_optimizer(spec.optimizer, spec.lr),
-        rank=rank.rank,
-        world_size=rank.world_size,
-        comm=CommSettings() if rank.distributed else None,
-    )
-    notes = _apply_techniques(spec, setup, rank, meter)
-    if spec.loader_only:
-        notes.insert(0, "loader only: a no-op model, so this is the rate the input pipeline can feed")
-    if spec.data.images is not None and spec.data.images.skipped:
-        notes.append(spec.data.images.note())
 
-    with setup.settings:
-        if setup.make_batches is not None:  # an input pipeline that replaces the DataLoader (dali)
-            batches = setup.make_batches(spec.data, spec.batch_size, spec.seed)
-        else:
-            batches = endless_batches(
-                spec.data, spec.batch_size, spec.seed, setup.loader_options, rank.rank, rank.world_size
-            )
-        trainer = Trainer(setup, batches)
-        losses = []
+def run_block(spec: BlockSpec, emit: Callable[[dict], None] = lambda message: None) -> dict:
+    """Build and warm up every arm, run them interleaved, round after round, then measure.
 
-        emit({"type": "phase", "phase": "warmup"})
-        warmup_clock = StepClock(device)
-        for index in range(spec.warmup):
-            losses.append(trainer.step(warmup_clock))
-            if index == 0:  # the first step pays for compilation, allocation and autotuning
-                synchronize(device)
-                startup_s = time.perf_counter() - started
-                emit({"type": "phase", "phase": "warmup", "startup_s": startup_s})
+    Returns ``{"arms": {name: measurements}, "failures": {name: error}, "block": {...}}``,
+    JSON-ready. An arm that raises is recorded in ``failures`` (and announced at once with an
+    ``arm_error`` message) and the others go on. An arm that leaves process-wide state
+    changed raises SharedStateChanged: the others cannot be trusted beside it.
+    With several ranks (RANK/WORLD_SIZE in the environment) every rank runs this, under DDP,
+    on its own shard of the data; rank 0 returns the measurements of all of them.
+    """
+    rank, device, meter = _process_setup(spec)
+    pristine = fingerprint()
+    rss = ProcessRss()
+    rss.mark_before_models()
+    # One generator for this block's orders: reproducible from (seed, block), different per block.
+    order_rng = np.random.default_rng([spec.seed, spec.block])
+    failures: dict[str, dict] = {}
 
-        emit({"type": "phase", "phase": "measure"})
-        clock, cpu = StepClock(device), CpuUsage()
-        samples_before = trainer.samples_seen
-        memory.begin_window()
-        cpu.begin()
-        if meter is not None:
-            meter.reset()  # count the timed window's communication only
-        window_start = time.time()
-        wall_s = timed_window(trainer, clock, spec.steps, losses, emit, spec.progress_interval_s)
-        window_end = time.time()
-        comm = {}
-        if meter is not None:
-            meter.enabled = False  # what follows (gathering the results) is the harness's, not a hook's
-            comm = _comm_record(meter, spec.steps)
-        clock.resolve()
-        cpu_percent = cpu.percent()
-        rss_mib = memory.rss_growth_mib()
-        samples = trainer.samples_seen - samples_before
-        loss_values = torch.stack(losses).float().cpu().tolist()
-        # After the clock stopped: on CPU this runs one more (profiled) step to find peak tensor memory.
-        peak_mib = memory.tensor_peak_mib(
-            lambda: trainer.step(StepClock(device)), trainer.model, trainer.optimizer
+    def fail(arm: BlockArm, error: BaseException) -> None:
+        if rank.distributed:  # the other ranks wait in collectives: end the whole job, loudly
+            raise error
+        failures[arm.name] = {
+            "status": classify_error(error),
+            "reason": one_line(error),
+            "traceback": traceback.format_exc(),
+        }
+        emit({"type": "arm_error", "arm": arm.name, **failures[arm.name]})
+        arm.release()
+
+    def check_state(arm: BlockArm) -> None:
+        if len(arms) == 1:  # alone in its process: there is nobody to contaminate
+            return
+        changes = differences(pristine, fingerprint())
+        if changes:
+            raise SharedStateChanged(arm.name, changes)
+
+    arms = [
+        BlockArm(
+            arm_spec,
+            model=spec.model,
+            data=spec.data,
+            loss_fn=spec.loss_fn,
+            batch_size=spec.batch_size,
+            device=device,
+            seed=spec.seed,
+            optimizer=spec.optimizer,
+            lr=spec.lr,
+            rank=rank,
+            meter=meter,
+            link=spec.link,
         )
-        flops = {} if spec.loader_only else _count_flops(spec, trainer, setup, notes)
+        for arm_spec in spec.arms
+    ]
+    build_order = [arms[i] for i in order_rng.permutation(len(arms))]
+    for arm in build_order:
+        emit({"type": "phase", "arm": arm.name, "phase": "startup"})
+        try:
+            arm.build()
+            arm.warm_up(spec.warmup, emit)
+        except Exception as error:
+            fail(arm, error)
+        check_state(arm)
 
-    result = {
-        "startup_s": startup_s,
-        "wall_s": wall_s,
-        "steps": spec.steps,
-        "samples": samples,
-        "samples_per_s": samples / wall_s,
-        "step_s": clock.step_s,
-        "phase_ms": clock.phase_ms_per_step(),
-        "peak_mem_mib": peak_mib,
-        "memory_method": memory.method,
-        "peak_rss_mib": rss_mib,
-        "rss_method": memory.rss_method,
-        "cpu_util_pct": cpu_percent,
-        "losses": loss_values,
-        "warmup": spec.warmup,
-        "notes": notes,
-        "window_start": window_start,
-        "window_end": window_end,
-        "torch_threads": torch.get_num_threads(),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        # NVML's numbering of the GPUs this run used, to pick their samples out of the telemetry.
-        "nvml_gpus": nvml_indices(device, rank.world_size) if device.type == "cuda" else [],
-        **flops,
-        **comm,
-    }
-    if rank.distributed:
-        result = _gather_ranks(result, rank, device)
+    warmed = [arm.warmup_step_s for arm in arms if arm.name not in failures and arm.warmup_step_s]
+    typical_s = float(np.median(warmed)) if warmed else 0.0
+    rounds, rewarm = spec.rounds, spec.rewarm
+    if rewarm is None:
+        rewarm = choose_rewarm(len(arms), typical_s)
+    if rounds is None:
+        rounds = choose_rounds(spec.steps, typical_s)
+    emit({"type": "phase", "phase": "measure", "rounds": rounds})
+    rss.begin_windows()
+    if meter is not None:
+        meter.reset()  # count the timed windows' communication only
+    orders = []
+    reported: dict[str, float] = {}  # arm -> when its last progress message went out
+    for round_index, steps in enumerate(window_steps(spec.steps, rounds)):
+        running = [arm for arm in arms if arm.name not in failures]
+        order = [running[i] for i in order_rng.permutation(len(running))]
+        orders.append([arm.name for arm in order])
+        for arm in order:
+            emit(
+                {
+                    "type": "phase",
+                    "arm": arm.name,
+                    "phase": "measure",
+                    "round": round_index + 1,
+                    "of": rounds,
+                }
+            )
+
+            def relay(message: dict, name: str = arm.name, index: int = round_index) -> None:
+                emit({**message, "arm": name, "round": index + 1})
+
+            try:
+                arm.run_window(steps, round_index, relay, spec.progress_interval_s, rewarm)
+            except Exception as error:
+                fail(arm, error)
+            check_state(arm)
+            if (
+                arm.name not in failures
+                and time.monotonic() - reported.get(arm.name, 0.0) >= spec.progress_interval_s
+            ):
+                reported[arm.name] = time.monotonic()  # windows are short: report one now and then
+                window = arm.windows[-1]
+                relay(
+                    {
+                        "type": "progress",
+                        "step": sum(w["steps"] for w in arm.windows),
+                        "of": spec.steps,
+                        "loss": float(arm.losses[-1]),
+                        "samples_per_s": window["samples"] / window["wall_s"],
+                    }
+                )
+    comm = _comm_record(meter, spec.steps) if meter is not None else {}
+    rss_mib = rss.growth_mib()
+
+    measured: dict[str, dict] = {}
+    for arm in arms:
+        if arm.name in failures:
+            continue
+        try:
+            result = arm.finish(emit)
+        except Exception as error:
+            fail(arm, error)
+            continue
+        check_state(arm)
+        result["nvml_gpus"] = nvml_indices(device, rank.world_size) if device.type == "cuda" else []
+        result["warmup"] = spec.warmup
+        if len(arms) == 1:  # a process of its own: its resident set is the arm's
+            result.update(peak_rss_mib=rss_mib, rss_method=rss.method)
+        else:
+            result.update(peak_rss_mib=None, rss_method="process-wide: not split between a block's arms")
+        measured[arm.name] = {**result, **comm}
+    if rank.distributed and measured:
+        (name,) = measured
+        measured[name] = _gather_ranks(measured[name], rank, device)
         # Keep the distributed run's objects alive past this return: tearing down DDP's reducer
         # and gloo's state can block in their destructors (seen about once in 30 runs here),
         # before the result is sent. main() reports, then leaves with os._exit.
-        _KEEP_ALIVE.append((trainer, setup, batches, meter))
-    return result
+        _KEEP_ALIVE.append((arms, meter))
+    block = {
+        "block": spec.block,
+        "arms": [arm.name for arm in arms],
+        "build_order": [arm.name for arm in build_order],
+        "rounds": rounds,
+        "rounds_chosen": spec.rounds is None,  # from the warm-up's step time (choose_rounds)
+        "warmup_step_ms": 1e3 * typical_s,
+        "window_steps": window_steps(spec.steps, rounds),
+        "warmup": spec.warmup,
+        "rewarm": rewarm,
+        "order": orders,
+        "pid": os.getpid(),
+        "rss_growth_mib": rss_mib,
+        "rss_method": rss.method,
+        "torch_threads": torch.get_num_threads(),
+    }
+    return {"arms": measured, "failures": failures, "block": block}
 
 
 _KEEP_ALIVE: list = []
-
-
-def _count_flops(spec: UnitSpec, trainer: Trainer, setup: TrainSetup, notes: list[str]) -> dict:
-    """FLOPs per sample of the model on a real batch's shapes (see workbench.mfu), after the window."""
-    inputs, targets = next(trainer.batches)
-    try:
-        flops = count_flops(
-            lambda: build_model(spec.model, spec.data.spec), inputs, targets, spec.loss_fn or default_loss
-        )
-    except Exception as error:  # a model or loss that cannot run on meta tensors: no MFU, said why
-        notes.append(f"FLOPs not counted ({type(error).__name__}: {error}); no tflops or MFU")
-        return {}
-    return {
-        "flops_per_sample": flops / len(targets),
-        "compute_dtype": compute_dtype(trainer.model, setup.autocast_dtype),
-    }
 
 
 def _comm_record(meter: CommMeter, steps: int) -> dict:
@@ -377,11 +407,23 @@ def main() -> int:
         header = json.loads(sys.stdin.buffer.readline())
         sys.path[:] = header["sys_path"]  # so factories pickled by reference import as in the parent
         spec = cloudpickle.loads(sys.stdin.buffer.read())  # code from our own parent, not results
-        emit({"type": "result", **run_unit(spec, emit)})
+        emit({"type": "result", **run_block(spec, emit)})
         if _KEEP_ALIVE:  # a distributed run: skip the teardown that can block (see run_unit)
             sys.stderr.flush()
             os._exit(0)
         return 0
+    except SharedStateChanged as error:
+        emit(
+            {
+                "type": "error",
+                "status": "failed",
+                "reason": one_line(error),
+                "arm": error.arm,
+                "shared_state": error.changes,
+                "traceback": traceback.format_exc(),
+            }
+        )
+        return 1
     except BaseException as error:  # report everything, including KeyboardInterrupt
         emit(
             {

@@ -11,7 +11,20 @@ A technique is a small class with
 - ``check()``: any further condition, also answered with a reason;
 - ``validate()``: settings that contradict the run (bad input) raise ValueError;
 - ``conflicts``: other techniques it cannot be combined with, and why;
-- ``apply()``: how it changes the run, by editing a :class:`~workbench.loop.TrainSetup`.
+- ``apply()``: how it changes the run, by editing a :class:`~workbench.loop.TrainSetup`;
+- ``own_process()``: why its arm cannot share a block's process with other arms, or None.
+
+Sharing a process. An ablation runs its arms side by side in one worker process (a block),
+which cancels the luck of that process in every ratio. Each arm keeps its own model,
+optimizer, data iterator and random state, and a technique's process-wide switches go in
+``TrainSetup.window_settings``, entered around each of the arm's windows and left after it.
+A technique whose effect cannot be confined that way (state nobody can switch back, work
+that keeps running between windows) says why in ``own_process_reason``; its arms then run
+in their own processes, against a baseline that also runs alone. ``one_per_process`` marks
+techniques whose per-process caches a second arm would reuse (torch.compile): the first
+such arm shares the block, later ones run alone. Every technique is checked: an arm that
+leaves process-wide state changed after its window is dropped from the block, with the
+state it changed (workbench.process_state).
 
 The module docstring of each technique is its method card: what it does, when it helps,
 when it hurts, its settings, and where the idea comes from.
@@ -112,6 +125,10 @@ class Technique:
     # True for techniques that change only how batches are produced (dataloader, dali): their
     # arms also get a loader-only twin that times the input pipeline alone.
     input_pipeline: ClassVar[bool] = False
+    # Why this technique's arms cannot share a process with other arms (None: they can).
+    own_process_reason: ClassVar[str | None] = None
+    # Why only one arm per process may use it (its caches are per process); None: no limit.
+    one_per_process: ClassVar[str | None] = None
 
     def configure(self, value: Any) -> Any:
         """Turn what a user wrote (True, a dict, or a Config) into a validated Config."""
@@ -141,6 +158,10 @@ class Technique:
 
     def validate(self, ctx: Context, config: Any) -> None:
         """Raise ValueError when the settings cannot make sense for this run (bad input)."""
+
+    def own_process(self, ctx: Context, config: Any) -> str | None:
+        """Why an arm with these settings needs a process of its own, or None if it can share one."""
+        return self.own_process_reason
 
     def apply(self, setup: Any, config: Any) -> str:
         """Change the run (a TrainSetup) and say in a few words what was done."""

@@ -51,6 +51,10 @@ class Compile(Technique):
     summary = "torch.compile the model (fused kernels); compile time reported as startup_s"
     order = 90  # after every change to the model; only cuda_graphs (95), which captures the step, is later
     Config = CompileConfig
+    one_per_process = (
+        "TorchDynamo's code cache and inductor's state are per process: a second compiled arm would reuse "
+        "the first's (a warm compile) and share its recompilation limit"
+    )
 
     def check(self, ctx: Context, config: CompileConfig) -> str | None:
         if ctx.device.type == "cpu" and not (

@@ -174,6 +174,10 @@ class CudaGraphs(Technique):
     order = 95  # last: the captured step must contain every change the other techniques made
     Config = CudaGraphsConfig
     requires = ("cuda",)
+    own_process_reason = (
+        "the captured graph keeps a private memory pool for its lifetime, which per-window memory "
+        "deltas cannot see, and its replays draw from the CUDA generator that a block switches per arm"
+    )
     conflicts = {
         "cupy_fusion": "its AdamW keeps the step count on the CPU and uploads a pointer table every step, "
         "which a replayed graph would freeze",

@@ -179,6 +179,10 @@ class Dali(Technique):
     Config = DaliConfig
     requires = ("dali", "jpeg_files")
     input_pipeline = True
+    own_process_reason = (
+        "its pipeline threads keep preparing batches ahead (prefetch) while other arms' windows run, "
+        "taking CPU (and GPU) time from them"
+    )
     conflicts = {
         "dataloader": "both replace the input pipeline (DALI threads vs DataLoader worker processes); "
         "compare them as separate arms"

@@ -63,6 +63,14 @@ class Dataloader(Technique):
     requires = ("dataset",)
     input_pipeline = True
 
+    def own_process(self, ctx, config: DataloaderConfig) -> str | None:
+        if config.num_workers > 0:
+            return (
+                "its worker processes keep loading batches ahead (prefetch) while other arms' windows run, "
+                "taking CPU from them"
+            )
+        return None
+
     def apply(self, setup, config: DataloaderConfig) -> str:
         options = {
             "num_workers": config.num_workers,

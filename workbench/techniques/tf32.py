@@ -17,11 +17,14 @@ When it hurts
 
 Settings
     ``matmul`` (default True) and ``cudnn`` (default True): which kernels may use TF32.
-    The process-wide flags are restored when the arm ends.
+    The flags are process-wide: workbench sets them around each of the arm's windows and
+    restores them after it, so tf32 shares a block's process with the other arms.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +54,17 @@ def _set_precision(matmul: bool, cudnn: bool) -> None:
         torch.backends.cudnn.allow_tf32 = cudnn
 
 
+@contextlib.contextmanager
+def precision(matmul: bool, cudnn: bool) -> Iterator[None]:
+    """TF32 on (or off) for matmuls and cuDNN convolutions inside the block; as before after it."""
+    previous = current_precision()
+    _set_precision(matmul, cudnn)
+    try:
+        yield
+    finally:
+        _set_precision(*previous)
+
+
 def current_precision() -> tuple[bool, bool]:
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         return (
@@ -75,9 +89,9 @@ class Tf32(Technique):
         return None
 
     def apply(self, setup, config: Tf32Config) -> str:
-        previous = current_precision()
-        _set_precision(config.matmul, config.cudnn)
-        setup.settings.callback(_set_precision, *previous)
+        # A process-wide switch: set around each of this arm's windows and restored after it,
+        # so the other arms of a block keep full float32 precision.
+        setup.window_settings.append(lambda: precision(config.matmul, config.cudnn))
         kernels = " and ".join(k for k, on in (("matmul", config.matmul), ("cuDNN conv", config.cudnn)) if on)
         return f"TF32 enabled for {kernels}"
 

@@ -1,0 +1,325 @@
+"""One arm inside a block: the process-level unit of measurement.
+
+A block is one worker process that holds several arms side by side. Each arm has its own
+model, optimizer, data iterator, technique state and random state (see
+workbench.process_state), built the same way a process of its own would build it. The
+block warms every arm up, then runs them in windows of a few steps, round after round,
+in a fresh random order each round. Whatever makes this process faster or slower than the
+next one (where its memory landed, which core it got, what the neighbours were doing)
+then touches every arm alike and cancels in their ratio; workbench.worker runs the block,
+workbench.stats combines its ratios with those of other blocks.
+
+:class:`BlockArm` is one arm's life in the block: ``build``, ``warm_up``, ``run_window``
+(many times, interleaved with the other arms'), and ``finish``, which measures memory and
+FLOPs after the clock has stopped and returns the arm's JSON-ready measurements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from workbench.data import endless_batches
+from workbench.devices import synchronize
+from workbench.distributed import DDP_ORDER, CommMeter, CommSettings, Rank, wrap_ddp
+from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
+from workbench.mfu import compute_dtype, count_flops
+from workbench.models import NoOpModel, build_model, noop_loss
+from workbench.process_state import ArmRandomState
+from workbench.telemetry import ArmMemory, StepClock, process_cpu_seconds, usable_cores, worker_processes
+
+
+@dataclass
+class ArmSpec:
+    """One arm of a block: its name and the techniques it applies, in composition order."""
+
+    name: str
+    techniques: list[tuple[Any, Any]]  # (Technique, config)
+    loader_only: bool = False  # time the input pipeline alone, with a model that does no work
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def timed_window(
+    trainer: Trainer,
+    clock: StepClock,
+    steps: int,
+    losses: list,
+    emit: Callable[[dict], None] = lambda message: None,
+    progress_interval_s: float = 0.5,
+) -> float:
+    """Run ``steps`` optimizer steps between two synchronized clock reads; return the wall time.
+
+    Per step, the harness adds only the clock's phase marks, a loss kept on the device, and
+    one ``perf_counter`` call to throttle progress messages (benchmarks/overhead.py measures
+    what that costs against a hand-written loop).
+    """
+    device = trainer.setup.device
+    samples_before = trainer.samples_seen
+    synchronize(device)
+    t0 = time.perf_counter()
+    next_report = t0 + progress_interval_s
+    for index in range(steps):
+        losses.append(trainer.step(clock))
+        now = time.perf_counter()
+        if now >= next_report:  # a message costs microseconds, a step may cost less: at most 2 a second
+            rate = (trainer.samples_seen - samples_before) / (now - t0)
+            emit(
+                {
+                    "type": "progress",
+                    "step": index + 1,
+                    "of": steps,
+                    "loss": float(losses[-1]),
+                    "samples_per_s": rate,
+                }
+            )
+            next_report = now + progress_interval_s
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+class BlockArm:
+    """One arm's model, trainer, clocks and measurements inside a block (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: ArmSpec,
+        *,
+        model: Any,
+        data: Any,
+        loss_fn: Callable | None,
+        batch_size: int,
+        device: torch.device,
+        seed: int,
+        optimizer: str,
+        lr: float,
+        rank: Rank,
+        meter: CommMeter | None = None,
+        link: Any = None,
+    ):
+        self.spec = spec
+        self.name = spec.name
+        self.model_source, self.data, self.user_loss = model, data, loss_fn
+        self.batch_size, self.device, self.seed = batch_size, device, seed
+        self.optimizer_name, self.lr = optimizer, lr
+        self.rank, self.meter, self.link = rank, meter, link
+        self.random_state = ArmRandomState(device)
+        self.memory = ArmMemory(device)
+        self.clock = StepClock(device)
+        self.losses: list[torch.Tensor] = []
+        self.timed: list[bool] = []  # per step in ``losses``: inside a timed window or not
+        self.windows: list[dict] = []
+        self.notes: list[str] = []
+        self.cpu_seconds = 0.0
+        self._workers: list | None = None  # DataLoader worker processes, listed at the first window
+        self.startup_s = float("nan")
+        self.warmup_steps_s: list[float] = []
+        self.warmup_step_s = 0.0  # typical warm-up step after the first, in seconds
+        self.setup: TrainSetup | None = None
+        self.trainer: Trainer | None = None
+
+    # --- life in the block -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """This arm's random state and process-wide switches (TF32...), for as long as it runs."""
+        self.random_state.resume()
+        with contextlib.ExitStack() as stack:
+            for setting in self.setup.window_settings if self.setup is not None else ():
+                stack.enter_context(setting())
+            try:
+                yield
+            finally:
+                self.random_state.keep()
+
+    def build(self) -> None:
+        """Seed as a fresh process would, build the model, apply the techniques, open the data."""
+        self._build_started = time.perf_counter()
+        seed_everything(self.seed)
+        if self.spec.loader_only:
+            model, loss_fn = NoOpModel().to(self.device), noop_loss
+        else:
+            model = build_model(self.model_source, self.data.spec).to(self.device)
+            loss_fn = self.user_loss or default_loss
+        distributed = self.rank.distributed
+        setup = TrainSetup(
+            model=model,
+            device=self.device,
+            loss_fn=loss_fn,
+            make_optimizer=make_optimizer(self.optimizer_name, self.lr),
+            rank=self.rank.rank,
+            world_size=self.rank.world_size,
+            comm=CommSettings() if distributed else None,
+        )
+        self.setup = setup
+        self.notes = self._apply_techniques(setup)
+        if self.spec.loader_only:
+            self.notes.insert(
+                0, "loader only: a no-op model, so this is the rate the input pipeline can feed"
+            )
+        if self.data.images is not None and self.data.images.skipped:
+            self.notes.append(self.data.images.note())
+        with self.active():  # a technique's switches may matter while its pipeline is built
+            if setup.make_batches is not None:  # an input pipeline that replaces the DataLoader (dali)
+                batches = setup.make_batches(self.data, self.batch_size, self.seed)
+            else:
+                batches = endless_batches(
+                    self.data,
+                    self.batch_size,
+                    self.seed,
+                    setup.loader_options,
+                    self.rank.rank,
+                    self.rank.world_size,
+                )
+            self.trainer = Trainer(setup, batches)
+        # random_state.keep() ran on leaving active(): the generators as seeded and used by the build.
+
+    def _apply_techniques(self, setup: TrainSetup) -> list[str]:
+        """Apply each technique in order; with several ranks, wrap the model in DDP at DDP_ORDER."""
+        notes, wrapped = [], not self.rank.distributed
+        for technique, config in self.spec.techniques:
+            if not wrapped and technique.order > DDP_ORDER:
+                setup.model, wrapped = wrap_ddp(setup.model, setup.device, setup.comm, self.meter), True
+            notes.append(technique.apply(setup, config))
+        if not wrapped:
+            setup.model = wrap_ddp(setup.model, setup.device, setup.comm, self.meter)
+        if self.rank.distributed:
+            notes += setup.comm.notes  # what the DDP wrapper had to adapt, said once
+            if setup.device.type == "cpu":
+                notes.append(f"{torch.get_num_threads()} CPU thread(s) per rank")
+            if self.link is not None:
+                notes.append(
+                    self.link.describe()
+                    + " (a simulation: each bucket is delayed by latency + bytes/bandwidth)"
+                )
+        return notes
+
+    def warm_up(self, steps: int, emit: Callable[[dict], None]) -> None:
+        """Untimed steps; the first one pays compilation, allocation and autotuning (startup_s)."""
+        clock = StepClock(self.device)
+        with self.active():
+            for index in range(steps):
+                self.losses.append(self.trainer.step(clock))
+                self.timed.append(False)
+                if index == 0:
+                    synchronize(self.device)
+                    self.startup_s = time.perf_counter() - self._build_started
+                    emit({"type": "phase", "arm": self.name, "phase": "warmup", "startup_s": self.startup_s})
+            synchronize(self.device)
+        clock.resolve()
+        self.warmup_steps_s = clock.step_s
+        # The first step pays one-off costs; the others tell how long a step takes (choose_rounds).
+        later = clock.step_s[1:] or clock.step_s
+        self.warmup_step_s = float(np.median(later)) if later else 0.0
+
+    def run_window(
+        self, steps: int, round_index: int, emit: Callable[[dict], None], interval_s: float, rewarm: int = 0
+    ) -> None:
+        """One timed window of ``steps`` steps, with the arm's memory and CPU time over it.
+
+        ``rewarm`` untimed steps run first: the other arms' windows have filled the CPU caches
+        (and on a GPU, its L2) with their own weights and activations, and a real training job,
+        which runs one model step after step, does not pay for bringing them back.
+        """
+        before, samples_before = len(self.clock.step_s), self.trainer.samples_seen
+        if self._workers is None:  # an arm's DataLoader workers exist from its first batch on
+            self._workers = worker_processes() if self.setup.loader_options.get("num_workers") else []
+        with self.active():
+            untimed = StepClock(self.device)
+            for _ in range(rewarm):
+                self.losses.append(self.trainer.step(untimed))
+                self.timed.append(False)
+            self.memory.window_start()
+            cpu_before = process_cpu_seconds(self._workers)
+            started = time.time()
+            wall_s = timed_window(self.trainer, self.clock, steps, self.losses, emit, interval_s)
+            self.timed += [True] * steps
+            ended = time.time()
+            self.cpu_seconds += process_cpu_seconds(self._workers) - cpu_before
+            self.memory.window_end()
+        self.clock.resolve()
+        self.windows.append(
+            {
+                "round": round_index,
+                "steps": steps,
+                "samples": self.trainer.samples_seen - samples_before,
+                "wall_s": wall_s,
+                "start": started,
+                "end": ended,
+                "step_s": self.clock.step_s[before:],
+            }
+        )
+
+    def finish(self, emit: Callable[[dict], None]) -> dict:
+        """After the clock stopped: memory (one extra, untimed step) and FLOPs. The arm's measurements."""
+        emit({"type": "phase", "arm": self.name, "phase": "memory"})
+        trainer = self.trainer
+        with self.active():
+            if self.meter is not None:
+                self.meter.enabled = False  # what follows is the harness's, not a hook's
+            peak_mib, activation_mib = self.memory.measure_step(
+                lambda: trainer.step(StepClock(self.device)),
+                trainer.model,
+                trainer.optimizer,
+                graphed=self.setup.graph_step is not None,
+            )
+            flops = {} if self.spec.loader_only else self._count_flops()
+        wall_s = sum(w["wall_s"] for w in self.windows)
+        samples = sum(w["samples"] for w in self.windows)
+        steps = sum(w["steps"] for w in self.windows)
+        return {
+            "startup_s": self.startup_s,
+            "wall_s": wall_s,
+            "steps": steps,
+            "samples": samples,
+            "samples_per_s": samples / wall_s,
+            "step_s": [s for w in self.windows for s in w["step_s"]],
+            "windows": self.windows,
+            "phase_ms": self.clock.phase_ms_per_step(),
+            "warmup_step_s": self.warmup_steps_s,
+            "peak_mem_mib": peak_mib,
+            "memory_method": self.memory.method,
+            "activation_mib": activation_mib,
+            "cpu_util_pct": 100.0 * self.cpu_seconds / max(wall_s, 1e-9) / usable_cores(),
+            "losses": torch.stack(self.losses).float().cpu().tolist(),
+            "timed": self.timed,
+            "notes": self.notes + self.memory.notes,
+            "torch_threads": torch.get_num_threads(),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            **flops,
+        }
+
+    def _count_flops(self) -> dict:
+        """FLOPs per sample of the model on a real batch's shapes (see workbench.mfu)."""
+        inputs, targets = next(self.trainer.batches)
+        try:
+            flops = count_flops(
+                lambda: build_model(self.model_source, self.data.spec),
+                inputs,
+                targets,
+                self.user_loss or default_loss,
+            )
+        except Exception as error:  # a model or loss that cannot run on meta tensors: no MFU, said why
+            self.notes.append(f"FLOPs not counted ({type(error).__name__}: {error}); no tflops or MFU")
+            return {}
+        return {
+            "flops_per_sample": flops / len(targets),
+            "compute_dtype": compute_dtype(self.trainer.model, self.setup.autocast_dtype),
+        }
+
+    def release(self) -> None:
+        """Drop the arm's model, optimizer and data (after a failure: give its memory to the others)."""
+        self.trainer = self.setup = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
