@@ -111,7 +111,9 @@ def main() -> None:
             f"median half-width {summary[name]['median_half_width_pct']:.2f}%"
             + ("   <- workbench's estimator" if name == stats.ESTIMATOR else "")
         )
-    print(f"median wall time per ablation: {sorted(walls)[len(walls) // 2]:.1f} s; rounds per block: {sorted(set(rounds))}")
+    print(
+        f"median wall time per ablation: {sorted(walls)[len(walls) // 2]:.1f} s; rounds per block: {sorted(set(rounds))}"
+    )
     if args.json:
         Path(args.json).write_text(
             json.dumps(

@@ -64,6 +64,7 @@ from workbench.telemetry import Sampler
 from workbench.worker import WINDOW_TARGET_S, BlockSpec
 
 DDP_OWN_PROCESS = "a data-parallel arm is a process group of its own (one process per rank)"
+ISOLATED = "isolate=True: every arm in a process of its own"
 
 
 @dataclass
@@ -162,18 +163,19 @@ def own_baseline_name(kind: str) -> str:
     return "baseline (own process)" if kind == "train" else f"{kind}: baseline (own process)"
 
 
-def assign_processes(arms: list[Arm], ctx: Context) -> list[Arm]:
+def assign_processes(arms: list[Arm], ctx: Context, isolate: bool = False) -> list[Arm]:
     """Mark the arms that need a process of their own, and add a baseline that runs alone for them.
 
-    With several ranks every arm is a process group of its own. Otherwise an arm shares the
+    With several ranks every arm is a process group of its own, and with ``isolate`` every arm
+    runs alone (the baseline too, so nothing is added). Otherwise an arm shares the
     block unless one of its techniques says why it cannot (``Technique.own_process``), or a
     technique allowed once per process (``Technique.one_per_process``: torch.compile) is
     already held by an earlier arm of the block.
     """
     runnable = [arm for arm in arms if not arm.unavailable]
-    if ctx.world_size > 1:
+    if ctx.world_size > 1 or isolate:
         for arm in runnable:
-            arm.own_process = DDP_OWN_PROCESS
+            arm.own_process = DDP_OWN_PROCESS if ctx.world_size > 1 else ISOLATED
         return arms
     holder: dict[str, str] = {}  # a once-per-process technique -> the arm that holds it in the block
     for arm in runnable:
@@ -270,7 +272,7 @@ def prepare(
         arms = loader_twins(arms)
     elif loader_arms:
         arms += loader_twins(arms)
-    arms = assign_processes(arms, ctx) + unavailable
+    arms = assign_processes(arms, ctx, run.isolate) + unavailable
     described: dict[str, str] = {}
     for technique, config in chosen:
         text = technique.describe(config)
@@ -425,6 +427,7 @@ def ablate(
     loader_arms: bool | str | None = None,
     world_size: int = 1,
     link: Any = None,
+    isolate: bool = False,
     optimizer: str = "adamw",
     lr: float = 1e-3,
     timeout_s: float = 1800.0,
@@ -463,6 +466,9 @@ def ablate(
                 is then a process group of its own, in every block
     link        a simulated network between the ranks, ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``:
                 each gradient bucket is delayed by latency + bytes / bandwidth (a simulation)
+    isolate     run every arm in a process of its own, in every block, as workbench did before
+                blocks: each ratio then carries two processes' luck (10-15% here). To compare,
+                or when in doubt about an arm sharing a process
     timeout_s   limit for one arm in one block; past it the arm is recorded as failed, and its
                 block runs again without it
     on_event    called with a dict per event, for live UIs: ``plan``; per process ``start``
@@ -501,6 +507,7 @@ def ablate(
         loader_arms=loader_arms,
         world_size=world_size,
         link=link,
+        isolate=isolate,
         timeout_s=timeout_s,
     )
     prepared = prepare(model, data, loss_fn, techniques, run)
@@ -553,6 +560,7 @@ def plan(
     warmup: int = 5,
     *,
     rounds: int | None = None,
+    isolate: bool = False,
     repeats: int | None = None,
 ):
     """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them.
@@ -574,6 +582,7 @@ def plan(
         loader_arms=loader_arms,
         world_size=world_size,
         link=link,
+        isolate=isolate,
     )
     prepared = prepare(model, data, loss_fn, techniques, run)
     rows = [{**arm.record(), "blocks": 0 if arm.unavailable else run.blocks} for arm in prepared.arms]
@@ -708,7 +717,7 @@ class _Runner:
         try:
             with tempfile.TemporaryDirectory(prefix="workbench-inductor-") as compile_cache:
                 for block in range(run.blocks):
-                    queue = jobs_for_block(self.prepared.arms, block)
+                    queue = self._jobs(block)
                     while queue:
                         job = queue.pop(0)
                         if (block, job.key) in self.done:
@@ -718,7 +727,7 @@ class _Runner:
                         queued = {j.key for j in queue}
                         queue += [
                             j
-                            for j in jobs_for_block(self.prepared.arms, block)
+                            for j in self._jobs(block)
                             if not j.shared and j.key not in queued and (block, j.key) not in self.done
                         ]
                         if bar.bar is not None and self._planned() > bar.bar.total:
@@ -742,6 +751,15 @@ class _Runner:
         results = self.save(complete=True)
         self.on_event({"type": "done", "out": str(self.folder)})
         return results
+
+    def _jobs(self, block: int) -> list[Job]:
+        """Block ``block``'s processes; a baseline that runs alone only while an arm still needs it."""
+        jobs = jobs_for_block(self.prepared.arms, block)
+        needed = {arm.kind for arm in self.prepared.arms if arm.own_process and arm.role != "baseline"
+                  and not arm.unavailable and arm.name not in self.failed}  # fmt: skip
+        return [
+            job for job in jobs if job.shared or job.arms[0].role != "baseline" or job.arms[0].kind in needed
+        ]
 
     def _run_job(self, job: Job, compile_cache: Path, bar: _Progress) -> None:
         """Run one process (again without an arm that killed it, if one did) and keep what it measured."""

@@ -261,8 +261,12 @@ class BlockArm:
             }
         )
 
-    def finish(self, emit: Callable[[dict], None]) -> dict:
-        """After the clock stopped: memory (one extra, untimed step) and FLOPs. The arm's measurements."""
+    def finish(self, emit: Callable[[dict], None], flop_counts: dict | None = None) -> dict:
+        """After the clock stopped: memory (one extra, untimed step) and FLOPs. The arm's measurements.
+
+        ``flop_counts`` is shared by the block's arms: they train the same model on the same
+        shapes, and the model's FLOPs do not depend on how a technique computes them.
+        """
         emit({"type": "phase", "arm": self.name, "phase": "memory"})
         trainer = self.trainer
         with self.active():
@@ -274,7 +278,9 @@ class BlockArm:
                 trainer.optimizer,
                 graphed=self.setup.graph_step is not None,
             )
-            flops = {} if self.spec.loader_only else self._count_flops()
+            flops = (
+                {} if self.spec.loader_only else self._count_flops({} if flop_counts is None else flop_counts)
+            )
         wall_s = sum(w["wall_s"] for w in self.windows)
         samples = sum(w["samples"] for w in self.windows)
         steps = sum(w["steps"] for w in self.windows)
@@ -300,21 +306,31 @@ class BlockArm:
             **flops,
         }
 
-    def _count_flops(self) -> dict:
+    def _count_flops(self, counted: dict) -> dict:
         """FLOPs per sample of the model on a real batch's shapes (see workbench.mfu)."""
         inputs, targets = next(self.trainer.batches)
-        try:
-            flops = count_flops(
-                lambda: build_model(self.model_source, self.data.spec),
-                inputs,
-                targets,
-                self.user_loss or default_loss,
-            )
-        except Exception as error:  # a model or loss that cannot run on meta tensors: no MFU, said why
-            self.notes.append(f"FLOPs not counted ({type(error).__name__}: {error}); no tflops or MFU")
+        shapes = repr(
+            [
+                getattr(x, "shape", None)
+                for x in (*(inputs if isinstance(inputs, (tuple, list)) else [inputs]), targets)
+            ]
+        )
+        if shapes not in counted:
+            try:
+                flops = count_flops(
+                    lambda: build_model(self.model_source, self.data.spec),
+                    inputs,
+                    targets,
+                    self.user_loss or default_loss,
+                )
+                counted[shapes] = flops / len(targets)
+            except Exception as error:  # a model or loss that cannot run on meta tensors: no MFU, said why
+                counted[shapes] = f"FLOPs not counted ({type(error).__name__}: {error}); no tflops or MFU"
+        if isinstance(counted[shapes], str):
+            self.notes.append(counted[shapes])
             return {}
         return {
-            "flops_per_sample": flops / len(targets),
+            "flops_per_sample": counted[shapes],
             "compute_dtype": compute_dtype(self.trainer.model, self.setup.autocast_dtype),
         }
 

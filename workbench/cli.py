@@ -26,7 +26,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "mode": "one-at-a-time",
         "steps": 20,
         "warmup": 3,
-        "blocks": 4,
+        "blocks": 3,
         "batch_size": 32,
     },
 }
@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     ablate.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
     ablate.add_argument("--no-control", action="store_true", help="skip the A/A rerun of the baseline")
     ablate.add_argument(
+        "--isolate", action="store_true", help="every arm in a process of its own (no arms side by side)"
+    )
+    ablate.add_argument(
         "--world-size",
         type=int,
         help="ranks per arm: every arm runs as a DDP job (under torchrun: torchrun's world size)",
@@ -224,6 +227,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
             settings[key] = value
     settings["techniques"] = _techniques(args, preset)
     settings["control"] = not args.no_control
+    settings["isolate"] = args.isolate
     settings["loader_arms"] = LOADER_ARMS[args.loader_arms]
     if args.world_size is not None:
         settings["world_size"] = args.world_size
@@ -242,6 +246,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
             "batch_size",
             "device",
             "control",
+            "isolate",
             "loader_arms",
             "world_size",
             "link",

@@ -86,6 +86,7 @@ class RunConfig:
     control: bool = True  # also run the baseline a second time: the A/A noise check
     loader_arms: bool | str | None = None  # loader-only twins of input-pipeline arms; None: automatic
     world_size: int = 1  # ranks per arm: > 1 runs every arm as a DDP job (gloo on CPU, NCCL on CUDA)
+    isolate: bool = False  # every arm in a process of its own, in every block (no arms side by side)
     link: object = None  # a workbench.distributed.Link: a simulated network between the ranks
     timeout_s: float = 1800.0  # one arm in one block; past it the arm is recorded as failed
 
@@ -114,6 +115,7 @@ class RunConfig:
             raise unknown_name_error("optimizer", self.optimizer, OPTIMIZERS)
         check_number("ablate", "lr", self.lr, above=0.0)
         check_bool("ablate", "control", self.control)
+        check_bool("ablate", "isolate", self.isolate)
         if not (self.loader_arms is None or isinstance(self.loader_arms, bool) or self.loader_arms == "only"):
             raise ValueError(
                 f"ablate: loader_arms must be None (automatic), True, False or 'only'; got {self.loader_arms!r}"

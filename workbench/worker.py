@@ -273,11 +273,12 @@ def run_block(spec: BlockSpec, emit: Callable[[dict], None] = lambda message: No
     rss_mib = rss.growth_mib()
 
     measured: dict[str, dict] = {}
+    flop_counts: dict = {}  # the arms share the model: count its FLOPs once per batch shape
     for arm in arms:
         if arm.name in failures:
             continue
         try:
-            result = arm.finish(emit)
+            result = arm.finish(emit, flop_counts)
         except Exception as error:
             fail(arm, error)
             continue
@@ -408,10 +409,11 @@ def main() -> int:
         sys.path[:] = header["sys_path"]  # so factories pickled by reference import as in the parent
         spec = cloudpickle.loads(sys.stdin.buffer.read())  # code from our own parent, not results
         emit({"type": "result", **run_block(spec, emit)})
-        if _KEEP_ALIVE:  # a distributed run: skip the teardown that can block (see run_unit)
-            sys.stderr.flush()
-            os._exit(0)
-        return 0
+        # Everything is reported: skip the interpreter's teardown of torch (half a second here), and
+        # for a distributed run the DDP/gloo teardown that can block (see run_block). The parent
+        # ends the process group, DataLoader workers included.
+        sys.stderr.flush()
+        os._exit(0)
     except SharedStateChanged as error:
         emit(
             {
