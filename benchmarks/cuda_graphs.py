@@ -23,7 +23,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--stack-batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
@@ -35,7 +35,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("nothing to measure: CUDA Graphs need a CUDA device; none is visible", file=sys.stderr)
         return 2
-    common = {"steps": args.steps, "warmup": 10, "repeats": args.repeats, "device": "cuda", "out": False}
+    common = {"steps": args.steps, "warmup": 10, "blocks": args.blocks, "device": "cuda", "out": False}
     columns = ["arm", "status", "reason", "samples_per_s", "samples_per_s_spread", "speedup", "speedup_low",
                "speedup_high", "noisy", "step_ms", "replay_ms", "forward_ms", "backward_ms", "optimizer_ms",
                "tflops", "mfu_pct", "gpu_util_pct", "gpu_power_w", "peak_mem_mb", "startup_s",

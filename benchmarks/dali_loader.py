@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--crop", type=int, default=None, help="side of the crops (default: the built-in's)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -54,7 +54,7 @@ def main() -> None:
             loader_arms="only",
             steps=args.steps,
             warmup=5,
-            repeats=args.repeats,
+            blocks=args.blocks,
             batch_size=args.batch_size,
             device="cpu",
             out=False,
@@ -64,10 +64,11 @@ def main() -> None:
     print(results.summary())
     print()
     from workbench import stats
+    from workbench.results import _side
 
-    def windows(arm: str) -> dict[int, stats.Window]:
+    def blocks(arm: str) -> dict[int, dict]:
         return {
-            u["repeat"]: stats.Window(u["result"]["samples_per_s"], u["result"]["step_s"])
+            u["block"]: u["result"]
             for u in results.record["units"]
             if u["arm"] == arm and u["status"] == "ok"
         }
@@ -78,9 +79,12 @@ def main() -> None:
             f"loader: dataloader[num_workers={threads}]",
             f"loader: dali[threads={threads}]",
         )
-        loader, dali = windows(loader_arm), windows(dali_arm)
-        paired = sorted(set(loader) & set(dali))  # repeat r of both ran in the same interleaved round
-        ratio, low, high = stats.speedup_interval([loader[r] for r in paired], [dali[r] for r in paired])
+        loader, dali = blocks(loader_arm), blocks(dali_arm)
+        paired = sorted(set(loader) & set(dali))  # both pipelines ran alone, in the same block
+        speedup = stats.combine_blocks(
+            [stats.block_ratio(_side(loader[b]), _side(dali[b]), paired=False) for b in paired]
+        )
+        ratio, low, high = speedup.point, speedup.low, speedup.high
         rows.append(
             {
                 "threads": threads,
@@ -95,7 +99,7 @@ def main() -> None:
         print(
             f"{threads} thread(s): DataLoader {rows[-1]['dataloader_img_s']:,.0f} img/s, "
             f"DALI {rows[-1]['dali_img_s']:,.0f} img/s -> DALI/DataLoader {ratio:.2f}x "
-            f"(95% interval [{low:.2f}, {high:.2f}], {len(paired)} paired repeats)"
+            f"(95% interval [{low:.2f}, {high:.2f}], {len(paired)} blocks)"
         )
     if args.json:
         columns = [
@@ -111,13 +115,13 @@ def main() -> None:
             "data_ms",
             "cpu_util_pct",
             "startup_s",
-            "repeats",
+            "blocks",
         ]
         report = {
             "benchmark": "dali-loader",
             "dataset": {"images": len(jpeg.CLASSES) * images_per_class, "stored_px": size, "crop_px": crop},
             "steps": args.steps,
-            "repeats": args.repeats,
+            "blocks": args.blocks,
             "batch_size": args.batch_size,
             "comparison": rows,
             "table": json.loads(results.table[columns].to_json(orient="records")),

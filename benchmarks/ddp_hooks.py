@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--bandwidths", type=float, nargs="+", default=[10.0, 1.0, 0.1], help="Gbit/s")
     parser.add_argument("--latency-ms", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -64,7 +64,7 @@ def main() -> None:
             link=link,
             steps=args.steps,
             warmup=4,
-            repeats=args.repeats,
+            blocks=args.blocks,
             batch_size=32,
             device=args.device,
             control=False,
@@ -91,7 +91,7 @@ def main() -> None:
             "world_size": 2,
             "latency_ms": args.latency_ms,
             "steps": args.steps,
-            "repeats": args.repeats,
+            "blocks": args.blocks,
             "runs": runs,
             "machine": machine_summary(),
         }

@@ -19,8 +19,8 @@ def main() -> int:
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per repeat, end to end")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per arm per block, end to end")
+    parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--skip-end-to-end", action="store_true")
     parser.add_argument("--json", help="also write the figures to this file")
@@ -57,7 +57,7 @@ def main() -> int:
             techniques={"cupy_fusion": True, "compile": True},
             steps=args.steps,
             warmup=10,
-            repeats=args.repeats,
+            blocks=args.blocks,
             batch_size=args.batch_size,
             device="cuda",
             out=False,
@@ -69,7 +69,7 @@ def main() -> int:
         table = results.table
         report["end_to_end"] = table[[c for c in columns if c in table.columns]].to_dict(orient="records")
         report["end_to_end_settings"] = {"model": "gpt-mini", "batch_size": args.batch_size, "steps": args.steps,
-                                         "repeats": args.repeats}  # fmt: skip
+                                         "blocks": args.blocks}  # fmt: skip
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2, default=str)

@@ -13,7 +13,7 @@ end-to-end
 
 in-process
     One fresh process per round builds the model once, then alternates windows of the bare
-    loop and of workbench's timed window (``workbench.worker.timed_window``: Trainer.step
+    loop and of workbench's timed window (``workbench.block.timed_window``: Trainer.step
     with its clock, the kept loss, the progress throttle) over the same model, optimizer
     and batch stream: A B A B ... The process's own speed cancels in each A/B ratio, so
     the interval isolates what the harness adds per step.
@@ -43,12 +43,13 @@ import numpy as np
 def _bare_setup(model_name: str, batch_size: int, seed: int):
     import torch
 
+    from workbench.block import seed_everything
     from workbench.data import endless_batches, resolve_data
     from workbench.models import build_model
-    from workbench.worker import _initialize_runtime, _seed_everything
+    from workbench.worker import _initialize_runtime
 
     _initialize_runtime(torch.device("cpu"))  # the harness pays this outside its clock too
-    _seed_everything(seed)
+    seed_everything(seed)
     source = resolve_data(None, model_name, seed)
     model = build_model(model_name, source.spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -87,9 +88,9 @@ def run_paired_process(args) -> None:
     """Child mode for in-process rounds: alternate bare and harness windows on one model."""
     import torch
 
+    from workbench.block import timed_window
     from workbench.loop import Trainer, TrainSetup, default_loss
     from workbench.telemetry import StepClock
-    from workbench.worker import timed_window
 
     model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0)
     setup = TrainSetup(
@@ -114,9 +115,9 @@ def run_cost_process(args) -> None:
     """Child mode: microseconds the harness adds per step, on a model too small to hide them."""
     import torch
 
+    from workbench.block import timed_window
     from workbench.loop import Trainer, TrainSetup, default_loss
     from workbench.telemetry import StepClock
-    from workbench.worker import timed_window
 
     torch.set_num_threads(1)
     model = torch.nn.Linear(4, 2)
@@ -185,7 +186,7 @@ def _harness_round(args) -> float:
         techniques={},
         steps=args.steps,
         warmup=args.warmup,
-        repeats=1,
+        blocks=1,
         batch_size=args.batch_size,
         control=False,
         out=False,

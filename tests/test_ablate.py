@@ -475,7 +475,7 @@ def test_ctrl_c_keeps_finished_blocks_on_disk_and_leaves_no_orphans(tmp_path):
         "-t",
         "amp",
         "--steps",
-        "600",
+        "300",
         "--warmup",
         "2",
         "--blocks",

@@ -355,9 +355,10 @@ class _Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)  # tqdm redraws at most 10 times a second
 
-    def grow(self, more: int) -> None:
-        if self.bar is not None:
-            self.bar.total += more
+    def at_least(self, total: int) -> None:
+        """Raise the total (an arm moved to a process of its own adds processes)."""
+        if self.bar is not None and total > self.bar.total:
+            self.bar.total = total
             self.bar.refresh()
 
     def advance(self) -> None:
@@ -635,13 +636,8 @@ class _Runner:
         launcher: Torchrun | None = None,
     ):
         self.prepared, self.run_config = prepared, prepared.run
-        self.folder, self.on_event, self.stop, self.kept, self.launcher = (
-            folder,
-            on_event,
-            stop,
-            kept,
-            launcher,
-        )
+        self.folder, self.kept = folder, kept  # kept: False when out=False (a temporary folder)
+        self.on_event, self.stop, self.launcher = on_event, stop, launcher
         self.units: list[dict] = []
         self.block_records: list[dict] = []
         self.done: set[tuple[int, str]] = set()
@@ -730,8 +726,7 @@ class _Runner:
                             for j in self._jobs(block)
                             if not j.shared and j.key not in queued and (block, j.key) not in self.done
                         ]
-                        if bar.bar is not None and self._planned() > bar.bar.total:
-                            bar.grow(self._planned() - bar.bar.total)
+                        bar.at_least(self._planned())
         except (Interrupted, KeyboardInterrupt):
             self.sampler.stop()
             bar.close()
@@ -753,12 +748,16 @@ class _Runner:
         return results
 
     def _jobs(self, block: int) -> list[Job]:
-        """Block ``block``'s processes; a baseline that runs alone only while an arm still needs it."""
-        jobs = jobs_for_block(self.prepared.arms, block)
-        needed = {arm.kind for arm in self.prepared.arms if arm.own_process and arm.role != "baseline"
-                  and not arm.unavailable and arm.name not in self.failed}  # fmt: skip
+        """Block ``block``'s processes, less an added lone baseline that no arm needs any more."""
+        arms = self.prepared.arms
+        lone = {arm.kind for arm in arms if arm.own_process and not arm.unavailable and arm.name not in self.failed
+                and arm.name != own_baseline_name(arm.kind)}  # fmt: skip
         return [
-            job for job in jobs if job.shared or job.arms[0].role != "baseline" or job.arms[0].kind in needed
+            job
+            for job in jobs_for_block(arms, block)
+            if job.shared
+            or job.arms[0].name != own_baseline_name(job.arms[0].kind)
+            or job.arms[0].kind in lone
         ]
 
     def _run_job(self, job: Job, compile_cache: Path, bar: _Progress) -> None:

@@ -11,9 +11,9 @@ import sys
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # A CPU ablation that finishes in about 90 s on 2 cores: a conv net, where layout and
-    # precision both matter, with the memory-for-compute trades beside them. Four repeats
-    # rather than more arms: on a noisy machine, repeats are what narrow the intervals.
+    # A CPU ablation that finishes in under a minute on 2 cores: a conv net, where layout and
+    # precision both matter, with the memory-for-compute trades beside them. Three blocks: the
+    # arms run side by side in each, so the intervals are a few percent wide (BENCHMARKS.md).
     "quick": {
         "model": "resnet-mini",
         "data": "textures",

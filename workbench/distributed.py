@@ -330,10 +330,10 @@ class Torchrun:
     """The ablation's parent processes, when ``torchrun`` started them (one per rank).
 
     Under torchrun every parent plans the same ablation and walks the same schedule; for
-    each unit it starts one fresh worker for its own rank, and the workers of all nodes meet
+    each arm and block it starts one fresh worker for its own rank, and the workers of all nodes meet
     on a port that rank 0 chose and broadcast. The parents stay in lockstep through a gloo
-    "control" group of their own: rank 0's outcome of each unit (so every node skips the same
-    later repeats) and a barrier after it. Only rank 0 keeps results and prints progress.
+    "control" group of their own: rank 0's outcome of each process (so every node skips the same
+    later blocks) and a barrier after it. Only rank 0 keeps results and prints progress.
     """
 
     def __init__(self, rank: Rank):

@@ -200,7 +200,7 @@ def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) 
     notes = list(dict.fromkeys(note for r in results for note in r["notes"]))
     if arm.get("own_process"):
         notes.insert(0, f"its own process: {arm['own_process']}")
-    # Wall clock, all timed steps: what a job like this one would see (the speedup uses ESTIMATOR).
+    # Wall clock, all timed steps: what a job like this one would see (as the speedup does).
     throughputs = [r["samples_per_s"] for r in results]
     row["samples_per_s"], row["samples_per_s_spread"] = stats.median_and_spread(throughputs)
     row["step_ms"] = _median([1e3 * r["wall_s"] / r["steps"] for r in results])
@@ -257,17 +257,6 @@ def _compare(
                 f"blocks disagree: their ratios spread {speedup.between_block_pct:.1f}% where the noise inside a "
                 f"block is {speedup.within_block_pct:.1f}%; the processes (or nodes) differed in a way the ratio "
                 "did not cancel"
-            )
-        wall = stats.combine_blocks(
-            [stats.block_ratio(_side(b), _side(a), paired=shared, estimator="mean") for b, a in paired]
-        )
-        if len(paired) >= 2 and not (
-            wall.low <= speedup.point <= wall.high or speedup.low <= wall.point <= speedup.high
-        ):
-            notes.append(
-                f"over all steps (wall clock) the speedup is {wall.point:.2f} [{wall.low:.2f}, {wall.high:.2f}], "
-                f"not {speedup.point:.2f}: this arm's slow steps are not the baseline's (stalls, allocations, "
-                "garbage collection); the wall-clock figure is what a job would see"
             )
         if not shared:
             notes.append(

@@ -10,14 +10,18 @@ Typical step time (``ESTIMATOR``)
     An arm's windows in a block give it a list of step times. Their typical value is
     ``ESTIMATORS[ESTIMATOR]`` of them; the candidates are the mean, the median of the
     per-window medians, a 20% trimmed mean, and the 10th percentile. The choice was made
-    on A/A evidence (benchmarks/aa_calibration.py, BENCHMARKS.md): of the estimators whose
-    intervals still contain 1.0 for identical arms, the one with the narrowest intervals.
-    Throughput in a block = samples per step / typical step time.
+    on A/A evidence (benchmarks/aa_calibration.py, BENCHMARKS.md): over 80 A/A ablations
+    the mean's intervals contained 1.0 in 96% of them; the 10th percentile and the trimmed
+    mean gave intervals a little narrower but missed 1.0 in 9-10%, too often for a 95%
+    interval (their block ratios cluster, so three blocks understate their spread), and the
+    median of window medians covered but was wider. The mean is also what a job feels: the
+    speedup is the ratio of wall-clock throughputs, slow steps included, and it agrees with
+    ``samples_per_s`` and ``step_ms``.
 
 Speedup
-    Inside each block: the arm's throughput over the baseline's in the same block, so the
-    block's own speed (its process luck, 10-15% between processes here) cancels in the
-    ratio. Across blocks: ``speedup`` is the geometric mean of the block ratios, and its 95%
+    Inside each block: the arm's throughput (samples per step / typical step time) over the
+    baseline's in the same block, so the block's own speed (its process luck, 10-15%
+    between processes here) cancels in the ratio. Across blocks: ``speedup`` is the geometric mean of the block ratios, and its 95%
     interval is the t-interval on their logarithms, mean +/- t(0.975, B-1) * sd / sqrt(B),
     with the block as the blocking factor. With few blocks the t quantile is large (4.30 for
     3 blocks), and that width is honest.
@@ -36,8 +40,8 @@ Spread within and between blocks
 Work that outlives a window
     An arm whose work goes on after its window ends (a background thread, a prefetching
     pipeline) slows whichever window runs next. Each window is compared with its arm's own
-    typical window in the block; ``follower_effect`` says how much slower the windows right
-    after a given arm's ran than the windows after any other arm's. The order of the arms is
+    typical window in the block; ``follower_effects`` says how much slower the other arms'
+    windows ran right after a given arm's than after a third arm's. The order of the arms is
     random in every round, so without such leftover work the two are equal. Windows are
     compared by their mean step here, not ESTIMATOR: the slowed steps are what to look for.
 
@@ -79,7 +83,7 @@ ESTIMATORS: dict[str, Callable[[Sequence[Sequence[float]]], float]] = {
     "trimmed_mean": lambda windows: _trimmed_mean(_all_steps(windows)),
     "p10": lambda windows: float(np.percentile(_all_steps(windows), 10)),
 }
-ESTIMATOR = "p10"
+ESTIMATOR = "mean"
 
 
 def typical_step_s(windows: Sequence[Sequence[float]], estimator: str = ESTIMATOR) -> float:

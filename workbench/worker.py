@@ -64,6 +64,7 @@ class BlockSpec:
 
 
 WINDOW_TARGET_S = 0.015  # how long a window lasts when rounds are chosen from the step time
+LONE_ARM_ROUNDS = 10  # windows of an arm alone in its process
 
 
 def window_steps(steps: int, rounds: int) -> list[int]:
@@ -223,7 +224,11 @@ def run_block(spec: BlockSpec, emit: Callable[[dict], None] = lambda message: No
     rounds, rewarm = spec.rounds, spec.rewarm
     if rewarm is None:
         rewarm = choose_rewarm(len(arms), typical_s)
-    if rounds is None:
+    if rounds is None and len(arms) == 1:
+        # Alone, nothing is interleaved: windows only chunk the steps (for the spread inside the
+        # block). Not from the step time, so that every rank of a data-parallel arm agrees.
+        rounds = min(spec.steps, LONE_ARM_ROUNDS)
+    elif rounds is None:
         rounds = choose_rounds(spec.steps, typical_s)
     emit({"type": "phase", "phase": "measure", "rounds": rounds})
     rss.begin_windows()
