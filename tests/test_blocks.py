@@ -48,7 +48,8 @@ def test_a_block_runs_every_arm_side_by_side_in_random_order():
 
 def test_rounds_follow_the_step_time_and_split_the_steps_evenly():
     assert window_steps(10, 4) == [3, 3, 2, 2]
-    assert choose_rounds(200, 0.003) == 40  # 5 steps of 3 ms: windows of about 15 ms
+    assert choose_rounds(200, 0.001) == 40  # 5 steps of 1 ms: windows of about 5 ms
+    assert choose_rounds(200, 0.004) == 200  # 4 ms steps: one step per window
     assert choose_rounds(20, 0.040) == 20  # slow steps: one step per window
     assert choose_rounds(3, 0.0001) == 1
 

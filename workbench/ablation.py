@@ -453,8 +453,8 @@ def ablate(
     blocks      fresh processes, each running every arm side by side (the repeats): the speedup
                 is computed inside each block and combined over blocks
     rounds      windows per arm in a block: each round runs every arm for ``steps / rounds``
-                steps, in a fresh random order; None: windows of about 15 ms, from the step
-                time measured in warm-up
+                steps, in a fresh random order; None: windows of about 5 ms (one step, for
+                slower steps), from the step time measured in warm-up
     batch_size  samples per optimizer step (grad_accum splits it; it never grows)
     out         folder for results (written after every process, resumable); None = a new folder
                 under ./workbench-results; False = keep nothing on disk

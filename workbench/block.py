@@ -107,6 +107,7 @@ class BlockArm:
         rank: Rank,
         meter: CommMeter | None = None,
         link: Any = None,
+        shared: bool = True,
     ):
         self.spec = spec
         self.name = spec.name
@@ -114,6 +115,7 @@ class BlockArm:
         self.batch_size, self.device, self.seed = batch_size, device, seed
         self.optimizer_name, self.lr = optimizer, lr
         self.rank, self.meter, self.link = rank, meter, link
+        self.shared = shared  # other arms run in this process between this arm's windows
         self.random_state = ArmRandomState(device)
         self.memory = ArmMemory(device)
         self.clock = StepClock(device)
@@ -133,15 +135,21 @@ class BlockArm:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """This arm's random state and process-wide switches (TF32...), for as long as it runs."""
-        self.random_state.resume()
+        """This arm's random state and process-wide switches (TF32...), for as long as it runs.
+
+        Alone in its process an arm keeps the generators to itself, so they are not swapped:
+        a captured CUDA graph (cuda_graphs) replays with the generator it was captured with.
+        """
+        if self.shared:
+            self.random_state.resume()
         with contextlib.ExitStack() as stack:
             for setting in self.setup.window_settings if self.setup is not None else ():
                 stack.enter_context(setting())
             try:
                 yield
             finally:
-                self.random_state.keep()
+                if self.shared:
+                    self.random_state.keep()
 
     def build(self) -> None:
         """Seed as a fresh process would, build the model, apply the techniques, open the data."""

@@ -314,7 +314,12 @@ def _utilization(row: dict, results: list[dict], telemetry: list[dict]) -> list[
                 if f"gpu{index}_{reading}" in sample
             ]
             row[column] = float(np.mean(values)) if values else math.nan
-        if math.isnan(row["gpu_util_pct"]):
+        if math.isnan(row["gpu_util_pct"]) and row["process"] == "block":
+            notes.append(
+                "no GPU readings for this arm: in a block the arms take turns every few milliseconds and NVML "
+                "samples once a second, so GPU utilization, power and clock describe the block (res.telemetry)"
+            )
+        elif math.isnan(row["gpu_util_pct"]):
             notes.append(
                 "no GPU readings inside this arm's timed windows (NVML samples once a second); use more steps"
             )

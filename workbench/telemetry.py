@@ -45,6 +45,7 @@ import os
 import resource
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -178,28 +179,47 @@ def _profiled_peak_bytes(step: Callable[[], object]) -> int:
 
 
 def _saved_activation_bytes(step: Callable[[], object], model: torch.nn.Module) -> int:
-    """Bytes autograd kept for backward during ``step``: the activations, read with saved-tensor hooks.
+    """Peak bytes autograd held for backward during ``step``: the activations, read with saved-tensor hooks.
 
     Every tensor an operation saves for its backward passes the pack hook; the distinct
     storages among them, less the parameters (weights are saved too, but they are not
-    activations), are the activation memory. Inside a checkpointed region PyTorch's own hook
-    takes over and keeps nothing, which is exactly the saving this number shows.
+    activations), are the activation memory. A storage counts from its first save until the
+    last tensor autograd saved on it is released (after the backward that used it), so
+    under gradient accumulation each micro-batch's activations come and go, and the figure
+    is the most held at once. Inside a checkpointed region PyTorch's own hook takes over and
+    keeps nothing, which is exactly the saving this number shows.
     """
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
+    live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors still held]
+    held = {"now": 0, "peak": 0}
+
+    def release(address: int) -> None:
+        entry = live.get(address)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                held["now"] -= entry[0]
+                del live[address]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         try:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in parameters:
-                saved[storage.data_ptr()] = storage.nbytes()
+            address = storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
-            pass
+            return tensor
+        if address in parameters:
+            return tensor
+        if address not in live:
+            live[address] = [storage.nbytes(), 0]
+            held["now"] += storage.nbytes()
+            held["peak"] = max(held["peak"], held["now"])
+        live[address][1] += 1
+        weakref.finalize(tensor, release, address)  # autograd lets go of it after its backward
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         step()
-    return sum(saved.values())
+    return held["peak"]
 
 
 class ArmMemory:

@@ -63,7 +63,7 @@ class BlockSpec:
     comm_timeout_s: float = 120.0  # a collective waiting longer than this for a dead peer fails
 
 
-WINDOW_TARGET_S = 0.015  # how long a window lasts when rounds are chosen from the step time
+WINDOW_TARGET_S = 0.005  # how long a window lasts when rounds are chosen from the step time
 LONE_ARM_ROUNDS = 10  # windows of an arm alone in its process
 
 
@@ -76,10 +76,10 @@ def window_steps(steps: int, rounds: int) -> list[int]:
 def choose_rounds(steps: int, step_s: float) -> int:
     """Rounds such that each window lasts about WINDOW_TARGET_S (at least one step per window).
 
-    This machine's speed wanders within a fraction of a second, and only arms measured
-    close together in time share the same speed: windows of a few milliseconds up to ~15 ms
-    gave the tightest A/A ratios, windows of 50+ steps (150+ ms) were twice as noisy
-    (BENCHMARKS.md, "Windows and rounds").
+    This machine's speed wanders within a fraction of a second, and only arms measured close
+    together in time share the same speed. For mlp (4 ms steps), the A/A ratio of one block
+    spread by 1.3% with windows of one step, 3.7% with windows of 4 and 7.0% with windows of
+    50 (BENCHMARKS.md, "Windows and rounds"): the shorter, the better, down to one step.
     """
     per_window = max(1, round(WINDOW_TARGET_S / step_s)) if step_s > 0 else steps
     return max(1, min(steps, math.ceil(steps / per_window)))
@@ -206,6 +206,7 @@ def run_block(spec: BlockSpec, emit: Callable[[dict], None] = lambda message: No
             rank=rank,
             meter=meter,
             link=spec.link,
+            shared=len(spec.arms) > 1,
         )
         for arm_spec in spec.arms
     ]
