@@ -220,10 +220,17 @@ def test_work_that_outlives_its_window_is_called_out():
     """The negative control of the check above: the contamination test can fail."""
     register_technique(Lingering())
     try:
-        res = wb.ablate(model="mlp", techniques={"lingering": True}, steps=60, warmup=3, blocks=2, **QUIET)
+        # The check is statistical (3 standard errors), and a machine shared with other work
+        # can blur one run: a second run must then see it.
+        for _attempt in range(2):
+            res = wb.ablate(
+                model="mlp", techniques={"lingering": True}, steps=60, warmup=3, blocks=2, **QUIET
+            )
+            notes = res.table.set_index("arm").loc["lingering", "notes"]
+            if "slows the other arms" in notes:
+                break
     finally:
         unregister_technique("lingering")
-    notes = res.table.set_index("arm").loc["lingering", "notes"]
     assert "slows the other arms" in notes and "run it in its own process" in notes
 
 
