@@ -350,7 +350,11 @@ def test_faulty_arms_are_recorded_and_the_rest_goes_on(faults, tmp_path):
     assert "RuntimeError: injected failure" in table.loc["raises", "reason"]
     assert table.loc["ooms", "status"] == "oom"
     assert table.loc["nans", "status"] == "diverged" and "nan" in table.loc["nans", "reason"]
-    assert table.loc["killed", "status"] == "oom" and "SIGKILL" in table.loc["killed", "reason"]
+    # SIGKILL is not taken for out-of-memory without the kernel's word (its oom_kill count).
+    assert table.loc["killed", "status"] == "failed"
+    assert (
+        "killed by signal 9 (SIGKILL); the kernel's out-of-memory kill count" in table.loc["killed", "reason"]
+    )
     assert table.loc["exits", "status"] == "failed" and "exited with code 3" in table.loc["exits", "reason"]
     assert table.loc["hangs", "status"] == "failed" and "timed out after 20 s" in table.loc["hangs", "reason"]
     assert table.loc["tf32", "status"] == "unavailable" and "CUDA" in table.loc["tf32", "reason"]
@@ -533,3 +537,80 @@ def test_results_are_written_after_each_process(tmp_path):
         **QUIET,
     )
     assert seen == [2, 2, 4, 4]  # two arms (baseline, control) per block's process
+
+
+def test_the_cli_exit_code_says_whether_every_arm_ran(faults, tmp_path, capsys):
+    """0: every arm ran; 1: some arms failed (the others are still measured and saved)."""
+    from workbench.cli import main
+
+    common = ["ablate", "--model", "mlp", "--steps", "3", "--warmup", "1", "--blocks", "1", "--no-progress"]
+    assert main([*common, "-t", "amp", "--out", str(tmp_path / "fine")]) == 0
+    assert main([*common, "-t", "raises", "--out", str(tmp_path / "broken")]) == 1
+    assert "1 of 3 arms did not run: raises" in capsys.readouterr().err
+    saved = wb.load_results(tmp_path / "broken").table.set_index("arm")
+    assert saved.loc["baseline", "status"] == "ok" and saved.loc["raises", "status"] == "failed"
+
+
+def test_sigkill_is_called_oom_only_when_the_kernel_counted_an_oom_kill(monkeypatch, tmp_path):
+    from workbench import process
+
+    counter = tmp_path / "vmstat"
+    counter.write_text("pgfault 10\noom_kill 4\n")
+    monkeypatch.setattr(process, "OOM_KILL_COUNTERS", (str(counter),))
+    before = process.kernel_oom_kills()
+    assert before == {str(counter): 4}
+    assert process._killed_by(-signal.SIGKILL, before)[0] == "failed"
+    counter.write_text("pgfault 10\noom_kill 5\n")
+    status, how = process._killed_by(-signal.SIGKILL, before)
+    assert status == "oom" and "out-of-memory killer" in how
+    assert process._killed_by(-signal.SIGSEGV, before) == ("failed", "was killed by signal 11 (SIGSEGV)")
+    monkeypatch.setattr(process, "OOM_KILL_COUNTERS", (str(tmp_path / "absent"),))
+    assert "cannot be read here" in process._killed_by(-signal.SIGKILL, {})[1]
+
+
+def test_without_timeout_s_the_limit_follows_the_warm_up(monkeypatch):
+    from workbench import process
+
+    timer = process.ArmTimer(None)
+    timer.switch("amp")
+    assert timer.limit("amp") == process.STARTUP_LIMIT_S  # building and warming up
+    timer.expect({"amp": 0.5, "slow": 60.0})
+    assert process.MEASURE_FLOOR_S <= timer.limit("amp") < process.MEASURE_FLOOR_S + 5  # the floor
+    assert timer.limit("slow") >= process.MEASURE_MARGIN * 60.0
+    assert "10x what its warm-up steps predicted" in timer.describe()
+    fixed = process.ArmTimer(20.0)
+    fixed.expect({"amp": 500.0})
+    assert fixed.limit("amp") == 20.0 and fixed.describe() == "timed out after 20 s (timeout_s)"
+
+
+def test_a_hang_in_warm_up_ends_at_the_derived_limit(faults, monkeypatch):
+    from workbench import process
+
+    monkeypatch.setattr(process, "STARTUP_LIMIT_S", 8.0)
+    res = wb.ablate(model="mlp", techniques={"hangs": True}, steps=3, warmup=1, blocks=1, control=False,
+                    out=False, **QUIET)  # fmt: skip
+    table = res.table.set_index("arm")
+    assert table.loc["baseline", "status"] == "ok"
+    assert table.loc["hangs", "status"] == "failed"
+    assert "timed out after 8 s while starting or warming up" in table.loc["hangs", "reason"]
+
+
+def test_resume_reruns_blocks_with_failed_arms_only_when_asked(faults, tmp_path):
+    out = tmp_path / "flaky"
+    arguments = {"model": "mlp", "techniques": {"raises": True}, "steps": 3, "warmup": 1, "blocks": 1,
+                 "control": False, "out": out, **QUIET}  # fmt: skip
+    first = wb.ablate(**arguments)
+    assert first.table.set_index("arm").loc["raises", "status"] == "failed"
+    started = []
+
+    def record(event):
+        if event["type"] == "start":
+            started.append(event)
+
+    kept = wb.ablate(**arguments, on_event=record)  # resuming: everything is finished already
+    assert started == [] and kept.table.set_index("arm").loc["raises", "status"] == "failed"
+    unregister_technique("raises")
+    register_technique(Fault("raises", "none", 200))  # the cause is fixed
+    again = wb.ablate(**arguments, on_event=record, retry_failed=True)
+    assert [e["arms"] for e in started] == [["baseline", "raises"]]  # the whole block, side by side
+    assert set(again.table.status) == {"ok"} and set(again.table.blocks) == {1}

@@ -1,8 +1,10 @@
 """Bad input: one clear line naming the valid choices, before any time is spent."""
 
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,6 +42,25 @@ QUIET = {"progress": False, "out": False}
         ),
         ({"batch_size": -32}, r"ablate: batch_size must be >= 1; got -32"),
         ({"lr": 0}, r"ablate: lr must be > 0.0; got 0"),
+        ({"lr": float("nan")}, r"ablate: lr must be a finite number > 0.0; got nan"),
+        ({"lr": float("inf")}, r"ablate: lr must be a finite number > 0.0; got inf"),
+        ({"seed": 2**40}, r"ablate: seed must be <= 4294967295; got 1099511627776"),
+        ({"seed": -1}, r"ablate: seed must be >= 0; got -1"),
+        ({"batch_size": 5000}, r"data 'digits' has 1797 samples, fewer than batch_size=5000"),
+        (
+            {
+                "model": lambda: torch.nn.Linear(2, 2),
+                "data": torch.utils.data.TensorDataset(torch.zeros(0, 2)),
+            },
+            r"data 'TensorDataset' is empty: it holds no samples",
+        ),
+        ({"model": lambda: torch.nn.Linear(2, 2), "data": []}, r"data holds no batches: the list is empty"),
+        (
+            {"on_event": "print"},
+            r"ablate: on_event must be a function that takes one event dict; got 'print'",
+        ),
+        ({"stop": True}, r"ablate: stop must be a threading.Event \(or anything with is_set\(\)\); got True"),
+        ({"out": 3}, r"ablate: out must be a folder path"),
         (
             {"techniques": {"amp": {"dtype": "fp8"}}},
             r"amp: dtype must be one of 'bfloat16' \| 'float16'; got 'fp8'",
@@ -77,8 +98,35 @@ QUIET = {"progress": False, "out": False}
 )
 def test_bad_input_gives_one_clear_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as caught:
-        wb.ablate(**{"model": "mlp", "techniques": {}, **kwargs}, **QUIET)
+        wb.ablate(**{"model": "mlp", "techniques": {}, **QUIET, **kwargs})
     assert "\n" not in str(caught.value)
+
+
+def test_counts_from_a_numpy_sweep_are_accepted_as_ints():
+    config = RunConfig(
+        steps=np.int64(4), warmup=np.int32(1), blocks=np.int64(1), batch_size=np.int16(8), seed=np.uint32(7)
+    )
+    assert all(
+        type(v) is int for v in (config.steps, config.warmup, config.blocks, config.batch_size, config.seed)
+    )
+    res = wb.ablate(model="mlp", techniques={}, steps=np.int64(4), warmup=np.int64(1), blocks=np.int64(1),
+                    control=False, **QUIET)  # fmt: skip
+    assert list(res.table.status) == ["ok"]
+
+
+def test_out_that_cannot_be_written_is_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="cannot be written"):
+        wb.ablate(model="mlp", techniques={}, progress=False, out="/proc/no-such-folder/results")
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+        with pytest.raises(ValueError, match="cannot be written: Permission denied"):
+            wb.ablate(model="mlp", techniques={}, progress=False, out=locked / "results")
+    finally:
+        locked.chmod(0o700)
 
 
 def test_a_model_factory_that_returns_no_module():

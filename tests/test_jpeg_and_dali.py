@@ -1,6 +1,5 @@
 """JPEG folders, the DataLoader baseline, the dali technique, loader-only arms and sweeps."""
 
-import importlib.util
 import math
 import shutil
 import warnings
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from workbench.datasets import jpeg
 
 import workbench as wb
+from workbench import optional
 from workbench.data import resolve_data
 from workbench.jpeg_folder import (
     CROP_ASPECT,
@@ -24,7 +24,7 @@ from workbench.jpeg_folder import (
 )
 from workbench.techniques import Context, get_technique
 
-HAS_DALI = importlib.util.find_spec("nvidia.dali") is not None
+HAS_DALI = optional.missing("nvidia.dali") is None
 needs_dali = pytest.mark.skipif(not HAS_DALI, reason="DALI is not installed (pip install 'workbench[dali]')")
 CPU = torch.device("cpu")
 CROP = 24
@@ -322,9 +322,7 @@ def test_dali_and_dataloader_cannot_share_an_arm(folder):
 
 
 def test_dali_without_dali_installed_names_the_extra(monkeypatch):
-    import workbench.techniques.base as base
-
-    monkeypatch.setattr(base.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(optional.importlib.util, "find_spec", lambda name: None)
     reason = get_technique("dali").unavailable_reason(Context(device=CPU), get_technique("dali").Config())
     assert "pip install 'workbench[dali]'" in reason
 

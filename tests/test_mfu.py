@@ -159,7 +159,7 @@ def test_environment_gpu_line():
         "capability": "9.0",
         "gpu_memory_gib": 79.1,
     }
-    line = format_environment(env).splitlines()[-1]
+    line = next(line for line in format_environment(env).splitlines() if line.startswith("gpu "))
     assert line == (
         "gpu       NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.1 GiB; "
         "dense peak TFLOP/s: bfloat16 989.4, float16 989.4, tf32 494.7, float32 67)"

@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -210,6 +212,12 @@ def test_plot_has_speedup_breakdown_and_memory(small_results, tmp_path):
     assert titles == ["Throughput", "Step breakdown", "Memory"]
     figure.savefig(tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+    speed, phases, _ = figure.axes
+    assert speed.get_xscale() == "log"  # 0.5x and 2x equally far from 1x
+    assert [t.get_text() for t in speed.get_legend().get_texts()] == ["noise band (control's interval)"]
+    # The legend names only the phases that occurred: no "replay" without cuda_graphs.
+    shown = [t.get_text() for t in phases.get_legend().get_texts()]
+    assert "replay" not in shown and {"forward", "backward", "optimizer"} <= set(shown)
 
 
 def test_loss_drift_is_called_out():
@@ -285,3 +293,61 @@ def test_summary_and_repr_mention_what_did_not_run(small_results):
     text = repr(small_results)
     assert "tf32: unavailable: needs a CUDA device" in text
     assert "<table" in small_results._repr_html_()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"schema": "%s"}', "damaged workbench results file: it has no 'table'"),
+        (
+            '{"schema": "%s", "table": {}, "units": [], "config": {}, "environment": {}}',
+            "its 'table' is a JSON dict",
+        ),
+        (
+            '{"schema": "%s", "table": [3], "units": [], "config": {}, "environment": {}}',
+            "row 0 of its table",
+        ),
+        ("[1, 2, 3]", "it holds a JSON list, not an object"),
+        ('{"schema": "%s", "table": [', "is not valid JSON"),
+        ("", "is not valid JSON"),
+    ],
+)
+def test_show_on_a_malformed_file_says_what_is_wrong_in_one_line(tmp_path, content, message):
+    from workbench.results import SCHEMA
+
+    file = tmp_path / "results.json"
+    file.write_text(content.replace("%s", SCHEMA))
+    with pytest.raises(ValueError, match=message) as caught:
+        load_results(tmp_path)
+    assert str(file) in str(caught.value) and "\n" not in str(caught.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench", "show", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr and str(file) in done.stderr
+
+
+def test_step_ms_and_samples_per_s_are_one_figure(small_results):
+    """With an even number of blocks, two separate medians could disagree; one is derived."""
+    ok = small_results.table[small_results.table.status == "ok"]
+    assert np.allclose(ok.step_ms * ok.samples_per_s / 1e3, 32.0)  # batch 32 per step
+
+
+def test_a_failed_control_and_a_busy_machine_are_said_first(small_results):
+    record = json.loads(json.dumps(small_results.record))
+    control = next(row for row in record["table"] if row["arm"] == "baseline (control)")
+    control.update(speedup=1.2, speedup_low=1.1, speedup_high=1.3)
+    record["load"] = {
+        "warning": "other processes used 0.80 of this machine's 2 cores (median) while the arms ran"
+    }
+    busy = wb.Results(record, None)
+    warnings = busy.warnings()
+    assert warnings[0].startswith(
+        "the control arm (the baseline measured again) came out at 1.20 [1.10, 1.30]"
+    )
+    assert "more blocks" in warnings[0] and warnings[1].startswith("other processes used 0.80")
+    assert busy.summary().startswith("WARNING: the control arm")
+    title = busy.plot()._suptitle.get_text()
+    assert "WARNING: the control arm" in title and "other processes used 0.80" in title

@@ -83,3 +83,35 @@ def test_sampler_collects_samples_in_the_background():
     assert len(samples) >= 4
     assert {"time", "cpu_percent", "memory_used_mib"} <= set(samples[0])
     assert all(0 <= s["cpu_percent"] <= 100 for s in samples)
+
+
+def test_competing_load_counts_processes_outside_the_run_only(tmp_path):
+    """A busy process that is not ours shows up in others_cpu_cores; a busy child of ours does not."""
+    import subprocess
+    import sys
+
+    from workbench.telemetry import CompetingLoad, competing_load, usable_cores
+
+    def others_over(seconds: float) -> float:
+        load = CompetingLoad()
+        time.sleep(seconds)
+        return load.read()["others_cpu_cores"]
+
+    background = others_over(2.0)  # CI may share the machine: measure what is there already
+    if background > usable_cores() - 1.2:
+        pytest.skip(f"the machine is too busy to see one more core ({background:.1f} cores in use by others)")
+    spin = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass\n"
+    (tmp_path / "spin.py").write_text(spin.format(s=3))
+    # The shell exits at once, so the spinner is re-parented: outside this process's tree.
+    subprocess.run(["sh", "-c", f"{sys.executable} {tmp_path / 'spin.py'} >/dev/null 2>&1 &"], check=True)
+    outside = others_over(2.5)
+    time.sleep(1.0)  # the outside spinner ends
+    child = subprocess.Popen([sys.executable, str(tmp_path / "spin.py")])
+    ours = others_over(2.5)
+    child.wait()
+    assert outside - background >= 0.5, (background, outside)  # about one more core
+    assert ours - background < 0.5, (background, ours)  # the child's core is the run's, not competition
+
+    summary = competing_load([{"others_cpu_cores": 0.9, "load_avg_1m": 2.0}] * 5, cores=2)
+    assert "other processes used 0.90 of this machine's 2 cores" in summary["warning"]
+    assert competing_load([{"others_cpu_cores": 0.05, "load_avg_1m": 1.0}] * 5, cores=2)["warning"] == ""

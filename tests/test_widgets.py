@@ -1,7 +1,6 @@
 """The notebook panel, driven from Python the way a click would drive it."""
 
 import html
-import importlib.util
 import sys
 import time
 import types
@@ -11,6 +10,7 @@ import ipywidgets as w
 import pytest
 
 import workbench as wb
+from workbench import optional
 from workbench.plots import plot_live
 from workbench.techniques import Technique, all_techniques, register_technique, unregister_technique
 from workbench.telemetry import Sampler, _NvmlReader
@@ -42,7 +42,7 @@ def test_availability_follows_the_chosen_model():
     assert "no Conv2d layers" in panel.rows["channels_last"].note.value
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="DALI is not installed")
+@pytest.mark.skipif(optional.missing("nvidia.dali") is not None, reason="DALI is not installed")
 def test_availability_follows_the_chosen_data():
     panel = wb.panel(model="resnet-mini")  # its own data, textures, is not JPEG files
     assert panel.rows["dali"].toggle.disabled
@@ -262,3 +262,14 @@ def test_out_false_keeps_nothing_on_disk(tmp_path, monkeypatch):
     assert results is not None and results.path is None
     assert list(tmp_path.iterdir()) == [], "out=False must not create a results folder"
     assert panel.live_image.layout.display is None and panel.final_image.layout.display is None
+
+
+def test_the_panel_says_when_the_figures_are_not_to_be_trusted(monkeypatch, tmp_path):
+    from workbench import telemetry
+
+    monkeypatch.setattr(telemetry, "LOAD_WARN_CORES", -1.0)  # any load at all counts as competition
+    panel = wb.panel(model="mlp", techniques={}, steps=20, warmup=2, blocks=1, out=tmp_path / "busy")
+    assert panel.run() is True
+    results = panel.wait(timeout=300)
+    assert results is not None and results.load["warning"]
+    assert "Warning:</b> other processes used" in panel.status.value

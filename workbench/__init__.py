@@ -61,6 +61,12 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name in _EXPORTS:
+        if name == "panel":  # the one export that needs an optional package
+            from workbench import optional
+
+            reason = optional.missing("ipywidgets", "pip install 'workbench[notebook]'")
+            if reason:
+                raise ImportError(f"workbench.panel needs ipywidgets: {reason}")
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value

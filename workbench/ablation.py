@@ -36,8 +36,10 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
 import re
-import shutil
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -52,15 +54,16 @@ import torch
 
 from workbench.block import ArmSpec
 from workbench.config import RunConfig
-from workbench.data import DataSource, resolve_data
+from workbench.data import DataSource, check_sample_count, resolve_data
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun
 from workbench.environment import environment
 from workbench.models import inspect_model, model_label
-from workbench.process import Interrupted, run_in_fresh_process
+from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
 from workbench.results import SCHEMA, Results, summarize, write_json_atomic
+from workbench.results_folder import ResultsFolder
 from workbench.techniques import Context, Technique, conflict_reason, parse_techniques
-from workbench.telemetry import Sampler
+from workbench.telemetry import Sampler, competing_load, usable_cores
 from workbench.worker import WINDOW_TARGET_S, BlockSpec
 
 DDP_OWN_PROCESS = "a data-parallel arm is a process group of its own (one process per rank)"
@@ -245,6 +248,7 @@ def prepare(
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
     instance, label = inspect_model(model)
     source = resolve_data(data, model, run.seed)
+    check_sample_count(source, run.batch_size, run.world_size)
     ctx = Context(
         device=device,
         model=instance,
@@ -370,30 +374,50 @@ class _Progress:
             self.bar.close()
 
 
-def _open_out(out: Any, prepared: Prepared, overwrite: bool) -> tuple[Path, list[dict]]:
-    """The output folder, and the processes a previous run of this same ablation finished there."""
-    folder = Path(out)
-    fingerprint = _fingerprint(prepared)
-    plan_file = folder / "plan.json"
-    if plan_file.exists() and overwrite:
-        shutil.rmtree(folder)
-    if not plan_file.exists() and folder.is_dir() and any(folder.iterdir()):
-        raise ValueError(
-            f"out={str(folder)!r} already holds files that are not workbench results; choose a new or empty folder"
-        )
-    if plan_file.exists():
-        previous = json.loads(plan_file.read_text())
-        if previous.get("digest") != fingerprint["digest"]:
-            old, new = previous.get("settings", {}), fingerprint["settings"]
-            differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+def _open_out(
+    out: Any, prepared: Prepared, overwrite: bool, retry_failed: bool = False
+) -> tuple[ResultsFolder, list[dict]]:
+    """The output folder, locked for this run, and the processes a previous run of this same
+    ablation finished there. The caller unlocks it when the run ends."""
+    folder = ResultsFolder(out)
+    if folder.path.exists() and not folder.path.is_dir():
+        raise ValueError(f"out={str(folder.path)!r} is a file; out names a folder for the results")
+    taken_over = folder.lock()
+    try:
+        if taken_over:
+            print(f"workbench: {taken_over}", file=sys.stderr, flush=True)
+        fingerprint = _fingerprint(prepared)
+        plan_file = folder.path / "plan.json"
+        if overwrite:
+            folder.clear()  # only what workbench wrote; refuses if the user's files are there
+        if not plan_file.exists() and folder.foreign_files():
             raise ValueError(
-                f"out={str(folder)!r} holds a different ablation (differs in: {', '.join(differing)}); "
-                "choose another out, or pass overwrite=True to discard it"
+                f"out={str(folder.path)!r} already holds files that are not workbench results "
+                f"({', '.join(folder.foreign_files()[:5])}); choose a new or empty folder"
             )
-        jobs = [json.loads(p.read_text()) for p in sorted((folder / "units").glob("*.json"))]
-        return folder, sorted(jobs, key=lambda job: job.get("finished_at", 0))
-    write_json_atomic(plan_file, fingerprint)
-    return folder, []
+        if plan_file.exists():
+            previous = json.loads(plan_file.read_text())
+            if previous.get("digest") != fingerprint["digest"]:
+                old, new = previous.get("settings", {}), fingerprint["settings"]
+                differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                raise ValueError(
+                    f"out={str(folder.path)!r} holds a different ablation (differs in: {', '.join(differing)}); "
+                    "choose another out, or pass overwrite=True to discard it"
+                )
+            jobs = [json.loads(p.read_text()) for p in sorted((folder.path / "units").glob("*.json"))]
+            if retry_failed:
+                # A process in which an arm failed runs again whole: the arms of a block are only
+                # comparable when measured side by side, in the same process.
+                jobs = [job for job in jobs if not any(u["status"] in RETRIED for u in job["units"])]
+            return folder, sorted(jobs, key=lambda job: job.get("finished_at", 0))
+        write_json_atomic(folder.file("plan.json"), fingerprint)
+        return folder, []
+    except BaseException:
+        folder.unlock()
+        raise
+
+
+RETRIED = ("failed", "oom", "skipped")  # what retry_failed=True runs again when resuming
 
 
 def _blocks_from(blocks: int, repeats: int | None) -> int:
@@ -431,8 +455,9 @@ def ablate(
     isolate: bool = False,
     optimizer: str = "adamw",
     lr: float = 1e-3,
-    timeout_s: float = 1800.0,
+    timeout_s: float | None = None,
     overwrite: bool = False,
+    retry_failed: bool = False,
     on_event: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
     repeats: int | None = None,
@@ -471,7 +496,12 @@ def ablate(
                 blocks: each ratio then carries two processes' luck (10-15% here). To compare,
                 or when in doubt about an arm sharing a process
     timeout_s   limit for one arm in one block; past it the arm is recorded as failed, and its
-                block runs again without it
+                block runs again without it. None (default): 15 minutes to build and warm up,
+                then 10x what the warm-up steps predict for the timed steps (at least 2 minutes)
+    overwrite   remove the files an earlier run wrote in ``out`` (only those: with any other
+                file there, it refuses and lists them) and start afresh
+    retry_failed  when resuming, run again the blocks in which an arm failed, ran out of
+                memory or was skipped, instead of keeping those records
     on_event    called with a dict per event, for live UIs: ``plan``; per process ``start``
                 (its block and arms); per arm ``phase`` (startup, warmup, measure with its
                 round), ``progress`` (throttled: step, loss, samples/s), ``arm_error``; ``unit``
@@ -484,6 +514,14 @@ def ablate(
     this; each arm then spans all of torchrun's ranks (``world_size`` is theirs), and rank 0
     alone keeps the results and shows progress.
     """
+    if on_event is not None and not callable(on_event):
+        raise ValueError(f"ablate: on_event must be a function that takes one event dict; got {on_event!r}")
+    if stop is not None and not callable(getattr(stop, "is_set", None)):
+        raise ValueError(f"ablate: stop must be a threading.Event (or anything with is_set()); got {stop!r}")
+    if not (out is None or isinstance(out, (bool, str, os.PathLike))):
+        raise ValueError(
+            f"ablate: out must be a folder path, None (a new folder) or False (keep nothing); got {out!r}"
+        )
     launcher = Torchrun.detect()
     if launcher is not None:
         if world_size not in (1, launcher.rank.world_size):
@@ -518,10 +556,11 @@ def ablate(
         out = temporary.name
     elif out is None or out is True:
         out = _default_out(prepared.config["model"])
+    folder = None
     try:
-        folder, finished = _open_out(out, prepared, overwrite)
+        folder, finished = _open_out(out, prepared, overwrite, retry_failed)
         if launcher is not None:
-            launcher.start(timeout_s)
+            launcher.start(timeout_s or STARTUP_LIMIT_S)
             if launcher.resuming(len(finished)):
                 raise ValueError("ablate: resuming under torchrun is not supported; pass a new out folder")
         runner = _Runner(
@@ -535,6 +574,8 @@ def ablate(
         )
         results = runner.run(progress)
     finally:
+        if folder is not None:
+            folder.unlock()
         if temporary is not None:
             temporary.cleanup()
         if launcher is not None:
@@ -628,7 +669,7 @@ class _Runner:
     def __init__(
         self,
         prepared: Prepared,
-        folder: Path,
+        folder: ResultsFolder,
         finished: list[dict],
         on_event: Callable[[dict], None],
         stop: threading.Event | None,
@@ -636,9 +677,11 @@ class _Runner:
         launcher: Torchrun | None = None,
     ):
         self.prepared, self.run_config = prepared, prepared.run
-        self.folder, self.kept = folder, kept  # kept: False when out=False (a temporary folder)
+        self.files, self.folder = folder, folder.path  # every file written is entered in its manifest
+        self.kept = kept  # False when out=False (a temporary folder)
         self.on_event, self.stop, self.launcher = on_event, stop, launcher
         self.units: list[dict] = []
+        self.stopped = False
         self.block_records: list[dict] = []
         self.done: set[tuple[int, str]] = set()
         self.failed: dict[str, str] = {}  # arm -> why: its later blocks are skipped, not rerun
@@ -681,10 +724,15 @@ class _Runner:
             blocks=self.block_records,
             complete=complete,
             telemetry=self.sampler.samples,
+            load=competing_load(self.sampler.samples, usable_cores()),
             table=summarize(arms, self.units, self.run_config.blocks, complete, self.sampler.samples),
         )
-        write_json_atomic(self.folder / "results.json", self.record)
-        return Results(self.record, self.folder)
+        results = Results(self.record, self.folder)
+        if complete or self.stopped:  # the last save: the tables and the plot beside the record
+            results.save(self.files)
+        else:
+            write_json_atomic(self.files.file("results.json"), self.record)
+        return results
 
     def _planned(self) -> int:
         """Processes this ablation runs in all, as planned now (an arm moved to its own adds some)."""
@@ -695,7 +743,6 @@ class _Runner:
     def run(self, progress: bool) -> Results:
         run = self.run_config
         planned = max(self._planned(), len(self.done))
-        bar = _Progress(progress, total=planned, already=len(self.done))
         plan_event = {
             "type": "plan",
             "arms": [arm.record() for arm in self.prepared.arms],
@@ -707,8 +754,9 @@ class _Runner:
             "out": str(self.folder) if self.kept else None,
         }
         self.on_event(plan_event)
-        if progress:
+        if progress:  # before the bar exists, so that the two never share a line
             print(describe_plan(plan_event), flush=True)
+        bar = _Progress(progress, total=planned, already=len(self.done))
         self.sampler.start()
         try:
             with tempfile.TemporaryDirectory(prefix="workbench-inductor-") as compile_cache:
@@ -730,6 +778,7 @@ class _Runner:
         except (Interrupted, KeyboardInterrupt):
             self.sampler.stop()
             bar.close()
+            self.stopped = True
             results = self.save(complete=False)
             where = (
                 f"are saved in {self.folder}. Run the same ablation with the same out to resume."
@@ -803,7 +852,8 @@ class _Runner:
                 break
             if answer.get("shared_state"):
                 moved[culprit.name] = f"it changed process-wide state ({'; '.join(answer['shared_state'])})"
-            elif answer["status"] == "oom":
+            elif answer["status"] == "oom" or answer.get("signal") == signal.SIGKILL:
+                # Killed beside other arms: alone, it shows whether it was the arms together.
                 moved[culprit.name] = (
                     f"its block's process ended while it ran ({answer['reason']}): it may not fit in memory "
                     "beside the other arms"
@@ -824,7 +874,7 @@ class _Runner:
             "process": block_record,
             "finished_at": time.time(),
         }
-        write_json_atomic(self.folder / job.file, record)
+        write_json_atomic(self.files.file(job.file), record)
         self._keep(record)
         self.save(complete=False)
         bar.advance()
@@ -869,7 +919,10 @@ class _Runner:
 
     def _log_path(self, job: Job, attempt: int) -> Path:
         suffix = f"-attempt{attempt}" if attempt > 1 else ""
-        return self.folder / "logs" / f"b{job.block}-{job.key}{suffix}.log"
+        path = self.folder / "logs" / f"b{job.block}-{job.key}{suffix}.log"
+        for rank in range(self.run_config.world_size):  # each rank of a DDP arm logs beside rank 0
+            self.files.file(rank_log(path, rank).relative_to(self.folder))
+        return path
 
     def _launch(
         self, job: Job, arms: list[Arm], attempt: int, compile_cache: Path, bar: _Progress
@@ -891,7 +944,7 @@ class _Runner:
             optimizer=run.optimizer,
             lr=run.lr,
             link=run.link,
-            comm_timeout_s=min(120.0, run.timeout_s),
+            comm_timeout_s=min(120.0, run.timeout_s or 120.0),
         )
         arm_errors: dict[str, dict] = {}
         where = f"block {job.block + 1}/{run.blocks}" + ("" if job.shared else f", {arms[0].name} alone")

@@ -240,7 +240,7 @@ class BlockArm:
         (and on a GPU, its L2) with their own weights and activations, and a real training job,
         which runs one model step after step, does not pay for bringing them back.
         """
-        before, samples_before = len(self.clock.step_s), self.trainer.samples_seen
+        before = len(self.clock.step_s)
         if self._workers is None:  # an arm's DataLoader workers exist from its first batch on
             self._workers = worker_processes() if self.setup.loader_options.get("num_workers") else []
         with self.active():
@@ -248,6 +248,7 @@ class BlockArm:
             for _ in range(rewarm):
                 self.losses.append(self.trainer.step(untimed))
                 self.timed.append(False)
+            samples_before = self.trainer.samples_seen  # after the re-warm: its samples are not timed
             self.memory.window_start()
             cpu_before = process_cpu_seconds(self._workers)
             started = time.time()

@@ -151,6 +151,11 @@ def _parser() -> argparse.ArgumentParser:
     ablate.add_argument("--timeout-s", type=float)
     ablate.add_argument("--out", help="results folder (default: a new one under ./workbench-results)")
     ablate.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
+    ablate.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="when resuming, run again the blocks in which an arm failed, ran out of memory or was skipped",
+    )
     ablate.add_argument("--no-control", action="store_true", help="skip the A/A rerun of the baseline")
     ablate.add_argument(
         "--isolate", action="store_true", help="every arm in a process of its own (no arms side by side)"
@@ -260,17 +265,34 @@ def _run_ablate(args: argparse.Namespace) -> int:
             print(describe_plan(event), flush=True)
 
     results = wb.ablate(
-        **settings, out=args.out, progress=not args.no_progress, overwrite=args.overwrite, on_event=print_plan
+        **settings,
+        out=args.out,
+        progress=not args.no_progress,
+        overwrite=args.overwrite,
+        retry_failed=args.retry_failed,
+        on_event=print_plan,
     )
     if results.path is None:  # under torchrun, ranks other than 0 keep nothing: rank 0 reports
         return 0
-    results.save(results.path)
-    figure = results.plot()
-    figure.savefig(results.path / "plot.png", dpi=110)
     print()
     print(results.summary())
     print(f"\nSaved results.json, table.csv, losses.csv, telemetry.csv and plot.png in {results.path}")
-    return 0
+    return exit_code(results.table)
+
+
+EXIT_CODES = {0: "every arm ran", 1: "some arms failed (their rows say why)", 2: "bad input: nothing ran"}
+
+
+def exit_code(table) -> int:
+    """0 when every runnable arm ran, 1 when any failed, ran out of memory or was skipped for it."""
+    failed = table[table.status.isin(["failed", "oom", "skipped"])]
+    if failed.empty:
+        return 0
+    print(
+        f"\nworkbench: {len(failed)} of {len(table)} arms did not run: {', '.join(failed.arm)}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "list":
             import workbench as wb
+            from workbench import optional
+            from workbench.environment import format_optional_packages
 
             if args.models:
                 print(wb.list_models().to_string(index=False))
@@ -287,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 table = wb.list_techniques(device=args.device, model=args.model)
                 print(table[["name", "available", "reason", "summary"]].to_string(index=False))
+                print()
+                print(format_optional_packages(optional.report()))
             return 0
         if args.command == "env":
             from workbench.environment import environment, format_environment

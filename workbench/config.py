@@ -8,6 +8,7 @@ messages look alike: ``<owner>: <field> must be <rule>; got <value>``. Unknown n
 from __future__ import annotations
 
 import difflib
+import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,18 +28,24 @@ def unknown_name_error(kind: str, name: object, valid: Iterable[str]) -> ValueEr
     return ValueError(message)
 
 
-def check_int(owner: str, field: str, value: object, minimum: int, why: str = "") -> int:
+def check_int(
+    owner: str, field: str, value: object, minimum: int, why: str = "", maximum: int | None = None
+) -> int:
+    """A Python int (NumPy integers from a sweep are accepted and converted), in range."""
     # bool is an int subclass in Python; `steps=True` is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{owner}: {field} must be an integer >= {minimum}; got {value!r}")
     if value < minimum:
         raise ValueError(f"{owner}: {field} must be >= {minimum}; got {value!r}{why}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{owner}: {field} must be <= {maximum}; got {value!r}{why}")
     return int(value)
 
 
 def check_number(owner: str, field: str, value: object, *, above: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
-        raise ValueError(f"{owner}: {field} must be a number > {above}; got {value!r}")
+    """A finite Python float above ``above`` (NaN and infinity are mistakes, not settings)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{owner}: {field} must be a finite number > {above}; got {value!r}")
     if not value > above:
         raise ValueError(f"{owner}: {field} must be > {above}; got {value!r}")
     return float(value)
@@ -88,40 +95,50 @@ class RunConfig:
     world_size: int = 1  # ranks per arm: > 1 runs every arm as a DDP job (gloo on CPU, NCCL on CUDA)
     isolate: bool = False  # every arm in a process of its own, in every block (no arms side by side)
     link: object = None  # a workbench.distributed.Link: a simulated network between the ranks
-    timeout_s: float = 1800.0  # one arm in one block; past it the arm is recorded as failed
+    # One arm in one block; past it the arm is recorded as failed. None: from the arm's warm-up
+    # (workbench.process.ArmTimer).
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
-        check_int("ablate", "steps", self.steps, 1)
-        check_int(
-            "ablate",
+        def set_(field: str, value: object) -> None:  # frozen: store the checked, converted value
+            object.__setattr__(self, field, value)
+
+        set_("steps", check_int("ablate", "steps", self.steps, 1))
+        set_(
             "warmup",
-            self.warmup,
-            1,
-            why=" (the first steps pay one-off costs: allocation, compilation, autotuning)",
+            check_int(
+                "ablate",
+                "warmup",
+                self.warmup,
+                1,
+                why=" (the first steps pay one-off costs: allocation, compilation, autotuning)",
+            ),
         )
-        check_int("ablate", "blocks", self.blocks, 1)
+        set_("blocks", check_int("ablate", "blocks", self.blocks, 1))
         if self.rounds is not None:
-            check_int("ablate", "rounds", self.rounds, 1)
+            set_("rounds", check_int("ablate", "rounds", self.rounds, 1))
         if self.rounds is not None and self.rounds > self.steps:
             raise ValueError(
                 f"ablate: rounds={self.rounds} exceeds steps={self.steps}; each round's window needs at least one step"
             )
-        check_int("ablate", "batch_size", self.batch_size, 1)
-        check_int("ablate", "seed", self.seed, 0)
+        set_("batch_size", check_int("ablate", "batch_size", self.batch_size, 1))
+        # Seeds Python's, NumPy's and torch's generators; NumPy's takes 32 bits.
+        set_("seed", check_int("ablate", "seed", self.seed, 0, maximum=2**32 - 1))
         check_device(self.device)
         if self.mode not in MODES:
             raise unknown_name_error("mode", self.mode, MODES)
         if self.optimizer not in OPTIMIZERS:
             raise unknown_name_error("optimizer", self.optimizer, OPTIMIZERS)
-        check_number("ablate", "lr", self.lr, above=0.0)
+        set_("lr", check_number("ablate", "lr", self.lr, above=0.0))
         check_bool("ablate", "control", self.control)
         check_bool("ablate", "isolate", self.isolate)
         if not (self.loader_arms is None or isinstance(self.loader_arms, bool) or self.loader_arms == "only"):
             raise ValueError(
                 f"ablate: loader_arms must be None (automatic), True, False or 'only'; got {self.loader_arms!r}"
             )
-        check_number("ablate", "timeout_s", self.timeout_s, above=0.0)
-        check_int("ablate", "world_size", self.world_size, 1)
+        if self.timeout_s is not None:
+            set_("timeout_s", check_number("ablate", "timeout_s", self.timeout_s, above=0.0))
+        set_("world_size", check_int("ablate", "world_size", self.world_size, 1))
         from workbench.distributed import as_link
 
         object.__setattr__(self, "link", as_link(self.link))

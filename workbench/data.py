@@ -286,6 +286,33 @@ def resolve_data(data: object, model: object, seed: int) -> DataSource:
     )
 
 
+def check_sample_count(source: DataSource, batch_size: int, world_size: int = 1) -> None:
+    """Refuse, before any arm starts, data that cannot fill one batch per rank."""
+    user = source.user
+    if source.images is not None:
+        count: int | None = len(source.images.files)
+    elif source.builtin == "synthetic":
+        count = SYNTHETIC_SAMPLES
+    elif source.builtin is not None:
+        count = len(source.open_dataset(0))  # a small array file, cached on disk
+    elif isinstance(user, Dataset) and hasattr(user, "__len__"):
+        count = len(user)
+    elif isinstance(user, (list, tuple)):  # ready-made batches
+        if not user:
+            raise ValueError("data holds no batches: the list is empty")
+        return
+    else:
+        return  # an iterator or a factory: its length shows only when an arm reads it
+    if count == 0:
+        raise ValueError(f"data {source.label!r} is empty: it holds no samples")
+    if count < batch_size * world_size:
+        raise ValueError(
+            f"data {source.label!r} has {count} samples, fewer than batch_size={batch_size}"
+            + (f" x {world_size} ranks" if world_size > 1 else "")
+            + "; pass a smaller batch_size or more data"
+        )
+
+
 def endless_batches(
     source: DataSource,
     batch_size: int,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from workbench import optional
 from workbench.telemetry import usable_cores
 
 
@@ -106,6 +107,7 @@ def environment() -> dict:
             "nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110", "nvidia-dali"
         ),
         **_gpu_info(),
+        "optional_packages": optional.report(),
     }
 
 
@@ -151,4 +153,14 @@ def format_environment(env: dict) -> str:
         lines.append(gpu_line(env))
     else:
         lines.append("cuda      no CUDA device visible (GPU-only techniques are reported as unavailable)")
+    lines.append(format_optional_packages(env.get("optional_packages") or optional.report()))
+    return "\n".join(lines)
+
+
+def format_optional_packages(report: list[dict]) -> str:
+    """One line per optional package: installed, or why not and how to install it."""
+    lines = ["optional packages:"]
+    for entry in report:
+        state = "installed" if entry["unavailable"] is None else f"unavailable. {entry['unavailable']}"
+        lines.append(f"  {entry['package']:<13} for {entry['for']}: {state}")
     return "\n".join(lines)

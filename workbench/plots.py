@@ -29,6 +29,7 @@ PHASE_COLORS = {
     "optimizer": "#55a868",
     "replay": "#8172b3",  # cuda_graphs: forward, backward and optimizer as one graph replay
 }
+MEMORY_COLOR = "#937860"  # brown: no phase of the breakdown shares it
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
 
 
@@ -39,9 +40,26 @@ def plot_results(results) -> ResultsFigure:
     figure = ResultsFigure(figsize=(13, 1.2 + 0.42 * len(table)), layout="constrained")
     speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
 
-    # Speedup: point and 95% interval per arm; rows that did not run say why.
+    # Speedup: point and 95% interval per arm, on a log axis (0.5x and 2x are equally far from
+    # 1x); rows that did not run say why. The control arm's interval, the A/A noise of this
+    # run, is shaded across all rows: a speedup inside the band is not told apart from noise.
     measured = table.speedup.notna()
     colors = [STATUS_COLORS.get(s, "#c44e52") for s in table.status]
+    control = table[(table.arm == "baseline (control)") & measured]
+    if (
+        not control.empty
+        and np.isfinite(control.speedup_low.iloc[0])
+        and np.isfinite(control.speedup_high.iloc[0])
+    ):
+        speed_ax.axvspan(
+            control.speedup_low.iloc[0],
+            control.speedup_high.iloc[0],
+            color="#d9d9d9",
+            alpha=0.6,
+            zorder=0,
+            label="noise band (control's interval)",
+        )
+        speed_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8, frameon=False)
     speed_ax.barh(
         y[measured],
         table.speedup[measured] - 1,
@@ -67,24 +85,29 @@ def plot_results(results) -> ResultsFigure:
         speed_ax.text(
             1.0, index, f"  {table.status[index]}", va="center", ha="left", color="#c44e52", fontsize=9
         )
-    speed_ax.set_xlabel("speedup vs baseline (95% interval)")
+    speed_ax.set_xscale("log")
+    _readable_log_ticks(speed_ax, table.speedup_low[measured], table.speedup_high[measured])
+    speed_ax.set_xlabel("speedup vs baseline (95% interval, log scale)")
     speed_ax.set_yticks(y, labels)
     speed_ax.set_title("Throughput")
 
     # Step breakdown: where the time of one optimizer step goes.
+    # Only the phases that occurred get a bar and a legend entry ("replay" only with cuda_graphs).
     left = np.zeros(len(table))
     for phase, color in PHASE_COLORS.items():
-        values = table[f"{phase}_ms"].fillna(0).to_numpy()
-        phase_ax.barh(y, values, left=left, color=color, label=phase, height=0.6)
-        left += values
+        values = table[f"{phase}_ms"].fillna(0).to_numpy() if f"{phase}_ms" in table else np.zeros(len(table))
+        if values.any():
+            phase_ax.barh(y, values, left=left, color=color, label=phase, height=0.6)
+            left += values
     other = np.clip(table.step_ms.fillna(0).to_numpy() - left, 0, None)
-    phase_ax.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
+    if (other > 0.005 * np.maximum(table.step_ms.fillna(0).to_numpy(), 1e-9)).any():  # more than rounding
+        phase_ax.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
     phase_ax.set_xlabel("ms per optimizer step")
     phase_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=5, fontsize=8, frameon=False)
     phase_ax.set_title("Step breakdown")
 
     memory = table.peak_mem_mb.to_numpy(dtype=float)
-    memory_ax.barh(y, np.nan_to_num(memory), color="#8172b3", height=0.6)
+    memory_ax.barh(y, np.nan_to_num(memory), color=MEMORY_COLOR, height=0.6)
     for index, value in enumerate(memory):
         if math.isfinite(value):
             memory_ax.text(value, index, f" {value:.0f}", va="center", fontsize=8)
@@ -95,12 +118,35 @@ def plot_results(results) -> ResultsFigure:
     env = results.environment
     where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")
     config = results.config
-    figure.suptitle(
+    title = (
         f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps per arm x "
-        f"{config.get('blocks', config.get('repeats'))} blocks, batch {config['batch_size']}, {device} ({where})",
-        fontsize=10,
+        f"{config.get('blocks', config.get('repeats'))} blocks, batch {config['batch_size']}, {device} ({where})"
     )
+    warnings = results.warnings() if hasattr(results, "warnings") else []
+    if warnings:  # said on the figure itself: a plot travels without its table
+        short = [
+            w.split(":")[0] if w.startswith("the control arm") else w.split(" while ")[0] for w in warnings
+        ]
+        title += "\nWARNING: " + "; ".join(short)
+    figure.suptitle(title, fontsize=10, color="#c44e52" if warnings else "black")
     return figure
+
+
+def _readable_log_ticks(axis, lows, highs) -> None:
+    """Plain speedup ticks (0.5, 0.8, 1, 1.25, 2...) on the log axis, not powers of ten."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    finite = [v for v in [*lows, *highs, 1.0] if np.isfinite(v) and v > 0]
+    low, high = min(finite), max(finite)
+    candidates = [0.1, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 5, 10, 20]
+    ticks = [t for t in candidates if low / 1.15 <= t <= high * 1.15] or [1.0]
+    if len(ticks) > 7:  # keep the coarse ones
+        ticks = [t for t in ticks if t in (0.1, 0.25, 0.5, 0.8, 1.0, 1.25, 2, 4, 10, 20)]
+    axis.xaxis.set_major_locator(FixedLocator(ticks))
+    axis.xaxis.set_major_formatter(lambda value, _: f"{value:g}")
+    axis.xaxis.set_minor_locator(NullLocator())
+    axis.xaxis.set_minor_formatter(NullFormatter())
+    axis.set_xlim(min(low, 1.0) / 1.08, max(high, 1.0) * 1.08)
 
 
 def _arm_colors(arms: list[str]) -> dict[str, tuple]:
@@ -141,8 +187,9 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     left = np.zeros(len(names))
     for phase, color in PHASE_COLORS.items():
         values = np.array([np.median([r["phase_ms"].get(phase, 0.0) for r in per_arm[arm]]) for arm in names])
-        phase_ax.barh(names, values, left=left, color=color, label=phase, height=0.6)
-        left += values
+        if values.any():  # only phases that occurred: "replay" appears with cuda_graphs alone
+            phase_ax.barh(names, values, left=left, color=color, label=phase, height=0.6)
+            left += values
     phase_ax.invert_yaxis()
     phase_ax.set_title("Step breakdown (finished blocks)")
     phase_ax.set_xlabel("ms per optimizer step")
@@ -195,7 +242,7 @@ def plot_live(snapshot: dict) -> ResultsFigure:
         gpu_ax.set_title("GPU utilization and memory (NVML)")
         gpu_detail_ax.set_title("GPU power and SM clock (NVML)")
     else:
-        gpu_ax.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color="#8172b3")
+        gpu_ax.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color=MEMORY_COLOR)
         gpu_ax.set_title("Memory used (whole machine)")
         gpu_ax.set_ylabel("GiB")
         gpu_detail_ax.axis("off")

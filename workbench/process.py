@@ -35,11 +35,24 @@ class Interrupted(Exception):
     """The run was stopped (Stop button or Ctrl-C) while a block was in flight."""
 
 
-class ArmTimer:
-    """Time spent on each arm of a block, from the worker's messages; which arm is in flight."""
+STARTUP_LIMIT_S = 900.0  # building and warming up one arm (the first step may compile for minutes)
+MEASURE_MARGIN = 10.0  # the timed windows may take this many times what the warm-up predicts
+MEASURE_FLOOR_S = 120.0  # ...and never less than this
 
-    def __init__(self, timeout_s: float):
+
+class ArmTimer:
+    """Time spent on each arm of a block, from the worker's messages; which arm is in flight.
+
+    With ``timeout_s`` given, each arm gets that long in all. Without, the limit is derived:
+    STARTUP_LIMIT_S for building and warming up, then, once the worker reports how long the
+    timed windows should take (from the measured warm-up steps), that time x MEASURE_MARGIN,
+    at least MEASURE_FLOOR_S, on top of what the arm has spent so far. A deadlocked arm is
+    then ended after minutes, not the half hour a fixed limit would need to allow compilers.
+    """
+
+    def __init__(self, timeout_s: float | None):
         self.timeout_s = timeout_s
+        self.limits: dict[str | None, float] = {}
         self.spent: dict[str, float] = {}
         self.current: str | None = None
         self.since = time.monotonic()
@@ -50,10 +63,37 @@ class ArmTimer:
             self.spent[self.current] = self.spent.get(self.current, 0.0) + now - self.since
         self.current, self.since = arm, now
 
+    def expect(self, expected_s: dict[str, float]) -> None:
+        """The worker's estimate of each arm's timed windows, in seconds, from its warm-up."""
+        if self.timeout_s is not None:
+            return
+        self.switch(self.current)  # bring the spent times up to now
+        for arm, seconds in expected_s.items():
+            self.limits[arm] = self.spent.get(arm, 0.0) + max(MEASURE_FLOOR_S, MEASURE_MARGIN * seconds)
+
+    def limit(self, arm: str | None) -> float:
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return self.limits.get(arm, STARTUP_LIMIT_S)
+
     def overdue(self) -> bool:
-        """The arm in flight (or, before the first arm, the process's start) passed timeout_s."""
+        """The arm in flight (or, before the first arm, the process's start) passed its limit."""
         spent = self.spent.get(self.current, 0.0) if self.current is not None else 0.0
-        return spent + time.monotonic() - self.since > self.timeout_s
+        return spent + time.monotonic() - self.since > self.limit(self.current)
+
+    def describe(self) -> str:
+        limit = self.limit(self.current)
+        if self.timeout_s is not None:
+            return f"timed out after {limit:.0f} s (timeout_s)"
+        if self.current in self.limits:
+            return (
+                f"timed out after {limit:.0f} s: {MEASURE_MARGIN:.0f}x what its warm-up steps predicted "
+                "for its timed steps (pass timeout_s to set the limit yourself)"
+            )
+        return (
+            f"timed out after {limit:.0f} s while starting or warming up "
+            "(pass timeout_s to set the limit yourself)"
+        )
 
 
 def _serialize(spec) -> bytes:
@@ -181,6 +221,7 @@ def _start_ranks(payload: bytes, log_path: Path, env: dict[str, str] | None, wor
 def _run_ranks(
     payload, log_path, timeout_s, env, on_message, should_stop, world_size, only_rank=None
 ) -> dict:
+    oom_kills_before = kernel_oom_kills()
     processes = _start_ranks(payload, log_path, env, world_size, only_rank)
     # Watch rank-by-rank only when this parent started them all; under torchrun it has one.
     world_size = len(processes)
@@ -218,7 +259,7 @@ def _run_ranks(
                 answer = {
                     "type": "error",
                     "status": "failed",
-                    "reason": f"timed out after {timeout_s:.0f} s (timeout_s); the arm's process was ended",
+                    "reason": f"{timer.describe()}; the arm's process was ended",
                     "arm": timer.current,
                 }
                 break
@@ -264,6 +305,8 @@ def _run_ranks(
             elif rank == 0:
                 if message.get("type") == "phase":
                     timer.switch(message.get("arm"))
+                    if message.get("expected_s"):
+                        timer.expect(message["expected_s"])
                 on_message(message)
     except KeyboardInterrupt:
         stopped = True
@@ -292,10 +335,44 @@ def _run_ranks(
     if answer is not None:
         return answer
     # The arm in flight when the block died is the likely cause; the worker names it when it knows.
-    return {"arm": timer.current, **_failure(processes, rank_errors)}
+    return {"arm": timer.current, **_failure(processes, rank_errors, oom_kills_before)}
 
 
-def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict]) -> dict:
+OOM_KILL_COUNTERS = ("/sys/fs/cgroup/memory.events", "/proc/vmstat")  # this cgroup's, then the machine's
+
+
+def kernel_oom_kills() -> dict[str, int]:
+    """The kernel's counts of processes its out-of-memory killer ended (``oom_kill`` lines), per
+    file that can be read here: the evidence that a SIGKILL was for memory. Empty when none can."""
+    counts = {}
+    for path in OOM_KILL_COUNTERS:
+        try:
+            with open(path) as file:
+                for line in file:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        counts[path] = int(value)
+        except (OSError, ValueError):
+            continue
+    return counts
+
+
+def _killed_by(code: int, oom_kills_before: dict[str, int]) -> tuple[str, str]:
+    """(status, how) for a rank that a signal ended: ``oom`` only with the kernel's word for it."""
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+    if code != -signal.SIGKILL:
+        return "failed", f"was killed by signal {-code} ({name})"
+    after = kernel_oom_kills()
+    rose = [path for path in after if after[path] > oom_kills_before.get(path, after[path])]
+    if rose:
+        return "oom", f"was killed by the kernel's out-of-memory killer (oom_kill count rose in {rose[0]})"
+    evidence = "did not change" if after else "cannot be read here"
+    return "failed", f"was killed by signal 9 (SIGKILL); the kernel's out-of-memory kill count {evidence}"
+
+
+def _failure(
+    processes: list[subprocess.Popen], rank_errors: dict[int, dict], oom_kills_before: dict[str, int]
+) -> dict:
     """Why a unit ended without a result, naming the rank that failed first."""
     single = len(processes) == 1
     # A rank that died on its own (a crash, a kill) is the cause; the others' errors are its echo.
@@ -304,12 +381,13 @@ def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict]) ->
     if dead and not single:
         rank = dead[0]
         code = processes[rank].returncode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        if code == -signal.SIGKILL:
-            how += " (SIGKILL: the out-of-memory killer, or someone's kill -9)"
+        status, how = (
+            _killed_by(code, oom_kills_before) if code < 0 else ("failed", f"exited with code {code}")
+        )
         return {
             "type": "error",
-            "status": "failed",
+            "status": status,
+            "signal": -code if code < 0 else None,
             "reason": f"rank {rank} of {len(processes)} {how} without a result; the other ranks were ended",
             "traceback": _log_tail(processes[rank].log_path),
         }
@@ -320,18 +398,13 @@ def _failure(processes: list[subprocess.Popen], rank_errors: dict[int, dict]) ->
         return {**error, "reason": prefix + error["reason"]}
     code = processes[0].returncode
     tail = _log_tail(processes[0].log_path)
-    if code == -signal.SIGKILL:
-        return {
-            "type": "error",
-            "status": "oom",
-            "reason": f"{who or 'rank 0'} was killed by SIGKILL, which on Linux usually means the "
-            "kernel's out-of-memory killer",
-            "traceback": tail,
-        }
-    how = f"was killed by signal {-code}" if code and code < 0 else f"exited with code {code}"
+    status, how = (
+        _killed_by(code, oom_kills_before) if code and code < 0 else ("failed", f"exited with code {code}")
+    )
     return {
         "type": "error",
-        "status": "failed",
+        "status": status,
+        "signal": -code if code and code < 0 else None,
         "reason": f"{who or 'rank 0'} {how} without a result",
         "traceback": tail,
     }

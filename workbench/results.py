@@ -17,6 +17,7 @@ import numpy as np
 
 from workbench import stats
 from workbench.mfu import achieved_tflops, mfu_percent, peak_tflops
+from workbench.results_folder import ResultsFolder
 from workbench.telemetry import PHASES
 
 SCHEMA = "workbench-results/2"  # 2: blocks (several arms per process) replaced one process per run
@@ -203,7 +204,14 @@ def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) 
     # Wall clock, all timed steps: what a job like this one would see (as the speedup does).
     throughputs = [r["samples_per_s"] for r in results]
     row["samples_per_s"], row["samples_per_s_spread"] = stats.median_and_spread(throughputs)
-    row["step_ms"] = _median([1e3 * r["wall_s"] / r["steps"] for r in results])
+    # step_ms is the same figure as samples_per_s, per step (one median of one set of samples:
+    # two separate medians can disagree when the number of blocks is even).
+    samples_per_step = _median([r["samples_per_s"] * r["wall_s"] / r["steps"] for r in results])
+    row["step_ms"] = (
+        1e3 * samples_per_step / row["samples_per_s"]
+        if math.isfinite(samples_per_step) and row["samples_per_s"] > 0
+        else _median([1e3 * r["wall_s"] / r["steps"] for r in results])
+    )
     for phase in PHASES:  # records from before the replay phase existed lack it
         row[f"{phase}_ms"] = _median([r["phase_ms"].get(phase, 0.0) for r in results])
     row["peak_mem_mb"] = _median([r["peak_mem_mib"] for r in results])
@@ -468,14 +476,41 @@ class Results:
 
         return plot_results(self)
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write results.json, table.csv, losses.csv and telemetry.csv into the folder ``path``."""
-        folder = Path(path)
-        write_json_atomic(folder / "results.json", self.record)
-        self.table.to_csv(folder / "table.csv", index=False)
-        self.losses.to_csv(folder / "losses.csv", index=False)
-        self.telemetry.to_csv(folder / "telemetry.csv", index=False)
-        return folder
+    def save(self, path: str | os.PathLike | ResultsFolder) -> Path:
+        """Write results.json, table.csv, losses.csv, telemetry.csv and plot.png into the folder
+        ``path``; each is entered in the folder's manifest (see workbench.results_folder)."""
+        folder = path if isinstance(path, ResultsFolder) else ResultsFolder(path)
+        folder.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder.file("results.json"), self.record)
+        self.table.to_csv(folder.file("table.csv"), index=False)
+        self.losses.to_csv(folder.file("losses.csv"), index=False)
+        self.telemetry.to_csv(folder.file("telemetry.csv"), index=False)
+        figure = self.plot()
+        figure.savefig(folder.file("plot.png"), dpi=110)
+        return folder.path
+
+    @property
+    def load(self) -> dict:
+        """The competing load while the run measured (workbench.telemetry.competing_load)."""
+        return self.record.get("load") or {}
+
+    def warnings(self) -> list[str]:
+        """What makes this run's figures less trustworthy, most important first: a control arm
+        that failed its own A/A check, then other processes competing for the machine."""
+        found = []
+        table = self.table
+        control = table[(table.arm == "baseline (control)") & table.speedup.notna()]
+        for row in control.itertuples():
+            if not row.speedup_low <= 1.0 <= row.speedup_high:
+                found.append(
+                    f"the control arm (the baseline measured again) came out at {row.speedup:.2f} "
+                    f"[{row.speedup_low:.2f}, {row.speedup_high:.2f}], not 1: this run's noise is larger than its "
+                    "intervals say. Treat every speedup here with suspicion; rerun with more blocks, on a quieter "
+                    "machine, or with torch.set_num_threads pinned below the core count"
+                )
+        if self.load.get("warning"):
+            found.append(self.load["warning"])
+        return found
 
     def summary(self) -> str:
         """The table as text, with the columns people read first, and a legend."""
@@ -505,13 +540,15 @@ class Results:
                 for row in table.itertuples()
             ],
         )
-        text = text_table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
+        text = "".join(f"WARNING: {warning}\n\n" for warning in self.warnings())
+        text += text_table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
         text += (
             "\n\nspeedup: vs the baseline inside each block (one process running the arms side by side), then"
             "\n  combined over blocks; an interval that contains 1.00 is no measurable change."
             "\n* noisy: the interval reaches more than 10% from the speedup; more blocks or steps help."
-            "\npeak_mem_mb: most memory this arm's tensors held in a step (MiB); activation_mb in the table: what"
-            "\n  autograd saved for backward; peak_rss_mb: what the OS saw (a process of its own only)."
+            "\npeak_mem_mb: most memory this arm's tensors held in a step (MiB). In table.csv and Results.table,"
+            "\n  also activation_mb (what autograd saved for backward) and peak_rss_mb (what the OS saw; an arm"
+            "\n  in a process of its own only: a shared process's memory cannot be split between its arms)."
         )
         if "mfu_pct" in columns:
             text += "\nmfu_pct: model FLOPs per second over the GPU's dense peak for the dtype in use (workbench.mfu)."
@@ -539,15 +576,46 @@ def load_results(path: str | os.PathLike) -> Results:
         raise FileNotFoundError(
             f"no results at {path} (expected a folder with results.json, or the file itself)"
         )
-    with open(file) as handle:
-        record = json.load(handle)
+    try:
+        with open(file) as handle:
+            record = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{file} is not valid JSON ({error.msg} at line {error.lineno}); it may be cut short"
+        ) from None
+    except (UnicodeDecodeError, IsADirectoryError) as error:
+        raise ValueError(f"{file} is not a workbench results file ({error})") from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{file} is not a workbench results file: it holds a JSON {type(record).__name__}, not an object"
+        )
     if record.get("schema") not in READABLE_SCHEMAS:
         raise ValueError(
             f"{file} is not a workbench results file (schema {record.get('schema')!r}, expected {SCHEMA!r})"
         )
+    problem = _malformed(record)
+    if problem:
+        raise ValueError(f"{file} is a damaged workbench results file: {problem}")
     if record["schema"] != SCHEMA:  # one process per (arm, repeat): read its repeats as blocks of one
         for row in record["table"]:
             row["blocks"] = row.pop("repeats", 0)
         for unit in record["units"]:
             unit["block"] = unit.get("repeat", 0)
     return Results(record, file.parent)
+
+
+def _malformed(record: dict) -> str | None:
+    """What a results record with the right schema line lacks, or None when it reads."""
+    expected = {"table": list, "units": list, "config": dict, "environment": dict}
+    for key, kind in expected.items():
+        if key not in record:
+            return f"it has no {key!r}"
+        if not isinstance(record[key], kind):
+            return f"its {key!r} is a JSON {type(record[key]).__name__}, not a {'list' if kind is list else 'object'}"
+    for index, row in enumerate(record["table"]):
+        if not isinstance(row, dict) or "arm" not in row:
+            return f"row {index} of its table is not an arm's row"
+    for index, unit in enumerate(record["units"]):
+        if not isinstance(unit, dict) or "arm" not in unit:
+            return f"unit {index} is not a measured arm"
+    return None

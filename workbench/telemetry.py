@@ -41,6 +41,7 @@ Utilization
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import threading
@@ -49,6 +50,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 # "replay": a captured CUDA graph of the whole compute step (cuda_graphs), which has no inner phases.
@@ -418,6 +420,81 @@ def nvml_indices(device: torch.device, world_size: int = 1) -> list[int]:
     return found
 
 
+class CompetingLoad:
+    """What the rest of the machine does while the run measures: the CPU that processes outside
+    this run's process tree use (in cores), the 1-minute load average, and the CPU clock.
+
+    The run's own CPU time is that of this process and its live descendants, each with the
+    time of the children it has reaped (``children_user``), so a worker that exits between two
+    readings is still counted, through its parent. Another program on the machine slows the
+    arms unevenly and widens every interval; ``others_cpu_cores`` says how much of it there was.
+    """
+
+    def __init__(self):
+        import psutil
+
+        self._psutil = psutil
+        self._me = psutil.Process()
+        self._last = (time.monotonic(), self._machine_busy_s(), self._run_cpu_s())
+
+    def _machine_busy_s(self) -> float:
+        times = self._psutil.cpu_times()
+        return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+    def _run_cpu_s(self) -> float:
+        total = 0.0
+        for process in [self._me, *self._me.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess):
+                continue  # gone between listing and reading: its parent's children_* hold it soon
+            total += times.user + times.system + times.children_user + times.children_system
+        return total
+
+    def read(self) -> dict:
+        now, busy, run = time.monotonic(), self._machine_busy_s(), self._run_cpu_s()
+        last_now, last_busy, last_run = self._last
+        self._last = (now, busy, run)
+        elapsed = max(now - last_now, 1e-6)
+        reading = {
+            "others_cpu_cores": max(0.0, (busy - last_busy) - (run - last_run)) / elapsed,
+            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan,
+        }
+        try:
+            frequency = self._psutil.cpu_freq()
+            if frequency is not None and frequency.current:
+                reading["cpu_mhz"] = float(frequency.current)
+        except (OSError, NotImplementedError, AttributeError):
+            pass  # no cpufreq here (many VMs): the column stays empty
+        return reading
+
+
+LOAD_WARN_CORES = 0.25  # other processes using this much CPU (median, in cores) is worth a warning
+
+
+def competing_load(samples: list[dict], cores: int) -> dict:
+    """The run's competing load, summarized from the sampler's readings, with a warning when
+    it is high enough to matter (empty ``warning`` otherwise)."""
+    others = [s["others_cpu_cores"] for s in samples if "others_cpu_cores" in s]
+    if not others:
+        return {}
+    loads = [s["load_avg_1m"] for s in samples if math.isfinite(s.get("load_avg_1m", math.nan))]
+    summary = {
+        "others_cpu_cores_median": float(np.median(others)),
+        "others_cpu_cores_p90": float(np.percentile(others, 90)),
+        "load_avg_1m_median": float(np.median(loads)) if loads else math.nan,
+        "cores": cores,
+        "warning": "",
+    }
+    if summary["others_cpu_cores_median"] >= LOAD_WARN_CORES:
+        summary["warning"] = (
+            f"other processes used {summary['others_cpu_cores_median']:.2f} of this machine's {cores} cores "
+            f"(median; {summary['others_cpu_cores_p90']:.2f} at the 90th percentile) while the arms ran: they slow "
+            "the arms unevenly and widen every interval. Rerun on a quieter machine, or with more blocks"
+        )
+    return summary
+
+
 @dataclass
 class Sampler:
     """Background sampler of machine-wide utilization, at ``interval_s`` (1 Hz by default).
@@ -443,6 +520,7 @@ class Sampler:
 
         nvml = _NvmlReader() if self.gpu else None
         psutil.cpu_percent(interval=None)  # the first reading only primes the counter
+        load = CompetingLoad()
         try:
             while not self._stop.wait(self.interval_s):
                 memory = psutil.virtual_memory()
@@ -450,6 +528,7 @@ class Sampler:
                     "time": time.time(),
                     "cpu_percent": psutil.cpu_percent(interval=None),
                     "memory_used_mib": (memory.total - memory.available) / 2**20,
+                    **load.read(),
                 }
                 if nvml is not None and nvml.available:
                     sample.update(nvml.read())

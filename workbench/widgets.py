@@ -440,7 +440,10 @@ class AblationPanel(w.VBox):
             )
             where = f" Results: {self.results.path}" if self.results.path else ""
             verb = "Done" if self.results.complete else "Stopped; finished blocks are kept"
-            self.status.value = f"<b>{verb}.</b>{html.escape(where)}"
+            self.status.value = f"<b>{verb}.</b>{html.escape(where)}" + "".join(
+                f"<br><span style='color:#c44e52'><b>Warning:</b> {html.escape(w)}</span>"
+                for w in self.results.warnings()
+            )
         elif self.error:
             self.status.value = _error_html(self.error)
         self.run_button.disabled, self.stop_button.disabled = False, True

@@ -231,7 +231,13 @@ def run_block(spec: BlockSpec, emit: Callable[[dict], None] = lambda message: No
         rounds = min(spec.steps, LONE_ARM_ROUNDS)
     elif rounds is None:
         rounds = choose_rounds(spec.steps, typical_s)
-    emit({"type": "phase", "phase": "measure", "rounds": rounds})
+    # How long each arm's timed windows should take, from its warm-up: the parent's time limit.
+    expected_s = {
+        arm.name: arm.warmup_step_s * (spec.steps + rewarm * rounds)
+        for arm in arms
+        if arm.name not in failures and arm.warmup_step_s
+    }
+    emit({"type": "phase", "phase": "measure", "rounds": rounds, "expected_s": expected_s})
     rss.begin_windows()
     if meter is not None:
         meter.reset()  # count the timed windows' communication only

@@ -33,13 +33,14 @@ when it hurts, its settings, and where the idea comes from.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from workbench import optional
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,7 @@ class Context:
 
 def _needs_package(module: str, hint: str) -> Callable[[Context], str | None]:
     def check(ctx: Context) -> str | None:
-        if importlib.util.find_spec(module) is None:
-            return f"needs the {module} package, which is not installed ({hint})"
-        return None
+        return optional.missing(module, hint)
 
     return check
 

@@ -1,0 +1,109 @@
+"""The bare install (no extras) is a first-class user: optional packages that are missing are
+reported as unavailable, with the reason, and never crash a command.
+
+The test environment has the extras installed, so each check runs in a subprocess whose
+import system hides them: a meta-path finder that raises ModuleNotFoundError, exactly as a
+bare install does (``find_spec("nvidia.dali")`` raises there, because ``nvidia`` is absent).
+``.ci/bare-install`` checks the same with a real fresh virtual environment.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from workbench import optional
+
+HIDDEN = ("nvidia", "cupy", "pynvml", "cuda", "ipywidgets", "jupyterlab")
+
+HIDE = f"""
+import sys
+HIDDEN = {HIDDEN!r}
+
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {{name.split('.')[0]!r}}", name=name.split(".")[0])
+        return None
+
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def run_bare(code: str, tmp_path) -> subprocess.CompletedProcess:
+    script = tmp_path / "bare.py"
+    script.write_text(HIDE + textwrap.dedent(code))
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+
+
+def test_the_hiding_works(tmp_path):
+    """The negative control: without the fix, the bare checks below would see this error."""
+    done = run_bare(
+        """
+        import importlib.util
+        try:
+            importlib.util.find_spec("nvidia.dali")
+        except ModuleNotFoundError as error:
+            print("raised", error.name)
+        """,
+        tmp_path,
+    )
+    assert done.stdout.strip() == "raised nvidia", done.stderr
+
+
+def test_list_env_and_dry_run_report_missing_packages(tmp_path):
+    done = run_bare(
+        """
+        from workbench.cli import main
+        for argv in (["list"], ["env"], ["ablate", "--dry-run"]):
+            print("exit", main(argv))
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("exit 0") == 3, done.stdout + done.stderr
+    assert "no module named 'nvidia'" in done.stdout  # dali's reason, in list, env and the plan
+    assert "pip install 'workbench[notebook]'" in done.stdout  # the panel's packages, in list
+    for package in ("nvidia.dali", "cupy", "pynvml", "ipywidgets", "jupyterlab"):
+        assert f"{package}" in done.stdout
+
+
+def test_plan_and_a_small_ablation_run_without_the_extras(tmp_path):
+    done = run_bare(
+        """
+        import json
+        import workbench as wb
+        plan = wb.plan(model="mlp")  # every technique, the optional ones among them
+        dali = plan.set_index("name").loc["dali", "unavailable"]
+        res = wb.ablate(model="mlp", techniques={"amp": True}, steps=10, warmup=2, blocks=1,
+                        progress=False, out=False)
+        try:
+            wb.panel
+            panel = "imported"
+        except ImportError as error:
+            panel = str(error)
+        print(json.dumps({"dali": dali, "status": list(res.table.status), "panel": panel}))
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "not installed" in answer["dali"]
+    assert answer["status"] == ["ok", "ok", "ok"]
+    assert "pip install 'workbench[notebook]'" in answer["panel"]
+
+
+@pytest.mark.parametrize("package", [p.module for p in optional.OPTIONAL_PACKAGES])
+def test_a_probe_never_raises(package, monkeypatch):
+    def broken(name, package=None):
+        raise RuntimeError("a half-installed package")
+
+    monkeypatch.setattr(optional.importlib.util, "find_spec", broken)
+    reason = optional.missing(package, "pip install it")
+    assert "half-installed" in reason and "pip install it" in reason

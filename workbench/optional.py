@@ -1,0 +1,54 @@
+"""Optional packages: each one's absence is a reason shown to the user, never a crash.
+
+The bare install (``pip install -e .``, no extras) is a first-class user, so every optional
+package goes through :func:`missing` before it is imported. ``importlib.util.find_spec`` alone
+is not enough: for a dotted name it imports the parent first, so ``find_spec("nvidia.dali")``
+*raises* ModuleNotFoundError when no ``nvidia`` package exists at all, and a half-installed
+package can raise anything while its parent imports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OptionalPackage:
+    module: str  # what is imported
+    purpose: str  # what workbench uses it for
+    install: str  # how to get it
+
+
+OPTIONAL_PACKAGES = (
+    OptionalPackage(
+        "nvidia.dali", "the dali technique", "pip install 'workbench[dali]'; its CPU operators need no GPU"
+    ),
+    OptionalPackage("cupy", "cupy_fusion's raw CUDA kernels", "pip install 'workbench[gpu]'"),
+    OptionalPackage("pynvml", "GPU utilization, power and clocks", "pip install nvidia-ml-py"),
+    OptionalPackage("cuda.bindings", "the NVRTC compile check of kernels/", "pip install cuda-bindings"),
+    OptionalPackage("ipywidgets", "the notebook panel", "pip install 'workbench[notebook]'"),
+    OptionalPackage("jupyterlab", "the teaching notebooks", "pip install 'workbench[notebook]'"),
+)
+
+
+def missing(module: str, install: str = "") -> str | None:
+    """None when ``module`` can be found, else why not, as one line for the user."""
+    hint = f" ({install})" if install else ""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError as error:  # a parent package is missing: nvidia for nvidia.dali
+        return f"{module} is not installed: no module named {error.name!r}{hint}"
+    except Exception as error:  # noqa: BLE001 - a broken parent package; its error is the reason
+        return f"{module} could not be probed: {type(error).__name__}: {error}{hint}"
+    if spec is None:
+        return f"{module} is not installed{hint}"
+    return None
+
+
+def report() -> list[dict]:
+    """Every optional package: module, purpose, and ``unavailable`` (the reason, or None)."""
+    return [
+        {"package": p.module, "for": p.purpose, "unavailable": missing(p.module, p.install)}
+        for p in OPTIONAL_PACKAGES
+    ]
