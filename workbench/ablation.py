@@ -390,10 +390,11 @@ def _open_out(
         plan_file = folder.path / "plan.json"
         if overwrite:
             folder.clear()  # only what workbench wrote; refuses if the user's files are there
-        if not plan_file.exists() and folder.foreign_files():
+        foreign = [] if plan_file.exists() else folder.foreign_files(limit=5)
+        if foreign:
             raise ValueError(
                 f"out={str(folder.path)!r} already holds files that are not workbench results "
-                f"({', '.join(folder.foreign_files()[:5])}); choose a new or empty folder"
+                f"({', '.join(foreign)}{', ...' if len(foreign) == 5 else ''}); choose a new or empty folder"
             )
         if plan_file.exists():
             previous = json.loads(plan_file.read_text())
@@ -728,7 +729,7 @@ class _Runner:
             table=summarize(arms, self.units, self.run_config.blocks, complete, self.sampler.samples),
         )
         results = Results(self.record, self.folder)
-        if complete or self.stopped:  # the last save: the tables and the plot beside the record
+        if self.kept and (complete or self.stopped):  # the last save: the tables and the plot too
             results.save(self.files)
         else:
             write_json_atomic(self.files.file("results.json"), self.record)

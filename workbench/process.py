@@ -359,7 +359,10 @@ def kernel_oom_kills() -> dict[str, int]:
 
 def _killed_by(code: int, oom_kills_before: dict[str, int]) -> tuple[str, str]:
     """(status, how) for a rank that a signal ended: ``oom`` only with the kernel's word for it."""
-    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:  # a real-time or unnamed signal
+        name = "unnamed"
     if code != -signal.SIGKILL:
         return "failed", f"was killed by signal {-code} ({name})"
     after = kernel_oom_kills()

@@ -92,17 +92,22 @@ class ResultsFolder:
             self._write_manifest()
         return self.path / name
 
-    def foreign_files(self) -> list[str]:
-        """Files in the folder that workbench did not write (relative paths, sorted)."""
+    def foreign_files(self, limit: int | None = None) -> list[str]:
+        """Files in the folder that workbench did not write (relative paths, sorted), or the
+        first ``limit`` found (a user who points ``out`` at a big folder waits for no full scan)."""
         if not self.path.is_dir():
             return []
         foreign = []
-        for path in sorted(p for p in self.path.rglob("*") if p.is_file() or p.is_symlink()):
+        for path in self.path.rglob("*"):
+            if not (path.is_file() or path.is_symlink()):
+                continue
             name = path.relative_to(self.path).as_posix()
             if name in (MANIFEST, LOCK) or name in self._owned or self._is_own_temporary(name):
                 continue
             foreign.append(name)
-        return foreign
+            if limit is not None and len(foreign) >= limit:
+                break
+        return sorted(foreign)
 
     def clear(self) -> None:
         """Remove the files workbench wrote here (``overwrite``); refuse if anything else is here."""
