@@ -37,7 +37,7 @@ def plot_results(results) -> ResultsFigure:
     table = results.table.iloc[::-1].reset_index(drop=True)  # first arm at the top
     labels = list(table.arm)
     y = np.arange(len(table))
-    figure = ResultsFigure(figsize=(13, 1.2 + 0.42 * len(table)), layout="constrained")
+    figure = ResultsFigure(figsize=(13, 1.6 + 0.42 * max(len(table), 3)), layout="constrained")
     speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
 
     # Speedup: point and 95% interval per arm, on a log axis (0.5x and 2x are equally far from
@@ -59,7 +59,6 @@ def plot_results(results) -> ResultsFigure:
             zorder=0,
             label="noise band (control's interval)",
         )
-        speed_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8, frameon=False)
     speed_ax.barh(
         y[measured],
         table.speedup[measured] - 1,
@@ -103,7 +102,14 @@ def plot_results(results) -> ResultsFigure:
     if (other > 0.005 * np.maximum(table.step_ms.fillna(0).to_numpy(), 1e-9)).any():  # more than rounding
         phase_ax.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
     phase_ax.set_xlabel("ms per optimizer step")
-    phase_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=5, fontsize=8, frameon=False)
+    # One legend for the figure, below the panels: constrained layout keeps it clear of the axis
+    # labels at any number of arms (a legend hung under one axes overlapped them with few arms).
+    handles, labels = [], []
+    for axes in (speed_ax, phase_ax):
+        more_handles, more_labels = axes.get_legend_handles_labels()
+        handles += more_handles
+        labels += more_labels
+    figure.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
     phase_ax.set_title("Step breakdown")
 
     memory = table.peak_mem_mb.to_numpy(dtype=float)
@@ -111,6 +117,8 @@ def plot_results(results) -> ResultsFigure:
     for index, value in enumerate(memory):
         if math.isfinite(value):
             memory_ax.text(value, index, f" {value:.0f}", va="center", fontsize=8)
+    if np.isfinite(memory).any():
+        memory_ax.set_xlim(0, np.nanmax(memory) * 1.2)  # room for the labels right of the bars
     device = results.config.get("device", "")
     memory_ax.set_xlabel("peak tensor memory per step, MiB")
     memory_ax.set_title("Memory")
