@@ -98,7 +98,7 @@ def test_bad_batches_and_small_datasets_are_explained():
     with pytest.raises(ValueError, match=r"each batch must be an \(inputs, targets\) pair"):
         next(endless_batches(bad, 2, 0, {}))
     small = torch.utils.data.TensorDataset(torch.zeros(3, 2), torch.zeros(3))
-    with pytest.raises(ValueError, match="the dataset has 3 samples, fewer than batch_size=8"):
+    with pytest.raises(ValueError, match="data 'small' has 3 samples, fewer than batch_size=8"):
         next(endless_batches(DataSource(label="small", user=small), 8, 0, {}))
     with pytest.raises(ValueError, match="returned int"):
         resolve_data(lambda: 3, lambda: torch.nn.Linear(1, 1), 0)

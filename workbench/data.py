@@ -303,11 +303,15 @@ def check_sample_count(source: DataSource, batch_size: int, world_size: int = 1)
         return
     else:
         return  # an iterator or a factory: its length shows only when an arm reads it
+    _check_count(count, source.label, batch_size, world_size)
+
+
+def _check_count(count: int, label: str, batch_size: int, world_size: int) -> None:
     if count == 0:
-        raise ValueError(f"data {source.label!r} is empty: it holds no samples")
+        raise ValueError(f"data {label!r} is empty: it holds no samples")
     if count < batch_size * world_size:
         raise ValueError(
-            f"data {source.label!r} has {count} samples, fewer than batch_size={batch_size}"
+            f"data {label!r} has {count} samples, fewer than batch_size={batch_size}"
             + (f" x {world_size} ranks" if world_size > 1 else "")
             + "; pass a smaller batch_size or more data"
         )
@@ -329,11 +333,8 @@ def endless_batches(
     """
     data = source.open_dataset(seed)
     if isinstance(data, Dataset):
-        if hasattr(data, "__len__") and len(data) < batch_size * world_size:
-            raise ValueError(
-                f"the dataset has {len(data)} samples, fewer than batch_size={batch_size}"
-                + (f" x {world_size} ranks" if world_size > 1 else "")
-            )
+        if hasattr(data, "__len__"):  # a factory's Dataset: its size shows only here, in the arm
+            _check_count(len(data), source.label, batch_size, world_size)
         if world_size > 1:
             order: dict[str, Any] = {
                 "sampler": _ReshufflingSampler(

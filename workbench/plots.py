@@ -130,7 +130,7 @@ def plot_results(results) -> ResultsFigure:
         f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps per arm x "
         f"{config.get('blocks', config.get('repeats'))} blocks, batch {config['batch_size']}, {device} ({where})"
     )
-    warnings = results.warnings() if hasattr(results, "warnings") else []
+    warnings = results.warnings()
     if warnings:  # said on the figure itself: a plot travels without its table
         short = [
             w.split(":")[0] if w.startswith("the control arm") else w.split(" while ")[0] for w in warnings

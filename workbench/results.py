@@ -207,11 +207,7 @@ def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) 
     # step_ms is the same figure as samples_per_s, per step (one median of one set of samples:
     # two separate medians can disagree when the number of blocks is even).
     samples_per_step = _median([r["samples_per_s"] * r["wall_s"] / r["steps"] for r in results])
-    row["step_ms"] = (
-        1e3 * samples_per_step / row["samples_per_s"]
-        if math.isfinite(samples_per_step) and row["samples_per_s"] > 0
-        else _median([1e3 * r["wall_s"] / r["steps"] for r in results])
-    )
+    row["step_ms"] = 1e3 * samples_per_step / row["samples_per_s"]
     for phase in PHASES:  # records from before the replay phase existed lack it
         row[f"{phase}_ms"] = _median([r["phase_ms"].get(phase, 0.0) for r in results])
     row["peak_mem_mb"] = _median([r["peak_mem_mib"] for r in results])

@@ -326,19 +326,22 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def process_cpu_seconds(children: list | None = None) -> float:
+def process_cpu_seconds(children: list | None = None, reaped: bool = False) -> float:
     """CPU seconds (user + system) of this process, plus those of ``children`` (psutil.Process list).
 
     The process's own time is one system call. Listing children scans /proc (about a
     millisecond), so an arm with DataLoader workers lists them once (``worker_processes``)
-    and passes them here.
+    and passes them here. ``reaped`` adds the time of the children each of these processes
+    has already waited for, so that a child that exited still counts (CompetingLoad).
     """
     times = os.times()
-    total = times.user + times.system
+    total = times.user + times.system + (times.children_user + times.children_system if reaped else 0.0)
     for child in children or ():
         try:
             child_times = child.cpu_times()
             total += child_times.user + child_times.system
+            if reaped:
+                total += child_times.children_user + child_times.children_system
         except Exception:  # a worker may exit between listing and reading
             continue
     return total
@@ -425,8 +428,8 @@ class CompetingLoad:
     this run's process tree use (in cores), the 1-minute load average, and the CPU clock.
 
     The run's own CPU time is that of this process and its live descendants, each with the
-    time of the children it has reaped (``children_user``), so a worker that exits between two
-    readings is still counted, through its parent. Another program on the machine slows the
+    time of the children it has reaped (``process_cpu_seconds(..., reaped=True)``), so a worker
+    that exits between two readings is still counted, through its parent. Another program on the machine slows the
     arms unevenly and widens every interval; ``others_cpu_cores`` says how much of it there was.
     """
 
@@ -434,7 +437,6 @@ class CompetingLoad:
         import psutil
 
         self._psutil = psutil
-        self._me = psutil.Process()
         self._last = (time.monotonic(), self._machine_busy_s(), self._run_cpu_s())
 
     def _machine_busy_s(self) -> float:
@@ -442,14 +444,7 @@ class CompetingLoad:
         return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
     def _run_cpu_s(self) -> float:
-        total = 0.0
-        for process in [self._me, *self._me.children(recursive=True)]:
-            try:
-                times = process.cpu_times()
-            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess):
-                continue  # gone between listing and reading: its parent's children_* hold it soon
-            total += times.user + times.system + times.children_user + times.children_system
-        return total
+        return process_cpu_seconds(worker_processes(), reaped=True)
 
     def read(self) -> dict:
         now, busy, run = time.monotonic(), self._machine_busy_s(), self._run_cpu_s()
