@@ -1,8 +1,12 @@
 """Small builders shared by the tests (importable: tests/ is on sys.path via conftest)."""
 
+import torch
+from technique_settings import TECHNIQUE_SETTINGS
+
 from workbench.block import ArmSpec
 from workbench.data import resolve_data
-from workbench.techniques import parse_techniques
+from workbench.models import inspect_model
+from workbench.techniques import Context, get_technique, parse_techniques
 from workbench.worker import BlockSpec, run_block
 
 ARM = "arm"  # the name of the one arm in the blocks these helpers build
@@ -30,6 +34,25 @@ def block_spec(
     return spec
 
 
+def unavailable_here(
+    name: str, model: str, device: torch.device, world_size: int | None = None
+) -> str | None:
+    """Why technique ``name``, with its settings row, cannot run on ``model`` here (None: it can)."""
+    row = TECHNIQUE_SETTINGS[name]
+    technique = get_technique(name)
+    instance, label = inspect_model(model)
+    source = resolve_data(row.get("data"), model, 0)
+    ctx = Context(
+        device=device,
+        model=instance,
+        model_name=label,
+        data_label=source.label,
+        image_size=source.images.size if source.images is not None else None,
+        world_size=row.get("world_size", 1) if world_size is None else world_size,
+    )
+    return technique.unavailable_reason(ctx, technique.configure(row["config"]))
+
+
 def arm_result(answer: dict, name: str = ARM) -> dict:
     """One arm's measurements from a block's answer; a failure fails the test with its reason."""
     assert answer.get("type", "result") == "result", answer
@@ -42,3 +65,24 @@ def arm_result(answer: dict, name: str = ARM) -> dict:
 def train(model="mlp", techniques=None, **kwargs) -> dict:
     """Run one arm in this process (fast; isolation is tested separately). Its measurements."""
     return arm_result(run_block(block_spec(model, techniques, **kwargs)))
+
+
+# One non-default, valid value per run setting (RunConfig's fields).
+RUN_SETTINGS = {
+    "steps": 7,
+    "warmup": 2,
+    "blocks": 2,
+    "rounds": 3,
+    "batch_size": 16,
+    "device": "cpu",
+    "seed": 5,
+    "mode": "grid",
+    "optimizer": "sgd",
+    "lr": 0.01,
+    "control": False,
+    "loader_arms": False,
+    "world_size": 2,
+    "isolate": True,
+    "link": {"bandwidth_gbps": 1.0},
+    "timeout_s": 60.0,
+}
