@@ -31,3 +31,29 @@ def _reset_compiler_state():
     yield
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
+
+
+# Tiers: pytest -m fast | slow | notebooks | browser | gpu (README, "Test tiers").
+# Whole modules that run real ablations in fresh processes are slow; a test elsewhere that
+# takes more than a few seconds carries @pytest.mark.slow itself.
+SLOW_MODULES = {
+    "test_ablate.py",
+    "test_blocks.py",
+    "test_ddp.py",
+    "test_readme.py",
+    "test_user_code_from_a_notebook.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.notebooks)
+        elif path.name == "test_browser.py":
+            item.add_marker(pytest.mark.browser)
+        elif path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        tiers = ("slow", "notebooks", "browser")
+        if not any(item.get_closest_marker(tier) for tier in tiers):
+            item.add_marker(pytest.mark.fast)

@@ -203,10 +203,7 @@ def test_an_arm_that_needs_its_own_process_cannot_contaminate_the_others(pollute
         table.loc["polluter", "process"] == "own" and table.loc["baseline (own process)", "process"] == "own"
     )
     assert table.loc["baseline", "process"] == table.loc["baseline (control)", "process"] == "block"
-    assert (
-        "its own process: polluter: it changes process-wide state on purpose"
-        in table.loc["polluter", "notes"]
-    )
+    assert "its own process: it changes process-wide state on purpose" in table.loc["polluter", "notes"]
     # The ablation process itself calls the factory once to inspect the model; skip that record.
     records = [r for r in (json.loads(p.read_text()) for p in polluter.iterdir()) if r["pid"] != os.getpid()]
     factory = [r for r in records if r["label"] == "model-factory"]

@@ -74,7 +74,7 @@ QUIET = {"progress": False, "out": False}
             {"techniques": {"amp": "yes"}},
             r"amp: settings must be True, False, or a dict of options; got 'yes'",
         ),
-        ({"techniques": ["amp"]}, r"techniques must be a dict like"),
+        ({"techniques": "amp"}, r"techniques must be a dict like"),
         (
             {"model": "gpt-mini", "data": "digits"},
             r"model 'gpt-mini' cannot train on dataset 'digits' \(image data\); "

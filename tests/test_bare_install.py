@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from workbench import optional
 
 HIDDEN = ("nvidia", "cupy", "pynvml", "cuda", "ipywidgets", "jupyterlab")
@@ -72,6 +74,7 @@ def test_list_env_and_dry_run_report_missing_packages(tmp_path):
         assert f"{package}" in done.stdout
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_plan_and_a_small_ablation_run_without_the_extras(tmp_path):
     done = run_bare(
         """

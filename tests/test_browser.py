@@ -39,7 +39,6 @@ pytestmark = [
     pytest.mark.skipif(
         CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)"
     ),
-    pytest.mark.slow,
 ]
 
 

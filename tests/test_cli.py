@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from workbench.cli import parse_technique_flag
 
 
@@ -29,6 +31,7 @@ def test_env_names_versions_and_cores():
     assert '"usable_cores"' in run("env", "--json").stdout
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_ablate_prints_the_table_and_writes_results_and_plot(tmp_path):
     out = tmp_path / "cli"
     done = run(

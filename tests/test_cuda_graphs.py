@@ -6,6 +6,7 @@ from conftest import requires_cuda
 from helpers import train
 
 import workbench as wb
+from workbench.ablation import plan_arms
 from workbench.loop import TrainSetup, default_loss, make_optimizer
 from workbench.techniques import Context, conflict_reason, get_technique
 from workbench.techniques.cuda_graphs import GraphedStep
@@ -60,7 +61,7 @@ def test_ddp_arms_are_refused():
 
 def test_float16_amp_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="GradScaler.step reads found_inf on the CPU"):
-        GRAPHS.apply(_setup(grad_scaler=True), GRAPHS.Config())
+        GRAPHS.apply(_setup(loss_scaling=True), GRAPHS.Config())
 
 
 def test_compile_mode_is_not_compiled_twice():
@@ -70,8 +71,34 @@ def test_compile_mode_is_not_compiled_twice():
         GRAPHS.apply(setup, GRAPHS.configure({"mode": "compile"}))
 
 
+@pytest.mark.parametrize(
+    "other, settings, graphs_mode, refused",
+    [
+        ("amp", {"dtype": "float16"}, "manual", "GradScaler.step reads found_inf"),
+        ("amp", {"dtype": "bfloat16"}, "manual", None),
+        ("compile", True, "compile", "compiled twice"),
+        ("compile", True, "manual", None),
+    ],
+)
+def test_combinations_are_decided_from_the_settings_at_plan_time(other, settings, graphs_mode, refused):
+    """An impossible combination is an unavailable grid arm (and a leave-one-out error) before
+    any process starts, not an error inside a worker after other arms have run."""
+    technique = get_technique(other)
+    chosen = [(technique, technique.configure(settings)), (GRAPHS, GRAPHS.configure({"mode": graphs_mode}))]
+    grid = {arm.name: arm for arm in plan_arms("grid", chosen, control=False)}
+    combined = grid[f"{other}+cuda_graphs"]
+    if refused is None:
+        assert combined.unavailable is None
+    else:
+        assert refused in combined.unavailable and "cannot be combined" in combined.unavailable
+        with pytest.raises(ValueError, match="leave-one-out needs every technique together"):
+            plan_arms("leave-one-out", chosen, control=False)
+
+
 def test_not_combined_with_cupy_fusion():
-    assert "pointer table" in conflict_reason(["cupy_fusion", "cuda_graphs"])
+    assert "pointer table" in conflict_reason(
+        [(get_technique("cupy_fusion"), get_technique("cupy_fusion").Config()), (GRAPHS, GRAPHS.Config())]
+    )
 
 
 def test_manual_mode_sets_up_a_capturable_step():

@@ -42,7 +42,9 @@ def test_settings_are_checked():
 
 
 def test_not_combined_with_compile():
-    assert "cannot trace CuPy" in conflict_reason(["cupy_fusion", "compile"])
+    assert "cannot trace CuPy" in conflict_reason(
+        [(FUSION, FUSION.Config()), (get_technique("compile"), get_technique("compile").Config())]
+    )
 
 
 def test_gpt_mini_swaps_are_reported():

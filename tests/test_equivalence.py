@@ -7,9 +7,10 @@ import torch
 from helpers import train
 
 from workbench.data import builtin_spec
-from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
+from workbench.loop import Trainer, TrainSetup, WholeBatch, default_loss, make_optimizer
 from workbench.models import BUILTIN_MODELS, build_model
 from workbench.techniques import get_technique
+from workbench.techniques.grad_accum import MicroBatches
 from workbench.telemetry import StepClock
 
 CPU = torch.device("cpu")
@@ -33,7 +34,7 @@ def _trainer(model, batches, micro_batches=1):
         device=CPU,
         loss_fn=default_loss,
         make_optimizer=make_optimizer("sgd", 0.05),
-        micro_batches=micro_batches,
+        split_batch=MicroBatches(micro_batches) if micro_batches > 1 else WholeBatch(),
     )
     return Trainer(setup, iter(batches))
 
@@ -143,7 +144,8 @@ def test_float16_uses_loss_scaling_and_trains():
 
 def test_tf32_sets_and_restores_the_process_flags_around_each_window():
     """tf32 is unavailable on CPU, but its flag handling is plain Python and can be checked here."""
-    from workbench.techniques.tf32 import current_precision
+    from workbench.devices import current_precision
+    from workbench.process_state import differences, fingerprint
 
     before = current_precision()
     setup = TrainSetup(
@@ -152,12 +154,16 @@ def test_tf32_sets_and_restores_the_process_flags_around_each_window():
         loss_fn=default_loss,
         make_optimizer=make_optimizer("sgd", 0.1),
     )
+    flags_before = fingerprint()
     get_technique("tf32").apply(setup, get_technique("tf32").Config(matmul=True, cudnn=False))
     assert current_precision() == before  # nothing yet: other arms of a block may run first
     (window,) = setup.window_settings  # entered around each of this arm's windows
     with window():
-        assert current_precision() == (True, False)
+        assert current_precision() == (True, before[1])  # cudnn=False leaves convolutions alone
     assert current_precision() == before
+    # Exactly as before, down to PyTorch's own spelling ('none' is not 'ieee'): the block's
+    # check for arms that leave process-wide state changed compares these.
+    assert differences(flags_before, fingerprint()) == []
 
 
 def test_channels_last_converts_model_and_inputs():

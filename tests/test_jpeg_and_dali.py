@@ -400,6 +400,7 @@ def test_a_conflicting_grid_cell_stays_unavailable_in_its_loader_twin(folder):
         assert plan.loc[name, "blocks"] == 0
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_ablate_gives_loader_and_training_rows_for_both_pipelines(folder):
     techniques = {"dataloader": {"num_workers": 1}}
     if HAS_DALI:

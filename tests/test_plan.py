@@ -1,11 +1,17 @@
 """Planning: which arms each mode runs, in what order, and which combinations are refused."""
 
+import argparse
+import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import pytest
+from helpers import RUN_SETTINGS
 
 import workbench as wb
-from workbench.ablation import add_own_baseline, jobs_for_block, plan_arms
+from workbench.ablation import add_own_baseline, jobs_for_block, plan_arguments, plan_arms
+from workbench.cli import _parser
+from workbench.config import RunConfig
 from workbench.techniques import Technique, parse_techniques, register_technique, unregister_technique
 
 
@@ -113,7 +119,7 @@ def test_incompatible_combinations_are_rejected_naming_both(conflicting):
     assert grid.loc["amp+left+right", "blocks"] == 0
     assert grid.loc["amp+left", "blocks"] == 3
     # one at a time never combines them
-    assert wb.plan(model="mlp", techniques=chosen, device="cpu").unavailable.isna().all()
+    assert wb.plan(model="mlp", techniques=chosen, device="cpu").unavailable.eq("").all()
 
 
 def test_none_selects_every_technique():
@@ -130,3 +136,30 @@ def test_none_selects_every_technique():
         "loader: dataloader",
     }
     assert table.set_index("name").loc["dali", "unavailable"].startswith("needs JPEG files")
+
+
+def test_every_run_setting_reaches_ablate_plan_and_the_cli():
+    """A RunConfig field that ablate, plan or the CLI lacks is an option that drifted."""
+    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    assert sorted(fields) == sorted(RUN_SETTINGS), "add the new setting to RUN_SETTINGS"
+    for function in (wb.ablate, wb.plan):
+        missing = set(fields) - set(inspect.signature(function).parameters)
+        assert not missing, f"{function.__name__} lacks {sorted(missing)}"
+    (commands,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    flags = {action.dest for action in commands.choices["ablate"]._actions}
+    cli_spelling = {"control": "no_control", "link": "link_gbps"}  # --no-control, --link-gbps
+    missing = [field for field in fields if cli_spelling.get(field, field) not in flags]
+    assert not missing, f"workbench ablate has no flag for {missing}"
+
+
+@pytest.mark.parametrize("setting", sorted(RUN_SETTINGS))
+def test_plan_checks_every_run_setting_as_ablate_does(setting):
+    """plan_arguments keeps every run setting, and plan refuses a bad one (the dry run and the
+    panel's pre-flight check through it)."""
+    arguments = {"model": "mlp", "out": "ignored", "progress": False, setting: RUN_SETTINGS[setting]}
+    assert plan_arguments(arguments) == {"model": "mlp", setting: RUN_SETTINGS[setting]}
+    bad = {"steps": 0, "warmup": 0, "blocks": 0, "rounds": 0, "batch_size": 0, "device": "tpu"}
+    bad |= {"seed": -1, "mode": "random", "optimizer": "lamb", "lr": -1.0, "control": "yes"}
+    bad |= {"loader_arms": "sometimes", "world_size": 0, "isolate": "yes", "link": 5, "timeout_s": 0.0}
+    with pytest.raises(ValueError):
+        wb.plan(**plan_arguments({"model": "mlp", setting: bad[setting]}))

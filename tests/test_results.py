@@ -183,6 +183,30 @@ def test_save_and_load_round_trip_json_and_csv(small_results, tmp_path):
     assert load_results(folder / "results.json").table.equals(loaded.table)
 
 
+def test_an_unavailable_value_is_one_thing_in_each_form(small_results, tmp_path):
+    """None in the record and its JSON, NaN in a table's number columns, "" in its text columns."""
+    loaded = load_results(small_results.save(tmp_path / "saved"))
+    assert loaded.record == small_results.record  # fresh and read back: the same, None and all
+
+    def floats(value):
+        if isinstance(value, dict):
+            return [f for item in value.values() for f in floats(item)]
+        if isinstance(value, list):
+            return [f for item in value for f in floats(item)]
+        return [value] if isinstance(value, float) else []
+
+    assert all(math.isfinite(f) for f in floats(small_results.record))  # never a NaN in the record
+    table = small_results.table
+    text = ["arm", "kind", "process", "techniques", "status", "reason", "notes"]
+    assert table[text].map(lambda v: isinstance(v, str)).all().all()  # never None or NaN there
+    numbers = table.drop(columns=text + ["noisy", "blocks"])
+    assert all(dtype == np.float64 for dtype in numbers.dtypes)
+    assert numbers.loc[table.arm == "tf32"].isna().all().all()  # unavailable here: every figure NaN
+    plan = wb.plan(model="mlp", techniques={"amp": True, "tf32": True}, device="cpu")
+    for column in ("process", "techniques", "unavailable", "own_process"):
+        assert plan[column].map(lambda v: isinstance(v, str)).all(), column
+
+
 def test_ablate_out_folder_is_loadable(small_results):
     assert load_results(small_results.path).table.equals(small_results.table)
     assert (small_results.path / "plan.json").exists()

@@ -31,6 +31,7 @@ def test_a_run_enters_every_file_it_writes_in_the_manifest(tmp_path):
     )
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_overwrite_keeps_the_users_files_and_refuses_naming_them(tmp_path):
     out = tmp_path / "run"
     wb.ablate(**TINY, out=out)

@@ -85,6 +85,7 @@ def test_sampler_collects_samples_in_the_background():
     assert all(0 <= s["cpu_percent"] <= 100 for s in samples)
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_competing_load_counts_processes_outside_the_run_only(tmp_path):
     """A busy process that is not ours shows up in others_cpu_cores; a busy child of ours does not."""
     import subprocess

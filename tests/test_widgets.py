@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import ipywidgets as w
 import pytest
+from helpers import RUN_SETTINGS
 
 import workbench as wb
 from workbench import optional
@@ -113,6 +114,7 @@ def test_invalid_combinations_show_the_api_message(change, message):
     assert not panel.running
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
     panel = wb.panel(
         model="mlp", techniques={"amp": True}, steps=200, warmup=2, blocks=2, out=tmp_path / "panel"
@@ -128,6 +130,7 @@ def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
     assert not panel.run_button.disabled and panel.stop_button.disabled
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_stop_keeps_finished_blocks(tmp_path):
     panel = wb.panel(
         model="mlp", techniques={"amp": True}, steps=300, warmup=2, blocks=3, out=tmp_path / "stop"
@@ -235,6 +238,7 @@ def test_without_nvidia_ml_py_the_reason_is_given(monkeypatch):
     assert not reader.available and "nvidia-ml-py is not installed" in reader.reason
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_telemetry_is_stored_with_results_and_exported_to_csv(tmp_path):
     res = wb.ablate(
         model="mlp",
@@ -253,6 +257,7 @@ def test_telemetry_is_stored_with_results_and_exported_to_csv(tmp_path):
     assert (tmp_path / "t" / "telemetry.csv").read_text().startswith("time,cpu_percent")
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_out_false_keeps_nothing_on_disk(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     panel = wb.panel(model="mlp", techniques={}, steps=5, warmup=1, blocks=1, control=False, out=False)
@@ -264,6 +269,7 @@ def test_out_false_keeps_nothing_on_disk(tmp_path, monkeypatch):
     assert panel.live_image.layout.display is None and panel.final_image.layout.display is None
 
 
+@pytest.mark.slow  # a real ablation in fresh processes
 def test_the_panel_says_when_the_figures_are_not_to_be_trusted(monkeypatch, tmp_path):
     from workbench import telemetry
 
@@ -273,3 +279,12 @@ def test_the_panel_says_when_the_figures_are_not_to_be_trusted(monkeypatch, tmp_
     results = panel.wait(timeout=300)
     assert results is not None and results.load["warning"]
     assert "Warning:</b> other processes used" in panel.status.value
+
+
+@pytest.mark.parametrize("setting", sorted(RUN_SETTINGS))
+def test_every_run_setting_reaches_ablate_through_the_panel(setting):
+    """A setting the panel shows as a control, or passes through untouched: either way Run
+    hands it to ablate (and the pre-flight checks it), so no option is lost on the way."""
+    value = RUN_SETTINGS[setting]
+    panel = wb.panel(model="mlp", **{setting: value})
+    assert panel.arguments()[setting] == value

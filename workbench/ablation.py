@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import itertools
 import json
 import os
@@ -60,8 +61,8 @@ from workbench.distributed import Torchrun
 from workbench.environment import environment
 from workbench.models import inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
-from workbench.results import SCHEMA, Results, summarize, write_json_atomic
-from workbench.results_folder import ResultsFolder
+from workbench.results import SCHEMA, Results, summarize
+from workbench.results_folder import ResultsFolder, write_json_atomic
 from workbench.techniques import Context, Technique, conflict_reason, parse_techniques
 from workbench.telemetry import Sampler, competing_load, usable_cores
 from workbench.worker import WINDOW_TARGET_S, BlockSpec
@@ -134,8 +135,7 @@ def plan_arms(mode: str, techniques: list[tuple[Technique, Any]], control: bool)
         names = sweep_names(techniques)
         arms += [Arm(name, "treatment", [pair]) for name, pair in zip(names, techniques, strict=True)]
     elif mode == "leave-one-out":
-        names = [t.name for t, _ in techniques]
-        reason = conflict_reason(names)
+        reason = conflict_reason(techniques)
         if reason:
             raise ValueError(f"leave-one-out needs every technique together, but {reason}")
         if techniques:
@@ -149,7 +149,7 @@ def plan_arms(mode: str, techniques: list[tuple[Technique, Any]], control: bool)
             for combination in itertools.combinations(techniques, size):
                 chosen = list(combination)
                 name = "+".join(t.name for t, _ in chosen)
-                arms.append(Arm(name, "treatment", chosen, conflict_reason([t.name for t, _ in chosen])))
+                arms.append(Arm(name, "treatment", chosen, conflict_reason(chosen)))
     return arms
 
 
@@ -193,13 +193,17 @@ def assign_processes(arms: list[Arm], ctx: Context, isolate: bool = False) -> li
 
 
 def _own_process_reason(arm: Arm, ctx: Context, holder: dict[str, str]) -> str | None:
+    # Which technique the reason is about, when the arm has several (its name says it otherwise).
+    def which(technique: Technique) -> str:
+        return f"{technique.name}: " if len(arm.techniques) > 1 else ""
+
     for technique, config in arm.techniques:
         reason = technique.own_process(ctx, config)
         if reason:
-            return f"{technique.name}: {reason}"
+            return which(technique) + reason
     for technique, _ in arm.techniques:
         if technique.one_per_process and technique.name in holder:
-            return f"{technique.name}: {technique.one_per_process}; {holder[technique.name]!r} uses it in the block"
+            return f"{which(technique)}{technique.one_per_process}; {holder[technique.name]!r} uses it in the block"
     return None
 
 
@@ -472,8 +476,8 @@ def ablate(
                 an iterable of (inputs, targets) batches, or a callable returning one;
                 None picks the built-in model's own dataset
     loss_fn     ``(outputs, targets) -> loss``; default cross-entropy
-    techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``; None = all, defaults;
-                a list of values sweeps a setting: ``{"dataloader": {"num_workers": [0, 2]}}``
+    techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``, or names with their
+                defaults (``["amp", "tf32"]``); None = all, defaults; a list of values sweeps a setting: ``{"dataloader": {"num_workers": [0, 2]}}``
     mode        ``one-at-a-time`` | ``leave-one-out`` | ``grid``
     steps       timed optimizer steps per arm in each block; ``warmup`` untimed steps before them
     blocks      fresh processes, each running every arm side by side (the repeats): the speedup
@@ -605,8 +609,15 @@ def plan(
     rounds: int | None = None,
     isolate: bool = False,
     repeats: int | None = None,
+    seed: int = 0,
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+    timeout_s: float | None = None,
 ):
     """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them.
+
+    It takes every run setting ``ablate`` takes (RunConfig's fields) and checks them the same
+    way, so ``plan(**plan_arguments(kwargs))`` refuses exactly what ``ablate(**kwargs)`` would.
 
     ``process`` says where each arm runs: ``block`` (side by side with the others in each
     block's process) or ``own`` (a process of its own per block, with ``own_process`` saying why).
@@ -626,14 +637,30 @@ def plan(
         world_size=world_size,
         link=link,
         isolate=isolate,
+        seed=seed,
+        optimizer=optimizer,
+        lr=lr,
+        timeout_s=timeout_s,
     )
     prepared = prepare(model, data, loss_fn, techniques, run)
     rows = [{**arm.record(), "blocks": 0 if arm.unavailable else run.blocks} for arm in prepared.arms]
-    for row in rows:
+    for row in rows:  # a text column with nothing to say holds "", as in Results.table
         if row["unavailable"]:
             row["process"] = ""
+        row["unavailable"] = row["unavailable"] or ""
+        row["own_process"] = row["own_process"] or ""
     columns = ["name", "role", "process", "techniques", "unavailable", "own_process", "blocks"]
     return pd.DataFrame(rows)[columns]
+
+
+def plan_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """Of ``ablate``'s arguments, those ``plan`` takes: all that decide and check the arms.
+
+    The CLI's --dry-run and the panel's pre-flight pass their whole ablate arguments through
+    this, so neither keeps its own list of keys that could fall behind ablate's.
+    """
+    accepted = inspect.signature(plan).parameters
+    return {key: value for key, value in arguments.items() if key in accepted}
 
 
 def describe_plan(event: dict) -> str:

@@ -193,9 +193,7 @@ def format_plan(table) -> str:
         for row in shown.itertuples(index=False)
     ]
     alone = [f"  {row.name}: {row.own_process}" for row in table.itertuples() if row.process == "own"]
-    skipped = [
-        f"  {row.name}: {row.unavailable}" for row in table.itertuples() if isinstance(row.unavailable, str)
-    ]
+    skipped = [f"  {row.name}: {row.unavailable}" for row in table.itertuples() if row.unavailable]
     if alone:
         lines += [
             "",
@@ -239,24 +237,9 @@ def _run_ablate(args: argparse.Namespace) -> int:
     if args.link_gbps is not None:
         settings["link"] = {"bandwidth_gbps": args.link_gbps, "latency_ms": args.link_latency_ms}
     if args.dry_run:
-        keys = (
-            "model",
-            "data",
-            "techniques",
-            "mode",
-            "blocks",
-            "rounds",
-            "steps",
-            "warmup",
-            "batch_size",
-            "device",
-            "control",
-            "isolate",
-            "loader_arms",
-            "world_size",
-            "link",
-        )
-        print(format_plan(wb.plan(**{k: v for k, v in settings.items() if k in keys})))
+        from workbench.ablation import plan_arguments
+
+        print(format_plan(wb.plan(**plan_arguments(settings))))
         return 0
     from workbench.ablation import describe_plan
 

@@ -12,6 +12,7 @@ import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 MODES = ("one-at-a-time", "leave-one-out", "grid")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -94,7 +95,7 @@ class RunConfig:
     loader_arms: bool | str | None = None  # loader-only twins of input-pipeline arms; None: automatic
     world_size: int = 1  # ranks per arm: > 1 runs every arm as a DDP job (gloo on CPU, NCCL on CUDA)
     isolate: bool = False  # every arm in a process of its own, in every block (no arms side by side)
-    link: object = None  # a workbench.distributed.Link: a simulated network between the ranks
+    link: object = None  # a Link: a simulated network between the ranks
     # One arm in one block; past it the arm is recorded as failed. None: from the arm's warm-up
     # (workbench.process.ArmTimer).
     timeout_s: float | None = None
@@ -139,8 +140,49 @@ class RunConfig:
         if self.timeout_s is not None:
             set_("timeout_s", check_number("ablate", "timeout_s", self.timeout_s, above=0.0))
         set_("world_size", check_int("ablate", "world_size", self.world_size, 1))
-        from workbench.distributed import as_link
-
         object.__setattr__(self, "link", as_link(self.link))
         if self.link is not None and self.world_size < 2:
             raise ValueError("ablate: link simulates the network between ranks, so it needs world_size >= 2")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A simulated network link between the ranks (a simulation, not a measurement)."""
+
+    bandwidth_gbps: float  # gigabits per second, per rank
+    latency_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_number("link", "bandwidth_gbps", self.bandwidth_gbps, above=0.0)
+        if (
+            isinstance(self.latency_ms, bool)
+            or not isinstance(self.latency_ms, (int, float))
+            or self.latency_ms < 0
+        ):
+            raise ValueError(f"link: latency_ms must be a number >= 0; got {self.latency_ms!r}")
+
+    def delay_s(self, wire_bytes: float) -> float:
+        return self.latency_ms / 1e3 + 8 * wire_bytes / (self.bandwidth_gbps * 1e9)
+
+    def describe(self) -> str:
+        return f"simulated link: {self.bandwidth_gbps:g} Gbit/s, {self.latency_ms:g} ms latency"
+
+
+def as_link(value: Any) -> Link | None:
+    """``None``, a Link, or a dict like ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``."""
+    if value is None or isinstance(value, Link):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"bandwidth_gbps", "latency_ms"})
+        if unknown:
+            raise ValueError(
+                f"link: unknown option {unknown[0]!r}; valid options: bandwidth_gbps, latency_ms"
+            )
+        if "bandwidth_gbps" not in value:
+            raise ValueError(
+                "link: bandwidth_gbps is required, e.g. link={'bandwidth_gbps': 1.0, 'latency_ms': 0.1}"
+            )
+        return Link(**value)
+    raise ValueError(
+        f"link must be None or a dict like {{'bandwidth_gbps': 1.0, 'latency_ms': 0.1}}; got {value!r}"
+    )

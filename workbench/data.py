@@ -18,6 +18,7 @@ from the run's seed, and batches are always full (drop_last) so shapes never cha
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,41 +28,18 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from workbench.config import unknown_name_error
-from workbench.jpeg_folder import ImageFiles, JpegDataset, JpegFolder
+from workbench.data_spec import BUILTIN_DATA, DataSpec, builtin_spec
+from workbench.datasets import builders, ensure_built, jpeg, load
+from workbench.jpeg_folder import ImageFiles, JpegDataset, JpegFolder, scan
+from workbench.models import get_builtin_model
 
-BUILTIN_DATA = ("digits", "textures", "text", "jpeg", "synthetic")
 SYNTHETIC_SAMPLES = 2048
 JPEG_FOLDER_PREFIX = "jpeg-folder:"
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """What one sample looks like, so a built-in model can size itself."""
-
-    kind: str  # "image" (C, H, W floats) or "tokens" (T int64 ids)
-    shape: tuple[int, ...]
-    num_classes: int  # classes, or the vocabulary size for tokens
-
-
-def builtin_spec(name: str) -> DataSpec:
-    from workbench.datasets import digits, jpeg, text, textures
-
-    specs = {
-        "digits": DataSpec("image", digits.SHAPE, digits.NUM_CLASSES),
-        "textures": DataSpec("image", textures.SHAPE, textures.NUM_CLASSES),
-        "text": DataSpec("tokens", text.SHAPE, text.VOCAB),
-        "jpeg": DataSpec("image", (3, jpeg.CROP, jpeg.CROP), len(jpeg.CLASSES)),
-    }
-    if name not in specs:
-        raise unknown_name_error("dataset", name, BUILTIN_DATA)
-    return specs[name]
 
 
 def list_datasets():
     """A DataFrame of the built-in datasets: name, kind, sample shape, classes, summary."""
     import pandas as pd
-
-    from workbench.datasets import builders, jpeg
 
     summaries = {name: builder.summary for name, builder in builders().items()} | {"jpeg": jpeg.SUMMARY}
     rows = []
@@ -161,8 +139,6 @@ class DataSource:
         if self.builtin == "synthetic":
             return synthetic_dataset(self.spec, seed)
         if self.builtin is not None:
-            from workbench.datasets import load
-
             arrays = load(self.path)
             if self.builtin == "text":
                 return TokenWindows(arrays["corpus"], self.spec.shape[0])
@@ -181,8 +157,6 @@ def as_jpeg_folder(data: object) -> JpegFolder | None:
     if isinstance(data, str) and data.startswith(JPEG_FOLDER_PREFIX):
         return JpegFolder(data[len(JPEG_FOLDER_PREFIX) :])
     if isinstance(data, str) and data == "jpeg":
-        from workbench.datasets import jpeg
-
         return JpegFolder(str(jpeg.default_root()), size=jpeg.CROP, on_corrupt="raise")
     return None
 
@@ -190,8 +164,6 @@ def as_jpeg_folder(data: object) -> JpegFolder | None:
 def data_label(data: object, model: object = None) -> str:
     """A short name for ``data`` (the model's own dataset when None), without loading anything."""
     if data is None and isinstance(model, str):
-        from workbench.models import get_builtin_model
-
         return get_builtin_model(model).default_data
     if isinstance(data, JpegFolder):
         return f"{JPEG_FOLDER_PREFIX}{data.root}"
@@ -207,15 +179,11 @@ def image_size_of(data: object) -> int | None:
 
 
 def _resolve_jpeg_folder(folder: JpegFolder, label: str, builtin_model: Any) -> DataSource:
-    from workbench.jpeg_folder import scan
-
     if builtin_model is not None and "image" not in builtin_model.accepts:
         raise ValueError(
             f"model {builtin_model.name!r} trains on {', '.join(builtin_model.accepts)} data, not JPEG images"
         )
     if label == "jpeg":
-        from workbench.datasets import jpeg
-
         jpeg.ensure_built()
     images = scan(folder)
     spec = DataSpec("image", (3, folder.size, folder.size), len(images.classes))
@@ -224,9 +192,6 @@ def _resolve_jpeg_folder(folder: JpegFolder, label: str, builtin_model: Any) -> 
 
 def resolve_data(data: object, model: object, seed: int) -> DataSource:
     """Check ``data`` against ``model`` and describe how each arm will load it."""
-    from workbench.datasets import ensure_built
-    from workbench.models import get_builtin_model
-
     builtin_model = get_builtin_model(model) if isinstance(model, str) else None
     if data is None:
         if builtin_model is None:
@@ -400,8 +365,6 @@ def _check_batch(batch: object) -> None:
 
 def _seed_worker(worker_id: int) -> None:
     # DataLoader seeds torch in each worker; numpy and random are ours to seed.
-    import random
-
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)

@@ -32,3 +32,13 @@ def synchronize(device: torch.device) -> None:
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def current_precision() -> tuple[bool, bool]:
+    """Whether float32 (matmuls, cuDNN convolutions) run as TF32 in this process right now."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # the newer per-backend switches
+        return (
+            torch.backends.cuda.matmul.fp32_precision == "tf32",
+            torch.backends.cudnn.conv.fp32_precision == "tf32",
+        )
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

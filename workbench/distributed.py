@@ -36,55 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench.config import check_number
+from workbench.config import Link
 
 # The model is wrapped in DDP after every technique that changes the model (order below this)
 # and before those that must see the wrapped model (compile, order 90).
 DDP_ORDER = 85
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
-
-
-@dataclass(frozen=True)
-class Link:
-    """A simulated network link between the ranks (a simulation, not a measurement)."""
-
-    bandwidth_gbps: float  # gigabits per second, per rank
-    latency_ms: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_number("link", "bandwidth_gbps", self.bandwidth_gbps, above=0.0)
-        if (
-            isinstance(self.latency_ms, bool)
-            or not isinstance(self.latency_ms, (int, float))
-            or self.latency_ms < 0
-        ):
-            raise ValueError(f"link: latency_ms must be a number >= 0; got {self.latency_ms!r}")
-
-    def delay_s(self, wire_bytes: float) -> float:
-        return self.latency_ms / 1e3 + 8 * wire_bytes / (self.bandwidth_gbps * 1e9)
-
-    def describe(self) -> str:
-        return f"simulated link: {self.bandwidth_gbps:g} Gbit/s, {self.latency_ms:g} ms latency"
-
-
-def as_link(value: Any) -> Link | None:
-    """``None``, a Link, or a dict like ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``."""
-    if value is None or isinstance(value, Link):
-        return value
-    if isinstance(value, dict):
-        unknown = sorted(set(value) - {"bandwidth_gbps", "latency_ms"})
-        if unknown:
-            raise ValueError(
-                f"link: unknown option {unknown[0]!r}; valid options: bandwidth_gbps, latency_ms"
-            )
-        if "bandwidth_gbps" not in value:
-            raise ValueError(
-                "link: bandwidth_gbps is required, e.g. link={'bandwidth_gbps': 1.0, 'latency_ms': 0.1}"
-            )
-        return Link(**value)
-    raise ValueError(
-        f"link must be None or a dict like {{'bandwidth_gbps': 1.0, 'latency_ms': 0.1}}; got {value!r}"
-    )
 
 
 def free_port() -> int:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+import workbench
 from workbench import optional
+from workbench.mfu import peak_tflops
 from workbench.telemetry import usable_cores
 
 
@@ -88,8 +90,6 @@ def _gpu_info() -> dict:
 
 def environment() -> dict:
     """Versions, device, CPU and cores: a JSON-ready dict."""
-    import workbench
-
     return {
         "workbench": workbench.__version__,
         "git_revision": git_revision(),
@@ -120,8 +120,6 @@ def machine_summary(env: dict | None = None) -> dict:
 
 def gpu_line(env: dict) -> str:
     """``gpu       NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.1 GiB; dense peak TFLOP/s: ...)``."""
-    from workbench.mfu import peak_tflops
-
     name = env["gpus"][0]
     peaks = []
     for dtype in ("bfloat16", "float16", "tf32", "float32"):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench import raw_kernels
+from workbench.models import TransformerBlock
 
 # --- launch helpers ----------------------------------------------------------------------------
 
@@ -306,8 +307,6 @@ def fuse_model(
       ``residual_dropout_layer_norm`` themselves; a forward cannot be pattern-matched safely.
     Swapping works on any device; running the fused modules needs CUDA and CuPy.
     """
-    from workbench.models import TransformerBlock
-
     replaced: list[Replacement] = []
     absorbed: set[int] = set()  # LayerNorms that a fused residual kernel now computes
     if residual_layer_norm:

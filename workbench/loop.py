@@ -1,6 +1,12 @@
-"""The one train step. Techniques never branch it: they set fields of a TrainSetup, and
-every field degrades to a no-op when its technique is off (no autocast, a disabled
-GradScaler, one micro-batch, no input transform).
+"""The one train step, with named hook points that techniques fill.
+
+A step is: **batch** (fetch, move to the device, input transforms), **split** (into
+micro-batches), for each micro-batch **forward** (inside ``forward_context``) and
+**backward** (through the loss scaler), then the **optimizer step** (through the loss
+scaler). Techniques never branch the step: they set a hook point's field of the
+TrainSetup, and every field's default is the plain step (one micro-batch, no context, no
+loss scaling), so a technique that is off changes nothing. amp fills forward_context and
+the loss scaler (workbench/techniques/amp.py), grad_accum the split (grad_accum.py).
 """
 
 from __future__ import annotations
@@ -8,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,36 @@ def make_optimizer(name: str, lr: float) -> Callable[[Any], torch.optim.Optimize
     return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
+class LossScaler(Protocol):
+    """What backward and the optimizer step go through (torch.amp.GradScaler fits it)."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+    def step(self, optimizer: torch.optim.Optimizer) -> Any: ...
+    def update(self) -> None: ...
+
+
+class NoLossScaling:
+    """The default loss scaler: backward of the loss as it is, a plain optimizer step."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def step(self, optimizer: torch.optim.Optimizer) -> Any:
+        return optimizer.step()
+
+    def update(self) -> None:
+        pass
+
+
+class WholeBatch:
+    """The default split: the batch is one micro-batch, carrying all of the loss."""
+
+    parts = 1
+
+    def __call__(self, inputs: Any, targets: torch.Tensor) -> list[tuple[Any, torch.Tensor, float]]:
+        return [(inputs, targets, 1.0)]
+
+
 @dataclass
 class TrainSetup:
     """Everything the train step needs. Techniques edit it in their ``order``."""
@@ -40,10 +76,22 @@ class TrainSetup:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     make_optimizer: Callable[[Any], torch.optim.Optimizer]
     loader_options: dict[str, Any] = field(default_factory=dict)  # DataLoader keyword arguments
-    autocast_dtype: torch.dtype | None = None
-    grad_scaler: bool = False
-    micro_batches: int = 1
+    # --- hook points of the step, in the order the step reaches them ---
+    # batch: transforms applied to the inputs once they are on the device (channels_last).
     input_transforms: list[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
+    # split: (inputs, targets) -> [(inputs, targets, share of the batch)]; ``parts`` says how
+    # many (grad_accum: its micro-batches).
+    split_batch: Callable[[Any, torch.Tensor], list[tuple[Any, torch.Tensor, float]]] = field(
+        default_factory=WholeBatch
+    )
+    # forward: the context each micro-batch's forward and loss run in (amp: autocast).
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # backward and optimizer step: a fresh LossScaler per arm (amp with float16: a GradScaler).
+    make_loss_scaler: Callable[[], LossScaler] = NoLossScaling
+    # --- what the hooks above leave for others to read ---
+    autocast_dtype: torch.dtype | None = None  # amp's dtype: what matmuls run in, for MFU's peak
+    loss_scaling: bool = False  # amp with float16: the scaler reads found_inf on the CPU each step
+    autocast_cache: bool = True  # autocast's weight-cast cache must be off inside graph capture
     # An input pipeline that replaces the DataLoader (dali): (source, batch_size, seed) -> batches.
     make_batches: Callable[[Any, int, int], Iterator] | None = None
     # Data-parallel arms: this process's rank, and how DDP communicates (ddp_compression edits it).
@@ -52,34 +100,10 @@ class TrainSetup:
     comm: Any = None  # a workbench.distributed.CommSettings when world_size > 1
     # cuda_graphs: runs the compute step (trainer.compute) as a captured CUDA graph, replayed.
     graph_step: Callable[[Trainer, Any, torch.Tensor, StepClock], torch.Tensor] | None = None
-    autocast_cache: bool = True  # autocast's weight-cast cache must be off inside graph capture
     # Process-wide switches a technique flips (TF32): context managers entered around each of
     # this arm's windows (warm-up, timed windows, the memory step) and left after it, so that
     # other arms sharing the process never run under them.
     window_settings: list[Callable[[], contextlib.AbstractContextManager]] = field(default_factory=list)
-
-
-def split_batch(inputs: Any, targets: torch.Tensor, parts: int):
-    """Yield (inputs, targets, share) micro-batches; ``share`` is each one's fraction of the batch.
-
-    Weighting each micro-batch's mean loss by its share makes the accumulated gradient
-    equal the full batch's gradient, even when the batch does not divide evenly.
-    """
-    if parts == 1:
-        yield inputs, targets, 1.0
-        return
-    size = len(targets)
-    input_chunks = _split(inputs, parts)
-    for micro_inputs, micro_targets in zip(input_chunks, targets.tensor_split(parts), strict=True):
-        yield micro_inputs, micro_targets, len(micro_targets) / size
-
-
-def _split(inputs: Any, parts: int) -> list:
-    if isinstance(inputs, torch.Tensor):
-        return list(inputs.tensor_split(parts))
-    if isinstance(inputs, (tuple, list)):
-        return [type(inputs)(chunk) for chunk in zip(*(_split(x, parts) for x in inputs), strict=True)]
-    raise TypeError(f"cannot split inputs of type {type(inputs).__name__} into micro-batches")
 
 
 def to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -96,13 +120,7 @@ class Trainer:
         self.model = setup.model
         self.batches = batches
         self.optimizer = setup.make_optimizer(self.model.parameters())
-        self.scaler = torch.amp.GradScaler(setup.device.type, enabled=setup.grad_scaler)
-        dtype = setup.autocast_dtype
-        self.autocast = (
-            (lambda: torch.autocast(setup.device.type, dtype=dtype, cache_enabled=setup.autocast_cache))
-            if dtype
-            else contextlib.nullcontext
-        )
+        self.scaler = setup.make_loss_scaler()  # per arm: a GradScaler's scale is state
         # Pinned host memory is what lets a host-to-device copy run asynchronously.
         self.non_blocking = bool(setup.loader_options.get("pin_memory")) and setup.device.type == "cuda"
         self.keep_gradients_local = no_sync_context(self.model, setup.comm)
@@ -110,6 +128,7 @@ class Trainer:
         self.model.train()
 
     def next_batch(self) -> tuple[Any, torch.Tensor]:
+        """The batch hook point: fetch, move to the device, apply the input transforms."""
         inputs, targets = next(self.batches)
         self.samples_seen += len(targets)
         inputs = to_device(inputs, self.setup.device, self.non_blocking)
@@ -119,7 +138,7 @@ class Trainer:
         return inputs, targets
 
     def step(self, clock: StepClock) -> torch.Tensor:
-        """One optimizer step over one batch (split into micro-batches under grad_accum)."""
+        """One optimizer step over one batch."""
         clock.start()
         inputs, targets = self.next_batch()
         clock.lap("data")
@@ -132,21 +151,21 @@ class Trainer:
 
     def compute(self, inputs: Any, targets: torch.Tensor, clock: StepClock) -> torch.Tensor:
         """Forward, backward and the optimizer step: everything in a step after the data arrives."""
+        parts = self.setup.split_batch(inputs, targets)
         step_loss = None
-        micro_batches = split_batch(inputs, targets, self.setup.micro_batches)
-        for index, (micro_inputs, micro_targets, share) in enumerate(micro_batches):
-            last = index == self.setup.micro_batches - 1
+        for index, (part_inputs, part_targets, share) in enumerate(parts):
+            last = index == len(parts) - 1
             # DDP with no_sync keeps the gradients of all but the last micro-batch local.
             with contextlib.nullcontext() if last else self.keep_gradients_local():
-                with self.autocast():
-                    loss = self.setup.loss_fn(self.model(micro_inputs), micro_targets)
+                with self.setup.forward_context():
+                    loss = self.setup.loss_fn(self.model(part_inputs), part_targets)
                 if share != 1.0:
-                    loss = loss * share  # grad_accum: weight each micro-batch by its share of the batch
+                    loss = loss * share  # each micro-batch's mean loss, weighted by its share of the batch
                 clock.lap("forward")
                 self.scaler.scale(loss).backward()  # gradients add up across micro-batches
                 clock.lap("backward")
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
-        self.scaler.step(self.optimizer)  # unscales first; skips the step if gradients overflowed
+        self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         clock.lap("optimizer")

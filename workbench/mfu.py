@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from workbench.devices import current_precision
 from workbench.loop import to_device
 
 # Dense peak TFLOP/s per compute dtype. Matched against torch.cuda.get_device_name() in this
@@ -60,8 +61,6 @@ def compute_dtype(model: torch.nn.Module, autocast_dtype: torch.dtype | None) ->
     dtype = parameter.dtype if parameter is not None else torch.float32
     if dtype in (torch.float16, torch.bfloat16, torch.float64):
         return str(dtype).removeprefix("torch.")
-    from workbench.techniques.tf32 import current_precision
-
     matmul_tf32, _ = current_precision()  # the matmul flag decides; cuDNN convolutions have their own
     return "tf32" if matmul_tf32 else "float32"
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import unknown_name_error
-from workbench.data import DataSpec, builtin_spec
+from workbench.data_spec import DataSpec, builtin_spec
 
 
 class MLPBlock(nn.Module):

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from workbench.distributed import free_port
+
 KILL_GRACE_S = 3.0
 POLL_S = 0.5
 DEAD_RANK_GRACE_S = 5.0  # after a rank dies, how long the others get to report what they saw
@@ -176,8 +178,6 @@ def rank_log(log_path: Path, rank: int) -> Path:
 
 
 def _start_ranks(payload: bytes, log_path: Path, env: dict[str, str] | None, world_size: int, only_rank=None):
-    from workbench.distributed import free_port
-
     header = json.dumps({"sys_path": sys.path}).encode() + b"\n"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # Under torchrun the parent's environment says to use torchrun's own store; a unit's ranks

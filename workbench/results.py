@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,8 @@ import numpy as np
 
 from workbench import stats
 from workbench.mfu import achieved_tflops, mfu_percent, peak_tflops
-from workbench.results_folder import ResultsFolder
+from workbench.plots import plot_results
+from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.telemetry import PHASES
 
 SCHEMA = "workbench-results/2"  # 2: blocks (several arms per process) replaced one process per run
@@ -343,37 +343,14 @@ def _communication(row: dict, results: list[dict], base_comm: float) -> None:
     )
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/Infinity: store them as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _clean(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(item) for item in value]
-    if isinstance(value, np.generic):
-        return _clean(value.item())
-    return value
-
-
-def write_json_atomic(path: Path, record: Any) -> None:
-    """Write to a temporary file and rename it into place: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as file:
-            json.dump(_clean(record), file, indent=1, allow_nan=False)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 class Results:
     """The outcome of an ablation. ``table`` is the summary; the rest is what it came from."""
 
     def __init__(self, record: dict, path: Path | None = None):
-        self.record = record
+        # The record in its JSON form (an unavailable figure is None, never NaN), so a Results
+        # fresh from a run and one read back from results.json are equal; Results.table turns
+        # None into NaN in its number columns, as pandas does.
+        self.record = json_values(record)
         self.path = path
 
     @property
@@ -468,8 +445,6 @@ class Results:
         return pd.DataFrame(self.record.get("telemetry", []))
 
     def plot(self):
-        from workbench.plots import plot_results
-
         return plot_results(self)
 
     def save(self, path: str | os.PathLike | ResultsFolder) -> Path:

@@ -14,10 +14,15 @@ Two promises rest on this module:
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 try:  # POSIX; workbench's workers and process groups are POSIX-only too
     import fcntl
@@ -147,8 +152,6 @@ class ResultsFolder:
         return [str(entry) for entry in entries]
 
     def _write_manifest(self) -> None:
-        from workbench.results import write_json_atomic
-
         write_json_atomic(self.path / MANIFEST, {"files": sorted(self._owned)})
 
 
@@ -158,3 +161,29 @@ def _parse_holder(text: str) -> str:
         return f"process {holder['pid']} on {holder['host']}, since {time.ctime(holder['since'])}"
     except (ValueError, KeyError, TypeError):
         return "a process that left no details"
+
+
+def json_values(value: Any) -> Any:
+    """JSON has no NaN/Infinity: an unavailable figure is null (None), in files and in memory."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_values(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_values(item) for item in value]
+    if isinstance(value, np.generic):
+        return json_values(value.item())
+    return value
+
+
+def write_json_atomic(path: Path, record: Any) -> None:
+    """Write to a temporary file and rename it into place: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(json_values(record), file, indent=1, allow_nan=False)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -25,10 +25,13 @@ from typing import Any
 
 import ipywidgets as w
 
+from workbench.ablation import ablate, plan, plan_arguments
 from workbench.config import MODES
-from workbench.data import BUILTIN_DATA
-from workbench.models import BUILTIN_MODELS, model_label
-from workbench.techniques import Technique, all_techniques
+from workbench.data import BUILTIN_DATA, data_label, image_size_of
+from workbench.devices import resolve_device
+from workbench.models import BUILTIN_MODELS, inspect_model, model_label
+from workbench.plots import plot_live
+from workbench.techniques import Context, Technique, all_techniques
 
 REDRAW_S = 1.0
 
@@ -312,11 +315,6 @@ class AblationPanel(w.VBox):
 
     def refresh_availability(self) -> None:
         """Re-check every technique against the chosen model and device."""
-        from workbench.data import data_label, image_size_of
-        from workbench.devices import resolve_device
-        from workbench.models import inspect_model
-        from workbench.techniques import Context
-
         try:
             model = self._model_value()
             data = self._data_value()
@@ -368,23 +366,9 @@ class AblationPanel(w.VBox):
         if self.running:
             self.status.value = _error_html("A run is already in progress: wait for it, or press Stop first.")
             return False
-        from workbench.ablation import plan
-
         arguments = self.arguments()
         try:  # the same validation, and the same one-line messages, as the API
-            keys = (
-                "model",
-                "data",
-                "loss_fn",
-                "techniques",
-                "mode",
-                "blocks",
-                "batch_size",
-                "device",
-                "steps",
-                "warmup",
-            )
-            plan(**{key: arguments[key] for key in keys})
+            plan(**plan_arguments(arguments))
         except ValueError as error:
             self.status.value = _error_html(str(error))
             return False
@@ -420,8 +404,6 @@ class AblationPanel(w.VBox):
         return self.results
 
     def _run_in_background(self, arguments: dict) -> None:
-        from workbench.ablation import ablate
-
         try:
             self.results = ablate(**arguments, progress=False, on_event=self.live, stop=self._stop)
         except Exception as error:  # shown in the panel: a thread has nowhere else to report
@@ -457,8 +439,6 @@ class AblationPanel(w.VBox):
             time.sleep(REDRAW_S)
 
     def _draw_live(self) -> None:
-        from workbench.plots import plot_live
-
         snapshot = self.live.snapshot()
         self.live_image.value = plot_live(snapshot)._repr_png_()
         self.live_image.layout.display = None
@@ -483,8 +463,6 @@ def _is_batches(data: Any) -> bool:
 
 
 def _short_label(data: Any) -> str:
-    from workbench.data import data_label
-
     label = data_label(data)
     return label if len(label) <= 40 else "..." + label[-37:]
 

@@ -59,7 +59,7 @@ class BlockSpec:
     optimizer: str = "adamw"
     lr: float = 1e-3
     progress_interval_s: float = 0.5
-    link: Any = None  # a workbench.distributed.Link: the simulated network, for DDP arms
+    link: Any = None  # a workbench.config.Link: the simulated network, for DDP arms
     comm_timeout_s: float = 120.0  # a collective waiting longer than this for a dead peer fails
 
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from workbench.config import unknown_name_error
+from workbench.devices import resolve_device
+from workbench.models import inspect_model
 from workbench.techniques.base import Context, Technique
 
 _REGISTRY: dict[str, Technique] = {}
@@ -57,18 +59,24 @@ def get_technique(name: str) -> Technique:
         raise unknown_name_error("technique", name, _REGISTRY) from None
 
 
-def parse_techniques(techniques: Mapping[str, Any] | None) -> list[tuple[Technique, Any]]:
+def parse_techniques(
+    techniques: Mapping[str, Any] | list[str] | tuple[str, ...] | None,
+) -> list[tuple[Technique, Any]]:
     """``{"amp": {"dtype": "bfloat16"}, "compile": True}`` -> [(technique, config)], in order.
 
-    ``None`` selects every registered technique with its default settings; a value of
+    ``None`` selects every registered technique with its default settings, and so does a
+    list of names for those it names (``["amp", "tf32"]``, as the CLI's ``-t`` gives). A value of
     False or None switches one off. A list of values for a setting sweeps it: the technique
     then appears once per value (once per combination when several settings are lists).
     """
     if techniques is None:
         return [(t, t.Config()) for t in all_techniques()]
+    if isinstance(techniques, (list, tuple)) and all(isinstance(name, str) for name in techniques):
+        techniques = dict.fromkeys(techniques, True)
     if not isinstance(techniques, Mapping):
         raise ValueError(
-            f"techniques must be a dict like {{'amp': {{'dtype': 'bfloat16'}}, 'compile': True}}; got {techniques!r}"
+            "techniques must be a dict like {'amp': {'dtype': 'bfloat16'}, 'compile': True} "
+            f"or a list of names like ['amp', 'tf32']; got {techniques!r}"
         )
     chosen = []
     for name, value in techniques.items():
@@ -95,13 +103,15 @@ def _expand_sweep(name: str, value: Any) -> list[Any]:
     return [{**value, **dict(zip(keys, combo, strict=True))} for combo in itertools.product(*swept.values())]
 
 
-def conflict_reason(names: list[str]) -> str | None:
-    """Why these techniques cannot all be combined (naming both sides), or None."""
-    for i, first in enumerate(names):
-        for second in names[i + 1 :]:
-            reason = _REGISTRY[first].conflicts.get(second) or _REGISTRY[second].conflicts.get(first)
+def conflict_reason(techniques: list[tuple[Technique, Any]]) -> str | None:
+    """Why these techniques, with these settings, cannot all run in one arm (naming both), or None."""
+    for index, (first, first_config) in enumerate(techniques):
+        for second, second_config in techniques[index + 1 :]:
+            reason = first.conflict_with(first_config, second, second_config) or second.conflict_with(
+                second_config, first, first_config
+            )
             if reason:
-                return f"{first} and {second} cannot be combined: {reason}"
+                return f"{first.name} and {second.name} cannot be combined: {reason}"
     return None
 
 
@@ -112,9 +122,6 @@ def list_techniques(device: str = "auto", model: Any = None):
     factory); without a model, model-specific conditions are not checked.
     """
     import pandas as pd
-
-    from workbench.devices import resolve_device
-    from workbench.models import inspect_model
 
     resolved = resolve_device(device)
     instance, model_name = inspect_model(model) if model is not None else (None, "")

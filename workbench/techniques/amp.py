@@ -61,11 +61,22 @@ class Amp(Technique):
         return None
 
     def apply(self, setup, config: AmpConfig) -> str:
-        setup.autocast_dtype = getattr(torch, config.dtype)
-        # float16's 5-bit exponent underflows small gradients; bfloat16 shares float32's 8 bits.
-        setup.grad_scaler = config.dtype == "float16"
+        dtype, device_type = getattr(torch, config.dtype), setup.device.type
+        setup.autocast_dtype = dtype
+
+        def autocast() -> torch.autocast:
+            # Read when each forward starts: cuda_graphs (applied later) turns the cast cache off.
+            return torch.autocast(device_type, dtype=dtype, cache_enabled=setup.autocast_cache)
+
+        setup.forward_context = autocast
+        if config.dtype == "float16":
+            # float16's 5-bit exponent underflows small gradients: scale the loss up for backward,
+            # unscale before the optimizer step, skip a step whose gradients overflowed.
+            # bfloat16 shares float32's 8 exponent bits and needs none of this.
+            setup.loss_scaling = True
+            setup.make_loss_scaler = lambda: torch.amp.GradScaler(device_type)
         return f"autocast to {config.dtype}" + (
-            " with loss scaling (GradScaler)" if setup.grad_scaler else ""
+            " with loss scaling (GradScaler)" if setup.loss_scaling else ""
         )
 
 

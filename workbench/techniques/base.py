@@ -10,7 +10,8 @@ A technique is a small class with
   in one place, each failing with a human reason;
 - ``check()``: any further condition, also answered with a reason;
 - ``validate()``: settings that contradict the run (bad input) raise ValueError;
-- ``conflicts``: other techniques it cannot be combined with, and why;
+- ``conflicts``: other techniques it cannot be combined with, and why; ``conflict_with()``
+  answers from the settings on both sides, when they decide it;
 - ``apply()``: how it changes the run, by editing a :class:`~workbench.loop.TrainSetup`;
 - ``own_process()``: why its arm cannot share a block's process with other arms, or None.
 
@@ -157,6 +158,15 @@ class Technique:
 
     def validate(self, ctx: Context, config: Any) -> None:
         """Raise ValueError when the settings cannot make sense for this run (bad input)."""
+
+    def conflict_with(self, config: Any, other: Technique, other_config: Any) -> str | None:
+        """Why this technique, with these settings, cannot run in one arm with ``other`` (None: it can).
+
+        Asked at plan time, for both orders of every pair in an arm, so an impossible combination
+        is an ``unavailable`` row (or a leave-one-out error) before anything runs. The default
+        answers from ``conflicts``, by name; override it when the answer depends on the settings.
+        """
+        return self.conflicts.get(other.name)
 
     def own_process(self, ctx: Context, config: Any) -> str | None:
         """Why an arm with these settings needs a process of its own, or None if it can share one."""

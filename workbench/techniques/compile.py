@@ -7,9 +7,10 @@ What it does
 
 When it helps
     Models with many small or elementwise ops, where eager mode pays per-op launch and
-    memory-traffic costs: the seeds' "operator fusion to reduce kernel launches" (Baidu
-    AIAK-Training write-up), done by a compiler. ``reduce-overhead`` adds CUDA Graphs to cut
-    launch overhead further on GPUs; ``max-autotune`` benchmarks kernel variants.
+    memory-traffic costs: the operator fusion that reduces kernel launches in Baidu
+    Intelligent Cloud Tech Hub's "How to Supercharge AI Model Training", done by a compiler.
+    ``reduce-overhead`` adds CUDA Graphs to cut launch overhead further on GPUs;
+    ``max-autotune`` benchmarks kernel variants.
 
 When it hurts
     Start-up: compiling costs seconds to minutes before the first step. That cost is

@@ -13,10 +13,10 @@ What it does
 
 When it helps
     Launch-bound steps: small models and small batches, where the GPU idles while Python
-    issues kernels one at a time (the seeds' Baidu write-up counts CUDA Graph among the
-    compute optimizations for exactly this). The PyTorch blog "Accelerating PyTorch with
-    CUDA Graphs" (2021) reports 1.70x on Mask R-CNN in NVIDIA's MLPerf submission, and about
-    5x on the graphed backbone alone.
+    issues kernels one at a time (Baidu Intelligent Cloud Tech Hub's "How to Supercharge AI
+    Model Training" counts CUDA Graph among the compute optimizations for exactly this). The
+    PyTorch blog "Accelerating PyTorch with CUDA Graphs" (2021) reports 1.70x on Mask R-CNN
+    in NVIDIA's MLPerf submission, and about 5x on the graphed backbone alone.
 
 When it hurts
     Large kernels gain nothing: their launch cost is already hidden. The graph keeps a
@@ -55,6 +55,14 @@ from workbench.techniques.base import Context, Technique
 from workbench.telemetry import StepClock
 
 MODES = ("manual", "compile")
+FLOAT16_AMP = (
+    "float16 amp's GradScaler.step reads found_inf on the CPU to decide whether to skip the step, "
+    "a sync a graph cannot hold; use amp with dtype bfloat16 (no scaler)"
+)
+COMPILED_TWICE = (
+    "mode='compile' is torch.compile(mode='reduce-overhead'), so with the compile technique on as well "
+    "the model would be compiled twice: use one of them, or cuda_graphs mode='manual'"
+)
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,13 @@ class CudaGraphs(Technique):
         "which a replayed graph would freeze",
     }
 
+    def conflict_with(self, config: CudaGraphsConfig, other: Technique, other_config: Any) -> str | None:
+        if other.name == "amp" and getattr(other_config, "dtype", None) == "float16":
+            return FLOAT16_AMP
+        if other.name == "compile" and config.mode == "compile":
+            return COMPILED_TWICE
+        return super().conflict_with(config, other, other_config)
+
     def check(self, ctx: Context, config: CudaGraphsConfig) -> str | None:
         if ctx.world_size > 1:
             return (
@@ -203,17 +218,13 @@ class CudaGraphs(Technique):
             )
 
     def apply(self, setup, config: CudaGraphsConfig) -> str:
-        if setup.grad_scaler:
-            raise ValueError(
-                "cuda_graphs cannot capture float16 amp: GradScaler.step reads found_inf on the CPU to decide "
-                "whether to skip the step, a sync a graph cannot hold; use amp with dtype bfloat16 (no scaler)"
-            )
+        # Plan time refuses these combinations (conflict_with); a user's own technique that turns
+        # on the scaler or compiles the model is caught here, before a capture that cannot work.
+        if setup.loss_scaling:
+            raise ValueError(f"cuda_graphs cannot capture float16 amp: {FLOAT16_AMP}")
         if config.mode == "compile":
             if isinstance(setup.model, torch._dynamo.eval_frame.OptimizedModule):
-                raise ValueError(
-                    "cuda_graphs(mode='compile') is torch.compile(mode='reduce-overhead'); with the compile "
-                    "technique on as well the model would be compiled twice: use one of them, or mode='manual'"
-                )
+                raise ValueError(f"cuda_graphs(mode='compile'): {COMPILED_TWICE}")
             setup.model = torch.compile(setup.model, mode="reduce-overhead")
             return "torch.compile(mode='reduce-overhead'): CUDA-graph trees for forward and backward"
         build = setup.make_optimizer

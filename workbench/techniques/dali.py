@@ -12,10 +12,11 @@ What it does
 
 When it helps
     When the step waits for data: a large ``data_ms`` in the breakdown, a loader-only arm
-    that feeds fewer images per second than training consumes. The seeds name data loading
-    (storage I/O, CPU decode and augmentation, host-to-device copies) as the most common
-    bottleneck, and DALI as the tool that moves decode and augmentation off the Python
-    workers and, on a GPU, off the CPU altogether (NVIDIA DALI documentation).
+    that feeds fewer images per second than training consumes. Baidu Intelligent Cloud Tech
+    Hub ("How to Supercharge AI Model Training") and "Advanced AI Training Analysis"
+    (serverrental.store, 2026) name data loading (storage I/O, CPU decode and augmentation,
+    host-to-device copies) as the most common bottleneck. DALI moves decode and augmentation
+    off the Python workers and, on a GPU, off the CPU altogether (NVIDIA DALI documentation).
 
 When it hurts
     When data is not the bottleneck, it only adds start-up time. On a machine with few

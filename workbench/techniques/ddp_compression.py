@@ -14,12 +14,12 @@ What it does
 
 When it helps
     When gradient synchronization is a large share of the step: a slow or shared network,
-    many ranks, a model with many parameters per unit of compute. The seeds list these
-    levers for distributed training: compressing what is sent (16-bit casting, low-rank
-    PowerSGD), overlapping communication with backward, and communicating less often
-    (Baidu Intelligent Cloud Tech Hub, 'How to Supercharge AI Model Training'). PowerSGD
-    (Vogels et al., NeurIPS 2019) reports over 100x less traffic at rank 1-2 with accuracy
-    close to full precision on image models.
+    many ranks, a model with many parameters per unit of compute. Baidu Intelligent Cloud
+    Tech Hub's "How to Supercharge AI Model Training" lists these levers for distributed
+    training: compressing what is sent (16-bit casting, low-rank PowerSGD), overlapping
+    communication with backward, and communicating less often.
+    PowerSGD (Vogels et al., NeurIPS 2019) reports over 100x less traffic at rank 1-2 with
+    accuracy close to full precision on image models.
 
 When it hurts
     Compression costs compute (casts; for PowerSGD, matrix products and an
@@ -106,8 +106,8 @@ class DdpCompression(Technique):
                     note += f"; one {single:.1f} MB bucket, because PowerSGD on gloo aborts with several"
         if comm.bucket_cap_mb is not None:
             note += f"; bucket_cap_mb={comm.bucket_cap_mb:g}"
-        if config.no_sync and setup.micro_batches > 1:
-            note += f"; no_sync: one all-reduce per {setup.micro_batches} micro-batches"
+        if config.no_sync and setup.split_batch.parts > 1:
+            note += f"; no_sync: one all-reduce per {setup.split_batch.parts} micro-batches"
         return note
 
 

@@ -26,6 +26,9 @@ Settings
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from workbench.config import check_int
 from workbench.techniques.base import Context, Technique
@@ -37,6 +40,31 @@ class GradAccumConfig:
 
     def __post_init__(self) -> None:
         check_int("grad_accum", "steps", self.steps, 1)
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """The train step's split hook under grad_accum: ``parts`` micro-batches per batch.
+
+    Each comes with its share of the batch; weighting each micro-batch's mean loss by its
+    share makes the accumulated gradient equal the full batch's, even when the batch does not
+    divide evenly (tensor_split makes the first parts one sample larger).
+    """
+
+    parts: int
+
+    def __call__(self, inputs: Any, targets: torch.Tensor) -> list[tuple[Any, torch.Tensor, float]]:
+        size = len(targets)
+        chunks = zip(_split(inputs, self.parts), targets.tensor_split(self.parts), strict=True)
+        return [(part_inputs, part_targets, len(part_targets) / size) for part_inputs, part_targets in chunks]
+
+
+def _split(inputs: Any, parts: int) -> list:
+    if isinstance(inputs, torch.Tensor):
+        return list(inputs.tensor_split(parts))
+    if isinstance(inputs, (tuple, list)):
+        return [type(inputs)(chunk) for chunk in zip(*(_split(x, parts) for x in inputs), strict=True)]
+    raise TypeError(f"grad_accum cannot split inputs of type {type(inputs).__name__} into micro-batches")
 
 
 class GradAccum(Technique):
@@ -53,7 +81,7 @@ class GradAccum(Technique):
             )
 
     def apply(self, setup, config: GradAccumConfig) -> str:
-        setup.micro_batches = config.steps
+        setup.split_batch = MicroBatches(config.steps)
         return f"{config.steps} micro-batches per optimizer step"
 
 

@@ -16,7 +16,8 @@ When it hurts
     those it is reported as unavailable rather than as a 1.0x "speedup".
 
 Settings
-    ``matmul`` (default True) and ``cudnn`` (default True): which kernels may use TF32.
+    ``matmul`` (default True) and ``cudnn`` (default True): which kernels this arm switches
+    to TF32 (False leaves that kind as the process has it).
     The flags are process-wide: workbench sets them around each of the arm's windows and
     restores them after it, so tf32 shares a block's process with the other arms.
 """
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench.config import check_bool
+from workbench.devices import current_precision  # noqa: F401 - where callers looked for it before
 from workbench.techniques.base import Context, Technique
 
 
@@ -45,10 +47,17 @@ class Tf32Config:
             raise ValueError("tf32: matmul and cudnn are both False, which would change nothing")
 
 
-def _set_precision(matmul: bool, cudnn: bool) -> None:
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # PyTorch >= 2.9
-        torch.backends.cuda.matmul.fp32_precision = "tf32" if matmul else "ieee"
-        torch.backends.cudnn.conv.fp32_precision = "tf32" if cudnn else "ieee"
+def _raw_flags() -> tuple:
+    """The flags exactly as torch holds them (on PyTorch >= 2.9 the strings, 'none' included)."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        return torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def _write_flags(matmul: object, cudnn: object) -> None:
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = matmul
+        torch.backends.cudnn.conv.fp32_precision = cudnn
     else:
         torch.backends.cuda.matmul.allow_tf32 = matmul
         torch.backends.cudnn.allow_tf32 = cudnn
@@ -56,22 +65,16 @@ def _set_precision(matmul: bool, cudnn: bool) -> None:
 
 @contextlib.contextmanager
 def precision(matmul: bool, cudnn: bool) -> Iterator[None]:
-    """TF32 on (or off) for matmuls and cuDNN convolutions inside the block; as before after it."""
-    previous = current_precision()
-    _set_precision(matmul, cudnn)
+    """TF32 on for matmuls and/or cuDNN convolutions inside the block (a False leaves that flag
+    as it was); after it, every flag exactly as before, so the block's other arms, and the
+    check that no arm leaves process-wide state changed, see the flags they saw."""
+    previous = _raw_flags()
+    on = "tf32" if hasattr(torch.backends.cuda.matmul, "fp32_precision") else True
+    _write_flags(on if matmul else previous[0], on if cudnn else previous[1])
     try:
         yield
     finally:
-        _set_precision(*previous)
-
-
-def current_precision() -> tuple[bool, bool]:
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        return (
-            torch.backends.cuda.matmul.fp32_precision == "tf32",
-            torch.backends.cudnn.conv.fp32_precision == "tf32",
-        )
-    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        _write_flags(*previous)
 
 
 class Tf32(Technique):

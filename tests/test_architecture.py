@@ -1,0 +1,160 @@
+"""The house's floors: every workbench module sits on a layer, imports only from its own layer
+or below, and no import (at the top of a file or inside a function) closes a cycle.
+
+ARCHITECTURE.md draws the same layers; a new module fails here until it is given one.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "workbench"
+
+# From the bottom. Results sit below ablation because ablate() builds and returns a Results.
+LAYERS = {
+    1: "config, validation and measurement primitives",
+    2: "data and models",
+    3: "techniques",
+    4: "the train step",
+    5: "worker and process",
+    6: "results and plots",
+    7: "ablation",
+    8: "the CLI and the widgets",
+}
+LAYER_OF = {
+    "workbench.config": 1,
+    "workbench.optional": 1,
+    "workbench.devices": 1,
+    "workbench.stats": 1,
+    "workbench.telemetry": 1,
+    "workbench.data_spec": 2,
+    "workbench.jpeg_folder": 2,
+    "workbench.models": 2,
+    "workbench.data": 2,
+    "workbench.techniques": 3,  # the registry and every technique module under it
+    "workbench.raw_kernels": 3,
+    "workbench.fused_ops": 3,
+    "workbench.kernel_bench": 3,
+    "workbench.distributed": 3,
+    "workbench.loop": 4,
+    "workbench.mfu": 4,
+    "workbench.process_state": 5,
+    "workbench.block": 5,
+    "workbench.worker": 5,
+    "workbench.process": 5,
+    "workbench.environment": 5,
+    "workbench.results_folder": 6,
+    "workbench.plots": 6,
+    "workbench.results": 6,
+    "workbench.ablation": 7,
+    "workbench.widgets": 8,
+    "workbench.cli": 8,
+    "workbench.__main__": 8,
+}
+# The package's __init__ only names its exports, imported lazily on first use; the shipped
+# datasets (installed as workbench.datasets from datasets/) import nothing of workbench's.
+OUTSIDE_THE_FLOORS = {"workbench", "workbench.datasets"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int | None:
+    if module.startswith("workbench.techniques."):
+        module = "workbench.techniques"
+    return LAYER_OF.get(module)
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (they never run)."""
+    hidden = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            hidden |= {id(child) for child in ast.walk(node)}
+    return hidden
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The workbench modules this file imports, wherever the import statement stands."""
+    tree = ast.parse(path.read_text())
+    hidden = _type_checking_only(tree)
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from workbench import optional` imports the module workbench.optional.
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {_module_name(path) for path in paths} | OUTSIDE_THE_FLOORS
+    graph = {}
+    for path in paths:
+        name = _module_name(path)
+        if name != "workbench":
+            graph[name] = _imports(path, modules) - {name} - OUTSIDE_THE_FLOORS
+    return graph
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(name for name in _graph() if _layer(name) is None)
+    assert not unplaced, f"give these modules a layer in LAYER_OF (and ARCHITECTURE.md): {unplaced}"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = [
+        f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
+        for name, targets in _graph().items()
+        for target in sorted(targets)
+        if _layer(target) is not None and _layer(name) is not None and _layer(target) > _layer(name)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles = []
+
+    def visit(node: str, path: list[str], on_path: set[str], done: set[str]) -> None:
+        for target in sorted(graph.get(node, ())):
+            if target in on_path:
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
+            elif target not in done:
+                visit(target, path + [target], on_path | {target}, done)
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start], {start}, done)
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from workbench.a import x\n", {"workbench.a"}),
+        ("def f():\n    from workbench.b import y\n", {"workbench.b"}),  # inside a function counts
+        ("from workbench import a\n", {"workbench.a"}),
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workbench.a import x\n", set()),
+    ],
+)
+def test_the_import_reader_sees_every_import(tmp_path, source, expected):
+    path = tmp_path / "module.py"
+    path.write_text(source)
+    assert _imports(path, {"workbench", "workbench.a", "workbench.b"}) - {"workbench"} == expected
