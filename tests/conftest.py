@@ -33,7 +33,7 @@ def _reset_compiler_state():
         sys.modules["torch._dynamo"].reset()
 
 
-# Tiers: pytest -m fast | slow | notebooks | browser | gpu (README, "Test tiers").
+# Tiers: pytest -m fast | slow | notebooks | browser | thirdparty | gpu (README, "Test tiers").
 # Whole modules that run real ablations in fresh processes are slow; a test elsewhere that
 # takes more than a few seconds carries @pytest.mark.slow itself.
 SLOW_MODULES = {
@@ -52,8 +52,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.notebooks)
         elif path.name == "test_browser.py":
             item.add_marker(pytest.mark.browser)
+        elif path.name == "test_thirdparty.py":
+            item.add_marker(pytest.mark.thirdparty)
         elif path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        tiers = ("slow", "notebooks", "browser")
+        tiers = ("slow", "notebooks", "browser", "thirdparty")
         if not any(item.get_closest_marker(tier) for tier in tiers):
             item.add_marker(pytest.mark.fast)

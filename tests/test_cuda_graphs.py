@@ -115,7 +115,7 @@ def test_changed_batch_shapes_are_refused():
     step.static_inputs, step.static_targets = torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)
     step._check_shapes(torch.ones(8, 4), torch.ones(8, dtype=torch.long))  # same shapes: fine
     with pytest.raises(
-        RuntimeError, match=r"a batch has shapes \(\(5, 4\), \(5,\)\), but the step was captured for"
+        RuntimeError, match=r"a batch has shapes \[\(5, 4\), \(5,\)\], but the step was captured for"
     ):
         step._check_shapes(torch.zeros(5, 4), torch.zeros(5, dtype=torch.long))
 

@@ -163,3 +163,19 @@ def test_plan_checks_every_run_setting_as_ablate_does(setting):
     bad |= {"loader_arms": "sometimes", "world_size": 0, "isolate": "yes", "link": 5, "timeout_s": 0.0}
     with pytest.raises(ValueError):
         wb.plan(**plan_arguments({"model": "mlp", setting: bad[setting]}))
+
+
+def test_swept_arms_are_named_by_the_settings_that_matter_even_when_unavailable():
+    """One arm per distinct setting: PowerSGD's rank means nothing to the fp16 hook, so
+    {hook: [fp16, powersgd], rank: [1, 2]} is three arms, not four; and an arm that cannot
+    run here (one rank) still says which setting it was."""
+    sweep = {"ddp_compression": {"hook": ["fp16", "powersgd"], "rank": [1, 2]}}
+    expected = [
+        "ddp_compression[hook=fp16]",
+        "ddp_compression[hook=powersgd, rank=1]",
+        "ddp_compression[hook=powersgd, rank=2]",
+    ]
+    alone = wb.plan(model="mlp", techniques=sweep, device="cpu", control=False)
+    assert list(alone.name[1:]) == expected and (alone.unavailable[1:] != "").all()
+    ranks = wb.plan(model="mlp", techniques=sweep, device="cpu", control=False, world_size=2)
+    assert list(ranks.name[1:]) == expected and (ranks.unavailable == "").all()

@@ -243,6 +243,13 @@ def test_plot_has_speedup_breakdown_and_memory(small_results, tmp_path):
     shown = [t.get_text() for t in legend.get_texts()]
     assert shown[0] == "noise band (control's interval)"
     assert "replay" not in shown and {"forward", "backward", "optimizer"} <= set(shown)
+    # Activation memory, the part checkpointing and grad_accum shrink, drawn inside the peak.
+    assert "of it, activations saved for backward" in shown
+    memory_bars = [bar for bar in figure.axes[2].patches if bar.get_width() > 0]
+    table = small_results.table.iloc[::-1]
+    ran = table[table.status == "ok"]
+    widths = sorted(round(bar.get_width(), 6) for bar in memory_bars)
+    assert all(round(value, 6) in widths for value in ran.activation_mb)
 
 
 def test_loss_drift_is_called_out():

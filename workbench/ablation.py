@@ -55,11 +55,12 @@ import torch
 
 from workbench.block import ArmSpec
 from workbench.config import RunConfig
-from workbench.data import DataSource, check_sample_count, resolve_data
+from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun
 from workbench.environment import environment
-from workbench.models import inspect_model, model_label
+from workbench.loop import check_the_loss
+from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
 from workbench.results import SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
@@ -111,18 +112,25 @@ def sweep_names(techniques: list[tuple[Technique, Any]]) -> list[str]:
         if len(siblings) == 1:
             names.append(technique.name)
             continue
+        matter = technique.settings_that_matter(config)
         swept = [
             f.name
             for f in dataclasses.fields(config)
-            if len({repr(getattr(c, f.name)) for c in siblings}) > 1
+            if f.name in matter and len({repr(getattr(c, f.name)) for c in siblings}) > 1
         ]
         values = ", ".join(f"{name}={getattr(config, name)}" for name in swept)
         names.append(f"{technique.name}[{values}]")
     return names
 
 
-def plan_arms(mode: str, techniques: list[tuple[Technique, Any]], control: bool) -> list[Arm]:
-    """The arms of one ablation, baseline first. Raises ValueError for impossible combinations."""
+def plan_arms(
+    mode: str, techniques: list[tuple[Technique, Any]], control: bool, names: list[str] | None = None
+) -> list[Arm]:
+    """The arms of one ablation, baseline first. Raises ValueError for impossible combinations.
+
+    ``names``: the arm names of a one-at-a-time sweep, when they were chosen with all the
+    swept values in view (some may be unavailable); by default, from ``techniques``.
+    """
     arms = [Arm("baseline", "baseline")]
     if control:
         arms.append(Arm("baseline (control)", "control"))
@@ -132,7 +140,7 @@ def plan_arms(mode: str, techniques: list[tuple[Technique, Any]], control: bool)
             f"got mode={mode!r}"
         )
     if mode == "one-at-a-time":
-        names = sweep_names(techniques)
+        names = names or sweep_names(techniques)
         arms += [Arm(name, "treatment", [pair]) for name, pair in zip(names, techniques, strict=True)]
     elif mode == "leave-one-out":
         reason = conflict_reason(techniques)
@@ -253,6 +261,9 @@ def prepare(
     instance, label = inspect_model(model)
     source = resolve_data(data, model, run.seed)
     check_sample_count(source, run.batch_size, run.world_size)
+    if not (isinstance(model, str) and loss_fn is None):  # a built-in model with its own loss is known to fit
+        first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
+        check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn)
     ctx = Context(
         device=device,
         model=instance,
@@ -264,15 +275,16 @@ def prepare(
         world_size=run.world_size,
         warmup=run.warmup,
     )
-    runnable, unavailable = [], []
-    for technique, config in chosen:
+    runnable, runnable_names, unavailable = [], [], []
+    for name, (technique, config) in zip(sweep_names(chosen), chosen, strict=True):  # names see every value
         technique.validate(ctx, config)
         reason = technique.unavailable_reason(ctx, config)
         if reason:
-            unavailable.append(Arm(technique.name, "treatment", [(technique, config)], reason))
+            unavailable.append(Arm(name, "treatment", [(technique, config)], reason))
         else:
             runnable.append((technique, config))
-    arms = plan_arms(run.mode, runnable, run.control)
+            runnable_names.append(name)
+    arms = plan_arms(run.mode, runnable, run.control, runnable_names if run.mode == "one-at-a-time" else None)
     loader_arms = run.loader_arms
     if loader_arms is None:  # auto: when an input-pipeline technique is ablated on a Dataset
         loader_arms = source.is_dataset and any(t.input_pipeline for t, _ in runnable)

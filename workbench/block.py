@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench.data import endless_batches
+from workbench.data import batch_size_of, endless_batches, inputs_and_targets, tensors_of
 from workbench.devices import synchronize
 from workbench.distributed import DDP_ORDER, CommMeter, CommSettings, Rank, wrap_ddp
 from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
@@ -317,13 +317,8 @@ class BlockArm:
 
     def _count_flops(self, counted: dict) -> dict:
         """FLOPs per sample of the model on a real batch's shapes (see workbench.mfu)."""
-        inputs, targets = next(self.trainer.batches)
-        shapes = repr(
-            [
-                getattr(x, "shape", None)
-                for x in (*(inputs if isinstance(inputs, (tuple, list)) else [inputs]), targets)
-            ]
-        )
+        inputs, targets = inputs_and_targets(next(self.trainer.batches))
+        shapes = repr([tuple(tensor.shape) for tensor in tensors_of((inputs, targets))])
         if shapes not in counted:
             try:
                 flops = count_flops(
@@ -332,7 +327,7 @@ class BlockArm:
                     targets,
                     self.user_loss or default_loss,
                 )
-                counted[shapes] = flops / len(targets)
+                counted[shapes] = flops / batch_size_of(inputs, targets)
             except Exception as error:  # a model or loss that cannot run on meta tensors: no MFU, said why
                 counted[shapes] = f"FLOPs not counted ({type(error).__name__}: {error}); no tflops or MFU"
         if isinstance(counted[shapes], str):

@@ -19,7 +19,7 @@ from the run's seed, and batches are always full (drop_last) so shapes never cha
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,9 +356,61 @@ def _cycle(iterable: Iterable, replayable: bool) -> Iterator[tuple[Any, Any]]:
             )
 
 
+# --- batch forms -------------------------------------------------------------------------
+# A batch is an (inputs, targets) pair, or a dict of named inputs (the Hugging Face
+# convention: input_ids, attention_mask, labels), whose model computes its own loss from the
+# labels in it. Inputs are a tensor (model(x)), a tuple or list (model(*x)) or a dict
+# (model(**x)); every step, technique and measurement goes through the helpers below.
+
+
+def inputs_and_targets(batch: Any) -> tuple[Any, torch.Tensor | None]:
+    """``(inputs, targets)``; a dict batch is all inputs, with no targets of its own."""
+    if isinstance(batch, Mapping):
+        return batch, None
+    inputs, targets = batch
+    return inputs, targets
+
+
+def map_tensors(value: Any, function: Callable[[torch.Tensor], Any]) -> Any:
+    """``function`` applied to every tensor in nested tuples, lists and dicts; the rest kept."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, Mapping):
+        return {key: map_tensors(item, function) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(item, function) for item in value)
+    return value
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """Every tensor in nested tuples, lists and dicts, in order."""
+    found: list[torch.Tensor] = []
+    map_tensors(value, found.append)
+    return found
+
+
+def batch_size_of(inputs: Any, targets: torch.Tensor | None) -> int:
+    """Samples in a batch: the targets' length, else the first input tensor's first dimension."""
+    if targets is not None:
+        return len(targets)
+    tensors = tensors_of(inputs)
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("a batch without targets needs a batched tensor among its inputs")
+    return tensors[0].shape[0]
+
+
 def _check_batch(batch: object) -> None:
+    if isinstance(batch, Mapping):
+        if not tensors_of(batch):
+            raise ValueError(
+                f"a dict batch must hold tensors (e.g. input_ids, labels); got keys {list(batch)}"
+            )
+        return
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise ValueError(f"each batch must be an (inputs, targets) pair; got {type(batch).__name__}")
+        raise ValueError(
+            "each batch must be an (inputs, targets) pair, or a dict of named inputs for a model that "
+            f"computes its own loss (input_ids, attention_mask, labels); got {type(batch).__name__}"
+        )
     if not isinstance(batch[1], torch.Tensor):
         raise ValueError(f"batch targets must be a tensor; got {type(batch[1]).__name__}")
 

@@ -12,7 +12,7 @@ the loss scaler (workbench/techniques/amp.py), grad_accum the split (grad_accum.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,15 +20,118 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.data import batch_size_of, inputs_and_targets, map_tensors
 from workbench.distributed import no_sync_context
 from workbench.telemetry import StepClock
 
 
-def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy; sequence outputs (batch, time, classes) are flattened first."""
-    if outputs.dim() > 2:
-        return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
-    return F.cross_entropy(outputs, targets)
+def default_loss(outputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
+    """The model's own loss when it computed one (a Hugging Face output, with labels in the
+    batch); else cross-entropy of its logits (the tensor it returned, a ``logits`` field, or
+    the first tensor of a tuple) against the targets, sequence outputs flattened per token.
+    """
+    own = _field(outputs, "loss")
+    if isinstance(own, torch.Tensor):
+        return own
+    logits = _logits(outputs)
+    if logits is None or targets is None:
+        raise ValueError(
+            f"the default loss cannot use this model's output ({describe_output(outputs)}): "
+            + (
+                "it holds no 'loss', 'logits' or tensor to take cross-entropy of"
+                if logits is None
+                else "it computed no loss, and the batch has no targets (a dict batch needs 'labels')"
+            )
+            + "; pass loss_fn=lambda outputs, targets: ... returning a scalar tensor"
+        )
+    if logits.dim() > 2:
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+    return F.cross_entropy(logits, targets)
+
+
+def _field(outputs: Any, name: str) -> Any:
+    if isinstance(outputs, Mapping):  # Hugging Face ModelOutput is a Mapping too
+        return outputs.get(name)
+    return getattr(outputs, name, None) if not isinstance(outputs, (torch.Tensor, tuple, list)) else None
+
+
+def _logits(outputs: Any) -> torch.Tensor | None:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = _field(outputs, "logits")
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(outputs, (tuple, list)):
+        return next((item for item in outputs if isinstance(item, torch.Tensor)), None)
+    return None
+
+
+def describe_output(outputs: Any) -> str:
+    """``a CausalLMOutput with fields logits, past_key_values``: what a model returned, in words."""
+    kind = type(outputs).__name__
+    if isinstance(outputs, torch.Tensor):
+        return f"a tensor of shape {tuple(outputs.shape)}"
+    if isinstance(outputs, Mapping):
+        return f"a {kind} with fields {', '.join(map(str, outputs.keys())) or '(none)'}"
+    if isinstance(outputs, (tuple, list)):
+        return f"a {kind} of {len(outputs)}: {', '.join(type(item).__name__ for item in outputs)}"
+    return f"a {kind}"
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """model(x) for a tensor, model(*x) for a tuple or list, model(**x) for a dict."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+# The CPU fallback of check_the_loss builds the model for real: not for one this large.
+CPU_CHECK_MAX_PARAMETERS = 100_000_000
+
+
+def check_the_loss(build: Callable[[], nn.Module], batch: Any, loss_fn: Callable | None) -> None:
+    """One forward and loss before any arm starts, so that a model whose output the loss cannot
+    use fails in one line. On the meta device first (shapes only: nothing computed, no memory);
+    a model that cannot run on meta tensors (``.item()`` in its forward, as Hugging Face's
+    masks do) is built on the CPU and runs one sample there, without gradients, unless it is
+    large. A model that runs neither way, and a user's loss that fails there, are not judged
+    here: their arms will say what went wrong.
+    """
+    inputs, targets = inputs_and_targets(batch)
+    meta, model = torch.device("meta"), None
+    try:
+        with meta:
+            model = build().to(meta)
+        outputs = call_model(model, to_device(inputs, meta, False))
+        targets = to_device(targets, meta, False)
+    except Exception:
+        if model is None or sum(p.numel() for p in model.parameters()) > CPU_CHECK_MAX_PARAMETERS:
+            return  # a factory that cannot build on meta, or a model too large to build twice
+        one_sample = map_tensors((inputs, targets), lambda tensor: tensor[:1] if tensor.dim() else tensor)
+        try:
+            with torch.no_grad():
+                outputs = call_model(build().cpu(), to_device(one_sample[0], torch.device("cpu"), False))
+            targets = to_device(one_sample[1], torch.device("cpu"), False)
+        except Exception:
+            return
+    if loss_fn is None:
+        default_loss(outputs, targets)  # raises ValueError, naming the output and the way out
+        return
+    try:
+        loss = loss_fn(outputs, targets)
+    except Exception:
+        return
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise ValueError(
+            f"loss_fn must return a scalar tensor (the mean loss of the batch); it returned {shape}"
+        )
 
 
 def make_optimizer(name: str, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
@@ -107,11 +210,7 @@ class TrainSetup:
 
 
 def to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=non_blocking)
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device, non_blocking) for v in value)
-    return value
+    return map_tensors(value, lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
 
 class Trainer:
@@ -127,10 +226,10 @@ class Trainer:
         self.samples_seen = 0
         self.model.train()
 
-    def next_batch(self) -> tuple[Any, torch.Tensor]:
+    def next_batch(self) -> tuple[Any, torch.Tensor | None]:
         """The batch hook point: fetch, move to the device, apply the input transforms."""
-        inputs, targets = next(self.batches)
-        self.samples_seen += len(targets)
+        inputs, targets = inputs_and_targets(next(self.batches))
+        self.samples_seen += batch_size_of(inputs, targets)
         inputs = to_device(inputs, self.setup.device, self.non_blocking)
         targets = to_device(targets, self.setup.device, self.non_blocking)
         for transform in self.setup.input_transforms:
@@ -158,7 +257,7 @@ class Trainer:
             # DDP with no_sync keeps the gradients of all but the last micro-batch local.
             with contextlib.nullcontext() if last else self.keep_gradients_local():
                 with self.setup.forward_context():
-                    loss = self.setup.loss_fn(self.model(part_inputs), part_targets)
+                    loss = self.setup.loss_fn(call_model(self.model, part_inputs), part_targets)
                 if share != 1.0:
                     loss = loss * share  # each micro-batch's mean loss, weighted by its share of the batch
                 clock.lap("forward")

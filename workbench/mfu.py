@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from workbench.devices import current_precision
-from workbench.loop import to_device
+from workbench.loop import call_model, to_device
 
 # Dense peak TFLOP/s per compute dtype. Matched against torch.cuda.get_device_name() in this
 # order (first match wins), so more specific names come first ("A100" before "A10").
@@ -68,8 +68,8 @@ def compute_dtype(model: torch.nn.Module, autocast_dtype: torch.dtype | None) ->
 def count_flops(
     build: Callable[[], torch.nn.Module],
     inputs: Any,
-    targets: torch.Tensor,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    targets: torch.Tensor | None,
+    loss_fn: Callable[[Any, torch.Tensor | None], torch.Tensor],
 ) -> int:
     """FLOPs of one forward and backward of a model built by ``build`` on this batch's shapes.
 
@@ -84,7 +84,7 @@ def count_flops(
     meta = torch.device("meta")
     meta_inputs, meta_targets = to_device(inputs, meta, False), to_device(targets, meta, False)
     with FlopCounterMode(display=False) as counter:
-        loss = loss_fn(model(meta_inputs), meta_targets)
+        loss = loss_fn(call_model(model, meta_inputs), meta_targets)
         loss.backward()
     return int(counter.get_total_flops())
 

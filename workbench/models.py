@@ -172,7 +172,7 @@ class NoOpModel(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(()))  # one parameter, so the optimizer has a step to take
 
-    def forward(self, inputs: Any) -> torch.Tensor:
+    def forward(self, *inputs: Any, **named_inputs: Any) -> torch.Tensor:
         return self.weight * 1.0
 
 

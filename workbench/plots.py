@@ -33,6 +33,11 @@ MEMORY_COLOR = "#937860"  # brown: no phase of the breakdown shares it
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
 
 
+def _mib(value: float) -> str:
+    """Two significant digits below 10 MiB (small models), whole MiB above."""
+    return f"{value:.2g}" if value < 10 else f"{value:.0f}"
+
+
 def plot_results(results) -> ResultsFigure:
     table = results.table.iloc[::-1].reset_index(drop=True)  # first arm at the top
     labels = list(table.arm)
@@ -102,26 +107,43 @@ def plot_results(results) -> ResultsFigure:
     if (other > 0.005 * np.maximum(table.step_ms.fillna(0).to_numpy(), 1e-9)).any():  # more than rounding
         phase_ax.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
     phase_ax.set_xlabel("ms per optimizer step")
+    phase_ax.set_title("Step breakdown")
+
+    # Memory: the step's peak, and inside it the activations autograd saved for backward, the
+    # part that checkpointing and grad_accum shrink (weights, gradients and optimizer state
+    # dominate the peak and would hide those savings).
+    memory = table.peak_mem_mb.to_numpy(dtype=float)
+    activations = table.activation_mb.to_numpy(dtype=float)
+    memory_ax.barh(
+        y, np.nan_to_num(memory), color=MEMORY_COLOR, alpha=0.35, height=0.6, label="peak tensor memory"
+    )
+    memory_ax.barh(
+        y,
+        np.nan_to_num(activations),
+        color=MEMORY_COLOR,
+        height=0.6,
+        label="of it, activations saved for backward",
+    )
+    for index, (peak, saved) in enumerate(zip(memory, activations, strict=True)):
+        if math.isfinite(peak):
+            text = f" {_mib(peak)}" + (f" ({_mib(saved)} act.)" if math.isfinite(saved) else "")
+            memory_ax.text(peak, index, text, va="center", fontsize=8)
+    if np.isfinite(memory).any():
+        memory_ax.set_xlim(0, np.nanmax(memory) * 1.6)  # room for the labels right of the bars
+    device = results.config.get("device", "")
+    memory_ax.set_xlabel("memory per step, MiB")
+    memory_ax.set_title("Memory")
+
     # One legend for the figure, below the panels: constrained layout keeps it clear of the axis
     # labels at any number of arms (a legend hung under one axes overlapped them with few arms).
     handles, labels = [], []
-    for axes in (speed_ax, phase_ax):
+    for axes in (speed_ax, phase_ax, memory_ax):
         more_handles, more_labels = axes.get_legend_handles_labels()
         handles += more_handles
         labels += more_labels
-    figure.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
-    phase_ax.set_title("Step breakdown")
-
-    memory = table.peak_mem_mb.to_numpy(dtype=float)
-    memory_ax.barh(y, np.nan_to_num(memory), color=MEMORY_COLOR, height=0.6)
-    for index, value in enumerate(memory):
-        if math.isfinite(value):
-            memory_ax.text(value, index, f" {value:.0f}", va="center", fontsize=8)
-    if np.isfinite(memory).any():
-        memory_ax.set_xlim(0, np.nanmax(memory) * 1.2)  # room for the labels right of the bars
-    device = results.config.get("device", "")
-    memory_ax.set_xlabel("peak tensor memory per step, MiB")
-    memory_ax.set_title("Memory")
+    figure.legend(
+        handles, labels, loc="outside lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False
+    )
 
     env = results.environment
     where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")

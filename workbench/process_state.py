@@ -45,31 +45,48 @@ def _precision_flags() -> dict[str, Any]:
     return flags
 
 
-def _patched_namespaces() -> list[dict]:
+def _patched_namespaces() -> list[tuple[str, dict]]:
     """The namespaces a process-wide monkey-patch would change: torch.nn.functional, nn's classes."""
     import torch.nn.functional as F
 
-    namespaces = [vars(F)]
+    namespaces = [("torch.nn.functional", vars(F))]
     for name in dir(torch.nn):
         cls = getattr(torch.nn, name)
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-            namespaces.append(vars(cls))  # a live view: later patches show through it
+            namespaces.append((f"torch.nn.{name}", vars(cls)))  # a live view: later patches show through it
     return namespaces
 
 
-_NAMESPACES: list = []
+# (label, namespace, attribute) for every attribute the namespaces held when first read.
+_WATCHED: list[tuple[str, Any, str]] = []
 
 
-def _patch_signature() -> int:
-    """A hash of what ``torch.nn``'s module classes and ``torch.nn.functional`` hold.
+def _watched() -> list[tuple[str, Any, str]]:
+    if not _WATCHED:
+        for label, namespace in _patched_namespaces():
+            _WATCHED.extend((label, namespace, attribute) for attribute in list(namespace))
+    return _WATCHED
+
+
+def _patch_signature() -> tuple[int, ...]:
+    """What ``torch.nn``'s module classes and ``torch.nn.functional`` hold, as identities.
 
     A technique that monkey-patches ``nn.Linear.forward`` or ``F.gelu`` for every model in
-    the process, instead of changing its own model's modules, changes this. Read once per
-    window, so it must be cheap: identities of the values, in the namespaces' own order.
+    the process, instead of changing its own model's modules, changes this. Only attributes
+    that existed at the first read count: a library that *adds* a helper (transformers adds
+    ``nn.Module.smart_apply`` when it builds its first model) changes no existing behaviour.
+    Read once per window, so it must be cheap: a few thousand identities.
     """
-    if not _NAMESPACES:
-        _NAMESPACES.extend(_patched_namespaces())
-    return hash(tuple(id(value) for namespace in _NAMESPACES for value in namespace.values()))
+    return tuple(id(namespace.get(attribute)) for _, namespace, attribute in _watched())
+
+
+def _patched_names(before: tuple[int, ...], after: tuple[int, ...]) -> list[str]:
+    watched = _watched()
+    return [
+        f"{label}.{attribute}"
+        for (label, _, attribute), a, b in zip(watched, before, after, strict=True)
+        if a != b
+    ]
 
 
 def fingerprint() -> dict[str, Any]:
@@ -98,7 +115,9 @@ def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     for key in before:
         if before[key] != after.get(key):
             if key == "nn_patches":
-                changed.append("torch.nn classes or torch.nn.functional were monkey-patched")
+                names = _patched_names(before[key], after[key])
+                shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                changed.append(f"torch.nn classes or torch.nn.functional were monkey-patched ({shown})")
             else:
                 changed.append(f"{key}: {before[key]} -> {after.get(key)}")
     return changed

@@ -83,7 +83,8 @@ def parse_techniques(
         technique = get_technique(name)
         if value is False or value is None:
             continue
-        chosen += [(technique, technique.configure(one)) for one in _expand_sweep(name, value)]
+        configs = [technique.configure(one) for one in _expand_sweep(name, value)]
+        chosen += [(technique, config) for config in _distinct(technique, configs)]
     return sorted(chosen, key=lambda pair: list(_REGISTRY).index(pair[0].name))
 
 
@@ -101,6 +102,17 @@ def _expand_sweep(name: str, value: Any) -> list[Any]:
             raise ValueError(f"{name}: the sweep over {key} repeats a value: {list(values)!r}")
     keys = list(swept)
     return [{**value, **dict(zip(keys, combo, strict=True))} for combo in itertools.product(*swept.values())]
+
+
+def _distinct(technique: Technique, configs: list[Any]) -> list[Any]:
+    """The swept configs that differ in a setting that matters (the first of each kind kept)."""
+    seen, kept = set(), []
+    for config in configs:
+        key = tuple((name, repr(getattr(config, name))) for name in technique.settings_that_matter(config))
+        if key not in seen:
+            seen.add(key)
+            kept.append(config)
+    return kept
 
 
 def conflict_reason(techniques: list[tuple[Technique, Any]]) -> str | None:

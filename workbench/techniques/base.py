@@ -159,6 +159,15 @@ class Technique:
     def validate(self, ctx: Context, config: Any) -> None:
         """Raise ValueError when the settings cannot make sense for this run (bad input)."""
 
+    def settings_that_matter(self, config: Any) -> list[str]:
+        """The Config fields that change anything, given the others' values (default: all).
+
+        A sweep makes one arm per combination of values; combinations that differ only in
+        settings that do not matter (PowerSGD's rank under the fp16 hook) are one arm, and an
+        arm's name shows only the settings that matter to it.
+        """
+        return [f.name for f in dataclasses.fields(config)]
+
     def conflict_with(self, config: Any, other: Technique, other_config: Any) -> str | None:
         """Why this technique, with these settings, cannot run in one arm with ``other`` (None: it can).
 

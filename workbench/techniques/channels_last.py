@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.data import map_tensors
 from workbench.techniques.base import Technique
 
 
@@ -34,9 +35,11 @@ class ChannelsLastConfig:
 
 
 def to_channels_last(inputs):
-    if isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
-        return inputs.contiguous(memory_format=torch.channels_last)
-    return inputs
+    """Every 4-D tensor among the inputs (a tensor, a tuple, a dict) in NHWC; the rest as it is."""
+    return map_tensors(
+        inputs,
+        lambda tensor: tensor.contiguous(memory_format=torch.channels_last) if tensor.dim() == 4 else tensor,
+    )
 
 
 class ChannelsLast(Technique):

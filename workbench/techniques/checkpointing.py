@@ -20,10 +20,14 @@ When it hurts
 
 Settings
     ``select``: which submodules to checkpoint.
-    - None (default): the model's repeated blocks: ``model.blocks`` if it exists, otherwise
-      the ModuleList/Sequential holding the most same-type children;
+    - None (default): every repeated block of the model: the children of every ModuleList or
+      Sequential that holds 2+ blocks of one type (a block: a module with weights and
+      submodules of its own): transformer layers, and the residual blocks of every stage of
+      a ResNet, not just the first. A block inside a checkpointed block is left alone;
     - a glob over module names from ``model.named_modules()``, e.g. ``"layers.*"`` (the
       outermost matches are wrapped);
+    - ``"type:Name"`` (or ``"type:A,B"``): every module whose class is named so, e.g.
+      ``"type:GPT2Block"``; from Python, a class or a tuple of classes does the same;
     - from Python, a callable ``(name, module) -> bool``.
 """
 
@@ -39,7 +43,8 @@ from torch import nn
 
 from workbench.techniques.base import Context, Technique
 
-Selector = str | Callable[[str, nn.Module], bool] | None
+Selector = str | type | tuple | Callable[[str, nn.Module], bool] | None
+TYPE_PREFIX = "type:"
 
 
 @dataclass(frozen=True)
@@ -47,41 +52,76 @@ class CheckpointingConfig:
     select: Selector = None
 
     def __post_init__(self) -> None:
-        if self.select is None or callable(self.select):
+        if self.select is None or callable(self.select) and not isinstance(self.select, type):
             return
-        if not isinstance(self.select, str) or not self.select.strip():
+        if _module_classes(self.select) is not None:
+            return
+        if not isinstance(self.select, str) or not self.select.strip() or self.select.strip() == TYPE_PREFIX:
             raise ValueError(
-                "checkpointing: select must be None (the repeated blocks), a glob over module names "
-                f"such as 'blocks.*', or a callable (name, module) -> bool; got {self.select!r}"
+                "checkpointing: select must be None (every repeated block), a glob over module names "
+                "such as 'blocks.*', 'type:ClassName', a module class, or a callable (name, module) -> bool; "
+                f"got {self.select!r}"
             )
 
 
+def _module_classes(select: Selector) -> tuple | None:
+    """The classes a type selector names (a class, a tuple of them); None for other selectors."""
+    if isinstance(select, type) and issubclass(select, nn.Module):
+        return (select,)
+    if (
+        isinstance(select, tuple)
+        and select
+        and all(isinstance(c, type) and issubclass(c, nn.Module) for c in select)
+    ):
+        return select
+    return None
+
+
+def _is_block(module: nn.Module) -> bool:
+    """A unit worth checkpointing: it has weights and submodules of its own (not a lone Linear)."""
+    return any(True for _ in module.children()) and any(True for _ in module.parameters())
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies strictly inside module ``outer`` ("" is the model itself)."""
+    return name != outer and (outer == "" or name.startswith(f"{outer}."))
+
+
 def repeated_blocks(model: nn.Module) -> list[str]:
-    """Names of the model's repeated blocks: ``model.blocks``, else the largest same-type container."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, (nn.ModuleList, nn.Sequential)) and len(blocks) > 0:
-        return [f"blocks.{name}" for name, _ in blocks.named_children()]
-    best: list[str] = []
+    """Names of every repeated block: the children of each ModuleList/Sequential that holds 2+
+    blocks of one type. Where such lists nest (a list of stages, each a list of blocks), the
+    innermost lists give the blocks, so that every stage's blocks are checkpointed one by one."""
+    lists = []
     for prefix, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(container.named_children())
-        kinds = {type(child) for _, child in children}
-        has_weights = all(any(True for _ in child.parameters()) for _, child in children)
-        if len(children) >= 2 and len(kinds) == 1 and has_weights and len(children) > len(best):
-            best = [f"{prefix}.{name}" if prefix else name for name, _ in children]
-    return best
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            children = list(container.named_children())
+            kinds = {type(child) for _, child in children}
+            if len(children) >= 2 and len(kinds) == 1 and all(_is_block(child) for _, child in children):
+                lists.append((prefix, children))
+    innermost = [
+        (prefix, children) for prefix, children in lists if not any(_inside(o, prefix) for o, _ in lists)
+    ]
+    return [f"{prefix}.{name}" if prefix else name for prefix, children in innermost for name, _ in children]
 
 
 def select_modules(model: nn.Module, select: Selector) -> list[str]:
     if select is None:
         return repeated_blocks(model)
+    classes = _module_classes(select)
+    if classes is None and isinstance(select, str) and select.startswith(TYPE_PREFIX):
+        names = {name.strip() for name in select[len(TYPE_PREFIX) :].split(",") if name.strip()}
+        matches_select: Callable[[str, nn.Module], bool] = lambda _, m: type(m).__name__ in names  # noqa: E731
+    elif classes is not None:
+        matches_select = lambda _, m: isinstance(m, classes)  # noqa: E731
+    elif callable(select):
+        matches_select = select
+    else:
+        matches_select = lambda name, _: fnmatch.fnmatchcase(name, select)  # noqa: E731
     matches = []
     for name, module in model.named_modules():
         if not name or any(name.startswith(chosen + ".") for chosen in matches):
             continue  # the root, or inside a module that is already checkpointed as a whole
-        hit = select(name, module) if callable(select) else fnmatch.fnmatchcase(name, select)
-        if hit:
+        if matches_select(name, module):
             matches.append(name)
     return matches
 
@@ -108,8 +148,8 @@ class Checkpointing(Technique):
             return None
         if config.select is None:
             return (
-                f"found no repeated blocks in {ctx.model_name or 'the model'} (no model.blocks and no "
-                "ModuleList/Sequential of 2+ same-type submodules); pass checkpointing={'select': 'glob'}"
+                f"found no repeated blocks in {ctx.model_name or 'the model'} (no ModuleList/Sequential of "
+                "2+ same-type blocks); pass checkpointing={'select': 'glob'} or {'select': 'type:ClassName'}"
             )
         return f"select={config.select!r} matches no submodule of {ctx.model_name or 'the model'}"
 

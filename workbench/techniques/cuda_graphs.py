@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from workbench.config import check_choice, check_int
+from workbench.data import map_tensors, tensors_of
 from workbench.techniques.base import Context, Technique
 from workbench.telemetry import StepClock
 
@@ -113,7 +114,7 @@ class GraphedStep:
             self._capture(trainer, inputs, targets)
         self._check_shapes(inputs, targets)
         _copy_into(self.static_inputs, inputs)
-        self.static_targets.copy_(targets)
+        _copy_into(self.static_targets, targets)  # None for a dict batch: its labels are inputs
         self.graph.replay()
         clock.lap("replay")
         return self.static_loss.clone()  # the static output is overwritten by the next replay
@@ -130,7 +131,7 @@ class GraphedStep:
 
     def _capture(self, trainer, inputs: Any, targets: torch.Tensor) -> None:
         self.static_inputs = _clone(inputs)
-        self.static_targets = targets.clone()
+        self.static_targets = _clone(targets)
         trainer.optimizer.zero_grad(set_to_none=True)  # gradients are then allocated in the graph's pool
         graph = torch.cuda.CUDAGraph()
         try:
@@ -153,27 +154,17 @@ class GraphedStep:
 
 
 def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value)
-    raise TypeError(
-        f"cuda_graphs: batch inputs must be tensors or tuples/lists of tensors; got {type(value).__name__}"
-    )
+    """A private copy of the batch (tensors cloned, the structure kept) for the graph to read."""
+    return map_tensors(value, torch.Tensor.clone)
 
 
 def _copy_into(static: Any, value: Any) -> None:
-    if isinstance(static, torch.Tensor):
-        static.copy_(value)
-    else:
-        for s, v in zip(static, value, strict=True):
-            _copy_into(s, v)
+    for static_tensor, tensor in zip(tensors_of(static), tensors_of(value), strict=True):
+        static_tensor.copy_(tensor)
 
 
-def _shapes(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
-    return tuple(_shapes(v) for v in value)
+def _shapes(value: Any) -> list[tuple[int, ...]]:
+    return [tuple(tensor.shape) for tensor in tensors_of(value)]
 
 
 class CudaGraphs(Technique):

@@ -85,6 +85,12 @@ class DdpCompression(Technique):
     Config = DdpCompressionConfig
     requires = ("ranks",)
 
+    def settings_that_matter(self, config: DdpCompressionConfig) -> list[str]:
+        fields = super().settings_that_matter(config)
+        if config.hook not in POWERSGD:  # rank, start_iter and warm_start are PowerSGD's alone
+            fields = [name for name in fields if name not in ("rank", "start_iter", "warm_start")]
+        return fields
+
     def check(self, ctx: Context, config: DdpCompressionConfig) -> str | None:
         if config.hook == "bf16" and ctx.device.type != "cuda":
             return "the bf16 hook needs NCCL (a CUDA device); gloo, the CPU backend, refuses it"

@@ -25,12 +25,14 @@ Settings
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from workbench.config import check_int
+from workbench.data import batch_size_of, tensors_of
 from workbench.techniques.base import Context, Technique
 
 
@@ -53,18 +55,36 @@ class MicroBatches:
 
     parts: int
 
-    def __call__(self, inputs: Any, targets: torch.Tensor) -> list[tuple[Any, torch.Tensor, float]]:
-        size = len(targets)
-        chunks = zip(_split(inputs, self.parts), targets.tensor_split(self.parts), strict=True)
-        return [(part_inputs, part_targets, len(part_targets) / size) for part_inputs, part_targets in chunks]
+    def __call__(
+        self, inputs: Any, targets: torch.Tensor | None
+    ) -> list[tuple[Any, torch.Tensor | None, float]]:
+        size = batch_size_of(inputs, targets)
+        input_parts = _split(inputs, self.parts)
+        # A dict batch (a model that computes its own loss) carries its labels among the inputs.
+        target_parts = targets.tensor_split(self.parts) if targets is not None else [None] * self.parts
+        return [
+            (part_inputs, part_targets, batch_size_of(part_inputs, part_targets) / size)
+            for part_inputs, part_targets in zip(input_parts, target_parts, strict=True)
+        ]
 
 
 def _split(inputs: Any, parts: int) -> list:
+    """``parts`` micro-batches of ``inputs`` along the first dimension, the structure kept."""
     if isinstance(inputs, torch.Tensor):
         return list(inputs.tensor_split(parts))
+    if isinstance(inputs, Mapping):  # each tensor split; anything else (a flag, a string) repeated
+        columns = {
+            key: _split(value, parts) if _splittable(value) else [value] * parts
+            for key, value in inputs.items()
+        }
+        return [{key: column[index] for key, column in columns.items()} for index in range(parts)]
     if isinstance(inputs, (tuple, list)):
         return [type(inputs)(chunk) for chunk in zip(*(_split(x, parts) for x in inputs), strict=True)]
     raise TypeError(f"grad_accum cannot split inputs of type {type(inputs).__name__} into micro-batches")
+
+
+def _splittable(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, Mapping, tuple, list)) and bool(tensors_of(value))
 
 
 class GradAccum(Technique):

@@ -1,0 +1,222 @@
+"""Models as users bring them: outputs that are not tensors, batches that are dicts or tuples,
+and checkpointing that finds the repeated blocks of any model.
+
+These use small stand-ins written the way the libraries write them (a Hugging Face-style
+model takes named inputs and returns a mapping with ``loss`` and ``logits``); the real
+libraries run in the ``thirdparty`` tier (tests/test_thirdparty.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.data import batch_size_of, inputs_and_targets
+from workbench.loop import Trainer, TrainSetup, call_model, default_loss, make_optimizer
+from workbench.techniques import get_technique
+from workbench.techniques.channels_last import to_channels_last
+from workbench.techniques.checkpointing import repeated_blocks, select_modules
+from workbench.techniques.grad_accum import MicroBatches
+from workbench.telemetry import StepClock
+
+CPU = torch.device("cpu")
+VOCAB, LENGTH = 32, 12
+
+
+class Output(OrderedDict):
+    """Like transformers' ModelOutput: a mapping whose fields are also attributes."""
+
+    __getattr__ = OrderedDict.get
+
+
+class TinyCausalLM(nn.Module):
+    """Named inputs (input_ids, attention_mask, labels) and a loss of its own when given labels."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)) for _ in range(3)
+        )
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        logits = self.head(x)
+        out = Output(logits=logits)
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return out
+
+
+class TwoInputs(nn.Module):
+    """Takes its inputs positionally, as a model fed a tuple does."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, a, b):
+        return self.left(a) + self.right(b)
+
+
+def lm_batches(count: int = 4, labels: bool = True, size: int = 8) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if labels:
+            batch["labels"] = ids
+        batches.append(batch)
+    return batches
+
+
+def test_the_models_own_loss_is_used_and_logits_otherwise():
+    model = TinyCausalLM()
+    batch = lm_batches(1)[0]
+    outputs = call_model(model, batch)
+    assert default_loss(outputs, None) is outputs["loss"]
+    ids = batch["input_ids"]
+    without = call_model(model, {"input_ids": ids})  # no labels: no loss of its own
+    expected = nn.functional.cross_entropy(without["logits"].flatten(0, 1), ids.flatten())
+    torch.testing.assert_close(default_loss(without, ids), expected)  # logits, tokens flattened
+    first_of_tuple = (without["logits"], "extra")
+    torch.testing.assert_close(default_loss(first_of_tuple, ids), expected)
+
+
+def test_an_output_the_loss_cannot_use_is_refused_before_any_arm_runs():
+    with pytest.raises(ValueError) as error:
+        wb.plan(model=TinyCausalLM, data=lm_batches(labels=False), device="cpu", batch_size=8)
+    message = str(error.value)
+    assert "Output with fields logits" in message and "no targets" in message and "'labels'" in message
+    assert "pass loss_fn=" in message
+
+    class Strings(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(()))
+
+        def forward(self, x):
+            return "not a tensor"
+
+    data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
+    with pytest.raises(ValueError, match=r"\(a str\).*no 'loss', 'logits' or tensor"):
+        wb.plan(model=Strings, data=data, device="cpu", batch_size=8)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor.*shape \(8, 3\)"):
+        wb.plan(
+            model=TwoInputs,
+            data=[((torch.randn(8, 4), torch.randn(8, 4)), torch.zeros(8))] * 2,
+            loss_fn=lambda outputs, targets: outputs,
+            device="cpu",
+            batch_size=8,
+        )
+
+
+def test_inputs_are_passed_as_their_form_says():
+    model = TwoInputs()
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    torch.testing.assert_close(call_model(model, (a, b)), model(a, b))  # a tuple: positionally
+    torch.testing.assert_close(call_model(model, {"a": a, "b": b}), model(a, b))  # a dict: by name
+    assert inputs_and_targets({"a": a}) == ({"a": a}, None)
+    assert batch_size_of({"input_ids": torch.zeros(7, 3)}, None) == 7
+
+
+def _trainer(model: nn.Module, batches: list, split=None) -> Trainer:
+    setup = TrainSetup(
+        model=model, device=CPU, loss_fn=default_loss, make_optimizer=make_optimizer("sgd", 0.1)
+    )
+    if split is not None:
+        setup.split_batch = split
+    return Trainer(setup, iter(batches))
+
+
+def test_grad_accum_splits_a_dict_batch_and_matches_the_whole_batch():
+    torch.manual_seed(0)
+    whole = TinyCausalLM()
+    accumulated = copy.deepcopy(whole)
+    batches = lm_batches(2)
+    parts = MicroBatches(2)(batches[0], None)
+    assert [part[0]["input_ids"].shape[0] for part in parts] == [4, 4] and [p[2] for p in parts] == [0.5, 0.5]
+    assert parts[0][1] is None  # the labels travel inside the dict
+    big, small = _trainer(whole, batches), _trainer(accumulated, batches, MicroBatches(2))
+    for trainer in (big, small):
+        trainer.step(StepClock(CPU))
+    for p_whole, p_accumulated in zip(whole.parameters(), accumulated.parameters(), strict=True):
+        torch.testing.assert_close(p_accumulated, p_whole, atol=2e-6, rtol=1e-5)
+    assert small.samples_seen == big.samples_seen == 8
+
+
+def test_channels_last_converts_images_inside_tuples_and_dicts():
+    image, mask = torch.randn(2, 3, 8, 8), torch.ones(2, 8)
+    converted = to_channels_last({"pixels": image, "mask": mask, "pair": (image, 1)})
+    assert converted["pixels"].is_contiguous(memory_format=torch.channels_last)
+    assert not converted["pixels"].is_contiguous()
+    assert converted["mask"] is mask and converted["pair"][1] == 1
+    assert converted["pair"][0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.slow  # a real ablation in a fresh process
+def test_a_dict_batch_model_trains_in_an_ablation(tmp_path):
+    results = wb.ablate(
+        model=TinyCausalLM,
+        data=lm_batches(),
+        techniques={"grad_accum": {"steps": 2}, "checkpointing": True},
+        steps=4,
+        warmup=1,
+        blocks=1,
+        batch_size=8,
+        device="cpu",
+        control=False,
+        out=tmp_path / "run",
+        progress=False,
+    )
+    table = results.table.set_index("arm")
+    assert set(table.status) == {"ok"}, table.reason.to_dict()
+    assert (table.loss_vs_baseline.between(0.9, 1.1)).all()  # the same data, the same losses
+    assert "checkpointed layers.0, layers.1, layers.2" in table.loc["checkpointing", "notes"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+def test_checkpointing_finds_the_blocks_of_every_stage():
+    """A list of stages, each a list of residual blocks: every stage's blocks, not the first's."""
+    stages = nn.Sequential(nn.Sequential(Block(), Block()), nn.Sequential(Block(), Block(), Block()))
+    assert repeated_blocks(stages) == ["0.0", "0.1", "1.0", "1.1", "1.2"]
+
+    class ResNetLike(nn.Module):  # torchvision's layout: the stages are attributes
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Linear(4, 4)
+            self.layer1 = nn.Sequential(Block(), Block())
+            self.layer2 = nn.Sequential(Block(), Block())
+            self.fc = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # layers, not blocks
+
+    assert repeated_blocks(ResNetLike()) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
+    assert repeated_blocks(TinyCausalLM()) == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_checkpointing_selects_by_type_name_class_glob_or_predicate():
+    model = nn.Sequential(OrderedDict(a=Block(), b=nn.Linear(4, 4), c=Block()))
+    assert select_modules(model, "type:Block") == ["a", "c"]
+    assert select_modules(model, Block) == ["a", "c"]
+    assert select_modules(model, (Block, nn.Linear)) == ["a", "b", "c"]
+    assert select_modules(model, "type:Block,Linear") == ["a", "b", "c"]
+    assert select_modules(model, "a*") == ["a"]
+    assert select_modules(model, lambda name, m: name == "b") == ["b"]
+    with pytest.raises(ValueError, match="select must be None"):
+        get_technique("checkpointing").configure({"select": 3})
