@@ -14,7 +14,9 @@ from nbclient import NotebookClient
 for path in sys.argv[1:]:
     started = time.time()
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
+    NotebookClient(
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}
+    ).execute()
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
