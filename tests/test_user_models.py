@@ -110,6 +110,11 @@ def test_an_output_the_loss_cannot_use_is_refused_before_any_arm_runs():
     data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
     with pytest.raises(ValueError, match=r"\(a str\).*no 'loss', 'logits' or tensor"):
         wb.plan(model=Strings, data=data, device="cpu", batch_size=8)
+    wrong_targets = [(torch.randn(8, 4), torch.randint(0, 3, (5,)))] * 2  # 5 targets for 8 samples
+    with pytest.raises(
+        ValueError, match=r"the default loss failed on this model's output \(a tensor of shape"
+    ):
+        wb.plan(model=lambda: nn.Linear(4, 3), data=wrong_targets, device="cpu", batch_size=8)
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor.*shape \(8, 3\)"):
         wb.plan(
             model=TwoInputs,

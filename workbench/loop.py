@@ -25,6 +25,10 @@ from workbench.distributed import no_sync_context
 from workbench.telemetry import StepClock
 
 
+class UnusableOutput(ValueError):
+    """The default loss cannot use what the model returned (the message says what it was)."""
+
+
 def default_loss(outputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
     """The model's own loss when it computed one (a Hugging Face output, with labels in the
     batch); else cross-entropy of its logits (the tensor it returned, a ``logits`` field, or
@@ -35,7 +39,7 @@ def default_loss(outputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
         return own
     logits = _logits(outputs)
     if logits is None or targets is None:
-        raise ValueError(
+        raise UnusableOutput(
             f"the default loss cannot use this model's output ({describe_output(outputs)}): "
             + (
                 "it holds no 'loss', 'logits' or tensor to take cross-entropy of"
@@ -117,7 +121,16 @@ def check_the_loss(build: Callable[[], nn.Module], batch: Any, loss_fn: Callable
         except Exception:
             return
     if loss_fn is None:
-        default_loss(outputs, targets)  # raises ValueError, naming the output and the way out
+        try:
+            default_loss(outputs, targets)
+        except UnusableOutput:
+            raise  # it names the output and the way out
+        except Exception as error:  # cross-entropy refused the shapes: logits vs targets
+            raise ValueError(
+                f"the default loss failed on this model's output ({describe_output(outputs)}) and the "
+                f"batch's targets: {type(error).__name__}: {str(error).splitlines()[0]}; "
+                "pass loss_fn=lambda outputs, targets: ... returning a scalar tensor"
+            ) from None
         return
     try:
         loss = loss_fn(outputs, targets)
