@@ -40,8 +40,14 @@ def _gradients_with(hook: str, rank: int, port: int, queue) -> None:
     if rank == 0:
         # numpy arrays travel by value; torch tensors would be shared through this process's memory
         queue.put((hook, [p.grad.numpy().copy() for p in model.parameters()], meter.payload_bytes))
+        queue.close()
+        queue.join_thread()  # the result is through the pipe before this process ends
     dist.barrier()
     dist.destroy_process_group()
+    # End without the interpreter's teardown: on this machine a rank that returned normally
+    # sometimes aborted there ("terminate called without an active exception", SIGABRT) while
+    # torch's C++ threads were being destroyed, after every result was in.
+    os._exit(0)
 
 
 def _gradients(hook: str):
