@@ -61,7 +61,7 @@ def test_ddp_arms_are_refused():
 
 def test_float16_amp_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="GradScaler.step reads found_inf on the CPU"):
-        GRAPHS.apply(_setup(loss_scaling=True), GRAPHS.Config())
+        GRAPHS.apply(_setup(make_loss_scaler=lambda: torch.amp.GradScaler("cpu")), GRAPHS.Config())
 
 
 def test_compile_mode_is_not_compiled_twice():

@@ -91,6 +91,13 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """The model ``build`` makes, on the meta device: shapes only, no memory, nothing computed."""
+    with torch.device("meta"):
+        model = build()
+    return model.to("meta")  # a factory that places its parameters on a device explicitly
+
+
 # The CPU fallback of check_the_loss builds the model for real: not for one this large.
 CPU_CHECK_MAX_PARAMETERS = 100_000_000
 
@@ -106,8 +113,7 @@ def check_the_loss(build: Callable[[], nn.Module], batch: Any, loss_fn: Callable
     inputs, targets = inputs_and_targets(batch)
     meta, model = torch.device("meta"), None
     try:
-        with meta:
-            model = build().to(meta)
+        model = build_on_meta(build)
         outputs = call_model(model, to_device(inputs, meta, False))
         targets = to_device(targets, meta, False)
     except Exception:
@@ -206,7 +212,6 @@ class TrainSetup:
     make_loss_scaler: Callable[[], LossScaler] = NoLossScaling
     # --- what the hooks above leave for others to read ---
     autocast_dtype: torch.dtype | None = None  # amp's dtype: what matmuls run in, for MFU's peak
-    loss_scaling: bool = False  # amp with float16: the scaler reads found_inf on the CPU each step
     autocast_cache: bool = True  # autocast's weight-cast cache must be off inside graph capture
     # An input pipeline that replaces the DataLoader (dali): (source, batch_size, seed) -> batches.
     make_batches: Callable[[Any, int, int], Iterator] | None = None
@@ -220,6 +225,11 @@ class TrainSetup:
     # this arm's windows (warm-up, timed windows, the memory step) and left after it, so that
     # other arms sharing the process never run under them.
     window_settings: list[Callable[[], contextlib.AbstractContextManager]] = field(default_factory=list)
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether a real loss scaler is in the step (amp with float16: it reads found_inf on the CPU)."""
+        return self.make_loss_scaler is not NoLossScaling
 
 
 def to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:

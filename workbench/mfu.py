@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from workbench.devices import current_precision
-from workbench.loop import call_model, to_device
+from workbench.loop import build_on_meta, call_model, to_device
 
 # Dense peak TFLOP/s per compute dtype. Matched against torch.cuda.get_device_name() in this
 # order (first match wins), so more specific names come first ("A100" before "A10").
@@ -78,9 +78,7 @@ def count_flops(
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.device("meta"):
-        model = build()
-    model = model.to("meta")  # a factory that places its parameters on a device explicitly
+    model = build_on_meta(build)
     meta = torch.device("meta")
     meta_inputs, meta_targets = to_device(inputs, meta, False), to_device(targets, meta, False)
     with FlopCounterMode(display=False) as counter:

@@ -73,7 +73,6 @@ class Amp(Technique):
             # float16's 5-bit exponent underflows small gradients: scale the loss up for backward,
             # unscale before the optimizer step, skip a step whose gradients overflowed.
             # bfloat16 shares float32's 8 exponent bits and needs none of this.
-            setup.loss_scaling = True
             setup.make_loss_scaler = lambda: torch.amp.GradScaler(device_type)
         return f"autocast to {config.dtype}" + (
             " with loss scaling (GradScaler)" if setup.loss_scaling else ""

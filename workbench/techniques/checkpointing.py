@@ -108,7 +108,7 @@ def select_modules(model: nn.Module, select: Selector) -> list[str]:
     if select is None:
         return repeated_blocks(model)
     classes = _module_classes(select)
-    if classes is None and isinstance(select, str) and select.startswith(TYPE_PREFIX):
+    if isinstance(select, str) and select.startswith(TYPE_PREFIX):
         names = {name.strip() for name in select[len(TYPE_PREFIX) :].split(",") if name.strip()}
         matches_select: Callable[[str, nn.Module], bool] = lambda _, m: type(m).__name__ in names  # noqa: E731
     elif classes is not None:
