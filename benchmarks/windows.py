@@ -29,6 +29,7 @@ import json, sys
 import numpy as np
 from workbench import stats
 from workbench.block import ArmSpec
+from workbench.config import RunConfig
 from workbench.data import resolve_data
 from workbench.results import _side
 from workbench.techniques import parse_techniques
@@ -40,7 +41,8 @@ arms = [ArmSpec("baseline", []), ArmSpec("control", []), ArmSpec("amp", parse_te
 found = {}
 for index in np.random.default_rng().permutation(len(plans)):
     rounds, rewarm = plans[index]
-    spec = BlockSpec(model, data, None, arms, steps, 5, rounds, 32, "cpu", 0, block=int(index), rewarm=rewarm)
+    run = RunConfig(steps=steps, warmup=5, rounds=rounds, batch_size=32, device="cpu")
+    spec = BlockSpec(model, data, None, arms, run, block=int(index), rewarm=rewarm)
     measured = run_block(spec)["arms"]
     plan = {}
     for estimator in stats.ESTIMATORS:

@@ -4,6 +4,7 @@ import torch
 from technique_settings import TECHNIQUE_SETTINGS
 
 from workbench.block import ArmSpec
+from workbench.config import RunConfig, run_options
 from workbench.data import resolve_data
 from workbench.models import inspect_model
 from workbench.techniques import Context, get_technique, parse_techniques
@@ -17,17 +18,15 @@ def block_spec(
 ) -> BlockSpec:
     """A BlockSpec for one arm (``techniques``), or for several: ``arms={"name": techniques, ...}``."""
     arms = arms if arms is not None else {ARM: techniques or {}}
+    settings = {key: overrides.pop(key) for key in list(overrides) if key in run_options()}
     spec = BlockSpec(
         model=model,
         data=resolve_data(data, model, 0),
         loss_fn=overrides.pop("loss_fn", None),
         arms=[ArmSpec(name, parse_techniques(chosen)) for name, chosen in arms.items()],
-        steps=steps,
-        warmup=warmup,
-        rounds=overrides.pop("rounds", 1),
-        batch_size=batch_size,
-        device="cpu",
-        seed=0,
+        run=RunConfig(
+            steps=steps, warmup=warmup, batch_size=batch_size, device="cpu", **{"rounds": 1, **settings}
+        ),
     )
     for key, value in overrides.items():
         setattr(spec, key, value)

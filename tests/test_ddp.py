@@ -227,8 +227,15 @@ def test_bad_distributed_settings_fail_clearly():
 def test_the_simulated_link_delays_each_bucket_by_its_bytes():
     link = Link(bandwidth_gbps=0.08, latency_ms=2.0)  # 10 MB/s
     assert link.delay_s(1e6) == pytest.approx(0.002 + 0.1)
-    spec = block_spec("mlp", {"ddp_compression": {"hook": "none"}}, steps=2, warmup=2, batch_size=16)
-    spec.link = link
+    spec = block_spec(
+        "mlp",
+        {"ddp_compression": {"hook": "none"}},
+        steps=2,
+        warmup=2,
+        batch_size=16,
+        world_size=WORLD,
+        link=link,
+    )
     answer = arm_result(run_in_fresh_process(spec, log_path=_log("link"), timeout_s=120, world_size=WORLD))
     wire = 2 * (WORLD - 1) / WORLD * answer["comm_bytes_per_step"]
     expected_ms = 1e3 * (answer["buckets_per_step"] * 0.002 + 8 * wire / 0.08e9)

@@ -10,7 +10,7 @@ from helpers import RUN_SETTINGS
 
 import workbench as wb
 from workbench.ablation import add_own_baseline, jobs_for_block, plan_arguments, plan_arms
-from workbench.cli import _parser
+from workbench.cli import _parser, run_settings
 from workbench.config import RunConfig
 from workbench.techniques import Technique, parse_techniques, register_technique, unregister_technique
 
@@ -138,18 +138,36 @@ def test_none_selects_every_technique():
     assert table.set_index("name").loc["dali", "unavailable"].startswith("needs JPEG files")
 
 
-def test_every_run_setting_reaches_ablate_plan_and_the_cli():
-    """A RunConfig field that ablate, plan or the CLI lacks is an option that drifted."""
-    fields = [f.name for f in dataclasses.fields(RunConfig)]
+def test_every_run_setting_reaches_ablate_plan_the_cli_and_the_panel():
+    """Each RunConfig field is a keyword of ablate and plan (with RunConfig's default), a CLI
+    flag with its help, and a panel control: all read from the field, so none can drift."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
     assert sorted(fields) == sorted(RUN_SETTINGS), "add the new setting to RUN_SETTINGS"
     for function in (wb.ablate, wb.plan):
-        missing = set(fields) - set(inspect.signature(function).parameters)
-        assert not missing, f"{function.__name__} lacks {sorted(missing)}"
+        parameters = inspect.signature(function).parameters
+        for name, field in fields.items():
+            assert parameters[name].default == field.default, f"{function.__name__}({name}=...) drifted"
+            assert name in function.__doc__, f"{function.__name__}'s docstring lacks {name}"
     (commands,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    flags = {action.dest for action in commands.choices["ablate"]._actions}
-    cli_spelling = {"control": "no_control", "link": "link_gbps"}  # --no-control, --link-gbps
-    missing = [field for field in fields if cli_spelling.get(field, field) not in flags]
-    assert not missing, f"workbench ablate has no flag for {missing}"
+    flags = {action.dest: action for action in commands.choices["ablate"]._actions}
+    for name, field in fields.items():
+        assert name in flags, f"workbench ablate has no flag for {name}"
+        assert field.metadata["option"].help.replace("%", "%%") in flags[name].help
+    panel = pytest.importorskip("workbench.widgets").panel()
+    assert list(panel.settings) == list(fields), "the panel lacks a control"
+
+
+def test_cli_flags_give_the_same_run_as_the_api():
+    """One non-default value per setting, typed as a person would on the command line."""
+    typed = {
+        "steps": "7", "warmup": "2", "blocks": "2", "rounds": "3", "batch-size": "16", "device": "cpu",
+        "seed": "5", "mode": "grid", "optimizer": "sgd", "lr": "0.01", "loader-arms": "off",
+        "world-size": "2", "link": "bandwidth_gbps=1.0", "timeout-s": "60",
+    }  # fmt: skip
+    argv = ["ablate", *[part for flag, text in typed.items() for part in (f"--{flag}", text)]]
+    args = _parser().parse_args([*argv, "--no-control", "--isolate"])
+    assert RunConfig(**run_settings(args)) == RunConfig(**RUN_SETTINGS)
+    assert run_settings(_parser().parse_args(["ablate"])) == {}, "a flag left out must leave the default"
 
 
 @pytest.mark.parametrize("setting", sorted(RUN_SETTINGS))
@@ -179,3 +197,20 @@ def test_swept_arms_are_named_by_the_settings_that_matter_even_when_unavailable(
     assert list(alone.name[1:]) == expected and (alone.unavailable[1:] != "").all()
     ranks = wb.plan(model="mlp", techniques=sweep, device="cpu", control=False, world_size=2)
     assert list(ranks.name[1:]) == expected and (ranks.unavailable == "").all()
+
+
+def test_the_worker_receives_the_run_that_ablate_checked(monkeypatch):
+    """The RunConfig ablate built travels to the block's process whole (device resolved), not
+    re-packed field by field, so a new setting reaches the worker with no edit on the way."""
+    from workbench import ablation
+
+    sent = []
+
+    def capture(spec, **kwargs):
+        sent.append(spec)
+        return {"type": "error", "status": "failed", "reason": "not run: the test only looks at the spec"}
+
+    monkeypatch.setattr(ablation, "run_in_fresh_process", capture)
+    settings = {"steps": 7, "warmup": 2, "blocks": 1, "rounds": 3, "batch_size": 16, "seed": 5, "lr": 0.01}
+    wb.ablate("mlp", techniques={}, out=False, progress=False, optimizer="sgd", **settings)
+    assert sent and all(spec.run == RunConfig(device="cpu", optimizer="sgd", **settings) for spec in sent)

@@ -72,11 +72,8 @@ def built_arm(
         model=spec.model,
         data=spec.data,
         loss_fn=None,
-        batch_size=batch_size,
+        run=spec.run,
         device=device,
-        seed=0,
-        optimizer="adamw",
-        lr=1e-3,
         rank=Rank(),
         shared=False,
     )

@@ -12,6 +12,7 @@ from helpers import RUN_SETTINGS
 
 import workbench as wb
 from workbench import optional
+from workbench.config import RunConfig, run_options
 from workbench.plots import plot_live
 from workbench.techniques import Technique, all_techniques, register_technique, unregister_technique
 from workbench.telemetry import Sampler, _NvmlReader
@@ -87,8 +88,8 @@ def test_a_technique_added_later_appears_without_editing_the_panel():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda p: setattr(p.steps, "value", 0), "ablate: steps must be >= 1; got 0"),
-        (lambda p: setattr(p.warmup, "value", 0), "ablate: warmup must be >= 1; got 0"),
+        (lambda p: setattr(p.settings["steps"], "value", 0), "ablate: steps must be >= 1; got 0"),
+        (lambda p: setattr(p.settings["warmup"], "value", 0), "ablate: warmup must be >= 1; got 0"),
         (
             lambda p: (
                 setattr(p.rows["grad_accum"].toggle, "value", True),
@@ -287,4 +288,6 @@ def test_every_run_setting_reaches_ablate_through_the_panel(setting):
     hands it to ablate (and the pre-flight checks it), so no option is lost on the way."""
     value = RUN_SETTINGS[setting]
     panel = wb.panel(model="mlp", **{setting: value})
-    assert panel.arguments()[setting] == value
+    rule = run_options()[setting]  # a link comes back as its text, which means the same Link
+    assert rule.validate(setting, panel.arguments()[setting]) == rule.validate(setting, value)
+    assert panel.arguments()[setting] != getattr(RunConfig(), setting), "the control lost the value"

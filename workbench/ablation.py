@@ -32,7 +32,6 @@ Design, in the order a run happens:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import itertools
@@ -46,7 +45,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ from typing import Any
 import torch
 
 from workbench.block import ArmSpec
-from workbench.config import RunConfig
+from workbench.config import RunConfig, takes_run_options
 from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun
@@ -64,7 +63,7 @@ from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
 from workbench.results import SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
-from workbench.techniques import Context, Technique, conflict_reason, parse_techniques
+from workbench.techniques import Context, Technique, conflict_reason, parse_techniques, technique_context
 from workbench.telemetry import Sampler, competing_load, usable_cores
 from workbench.worker import WINDOW_TARGET_S, BlockSpec
 
@@ -115,7 +114,7 @@ def sweep_names(techniques: list[tuple[Technique, Any]]) -> list[str]:
         matter = technique.settings_that_matter(config)
         swept = [
             f.name
-            for f in dataclasses.fields(config)
+            for f in fields(config)
             if f.name in matter and len({repr(getattr(c, f.name)) for c in siblings}) > 1
         ]
         values = ", ".join(f"{name}={getattr(config, name)}" for name in swept)
@@ -258,23 +257,14 @@ def prepare(
     chosen = parse_techniques(techniques)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
-    instance, label = inspect_model(model)
+    inspected = inspect_model(model)
     source = resolve_data(data, model, run.seed)
     check_sample_count(source, run.batch_size, run.world_size)
     if not (isinstance(model, str) and loss_fn is None):  # a built-in model with its own loss is known to fit
         first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
         check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn)
-    ctx = Context(
-        device=device,
-        model=instance,
-        model_name=label,
-        data_is_dataset=source.is_dataset,
-        batch_size=run.batch_size,
-        data_label=source.label,
-        image_size=source.images.size if source.images is not None else None,
-        world_size=run.world_size,
-        warmup=run.warmup,
-    )
+    ctx = technique_context(run, model, source, inspected=inspected)
+    label = ctx.model_name
     runnable, runnable_names, unavailable = [], [], []
     for name, (technique, config) in zip(sweep_names(chosen), chosen, strict=True):  # names see every value
         technique.validate(ctx, config)
@@ -304,7 +294,7 @@ def prepare(
         "data": source.label,
         "loss_fn": model_label(loss_fn) if loss_fn else "cross_entropy",
         "techniques": described,
-        **asdict(run),
+        **run.to_json(),
         "device": str(device),
     }
     return Prepared(run, model, source, loss_fn, arms, config)
@@ -437,47 +427,38 @@ def _open_out(
 RETRIED = ("failed", "oom", "skipped")  # what retry_failed=True runs again when resuming
 
 
-def _blocks_from(blocks: int, repeats: int | None) -> int:
+def _blocks_from(settings: dict, repeats: int | None) -> dict:
     """``repeats`` is the old name of ``blocks``: accepted, with a warning that says so."""
     if repeats is None:
-        return blocks
+        return settings
     warnings.warn(
         "ablate: repeats= is now blocks= (each block is one process running every arm side by side)",
         DeprecationWarning,
         stacklevel=3,
     )
-    return repeats
+    return {**settings, "blocks": repeats}
 
 
+# The keywords ablate and plan take besides the run settings (named in an unknown one's error).
+PLAN_ONLY = ("model", "data", "loss_fn", "techniques", "repeats")
+ABLATE_ONLY = (*PLAN_ONLY, "out", "progress", "overwrite", "retry_failed", "on_event", "stop")
+
+
+@takes_run_options
 def ablate(
     model: Any = "mlp",
     data: Any = None,
     loss_fn: Callable | None = None,
     techniques: Mapping[str, Any] | None = None,
-    mode: str = "one-at-a-time",
-    steps: int = 30,
-    warmup: int = 5,
-    blocks: int = 3,
-    batch_size: int = 32,
-    device: str = "auto",
-    seed: int = 0,
+    *,
     out: str | Path | None | bool = None,
     progress: bool = True,
-    *,
-    rounds: int | None = None,
-    control: bool = True,
-    loader_arms: bool | str | None = None,
-    world_size: int = 1,
-    link: Any = None,
-    isolate: bool = False,
-    optimizer: str = "adamw",
-    lr: float = 1e-3,
-    timeout_s: float | None = None,
     overwrite: bool = False,
     retry_failed: bool = False,
     on_event: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
     repeats: int | None = None,
+    **settings: Any,
 ) -> Results:
     """Run a controlled ablation and return its Results (``.table``, ``.plot()``, ``.save()``).
 
@@ -490,31 +471,14 @@ def ablate(
     loss_fn     ``(outputs, targets) -> loss``; default cross-entropy
     techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``, or names with their
                 defaults (``["amp", "tf32"]``); None = all, defaults; a list of values sweeps a setting: ``{"dataloader": {"num_workers": [0, 2]}}``
-    mode        ``one-at-a-time`` | ``leave-one-out`` | ``grid``
-    steps       timed optimizer steps per arm in each block; ``warmup`` untimed steps before them
-    blocks      fresh processes, each running every arm side by side (the repeats): the speedup
-                is computed inside each block and combined over blocks
-    rounds      windows per arm in a block: each round runs every arm for ``steps / rounds``
-                steps, in a fresh random order; None: windows of about 5 ms (one step, for
-                slower steps), from the step time measured in warm-up
-    batch_size  samples per optimizer step (grad_accum splits it; it never grows)
+
+    How each arm is trained and timed (workbench.config.RunConfig, the same for the CLI's flags
+    and the panel's controls):
+
+    {run_options}
+
     out         folder for results (written after every process, resumable); None = a new folder
                 under ./workbench-results; False = keep nothing on disk
-    control     also run the baseline a second time in every block (an A/A check of the noise)
-    loader_arms time the input pipeline alone too (kind ``loader`` rows, a no-op model);
-                None: when dataloader or dali is ablated on a Dataset; ``"only"``: nothing else
-    world_size  ranks per arm: > 1 runs every arm as a DDP job on this machine (gloo on CPU,
-                NCCL on CUDA), each rank on its own shard with ``batch_size`` samples per step;
-                throughput is the job's (all ranks), and communication is measured. Each arm
-                is then a process group of its own, in every block
-    link        a simulated network between the ranks, ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``:
-                each gradient bucket is delayed by latency + bytes / bandwidth (a simulation)
-    isolate     run every arm in a process of its own, in every block, as workbench did before
-                blocks: each ratio then carries two processes' luck (10-15% here). To compare,
-                or when in doubt about an arm sharing a process
-    timeout_s   limit for one arm in one block; past it the arm is recorded as failed, and its
-                block runs again without it. None (default): 15 minutes to build and warm up,
-                then 10x what the warm-up steps predict for the timed steps (at least 2 minutes)
     overwrite   remove the files an earlier run wrote in ``out`` (only those: with any other
                 file there, it refuses and lists them) and start afresh
     retry_failed  when resuming, run again the blocks in which an arm failed, ran out of
@@ -539,34 +503,33 @@ def ablate(
         raise ValueError(
             f"ablate: out must be a folder path, None (a new folder) or False (keep nothing); got {out!r}"
         )
+    settings = _blocks_from(settings, repeats)
     launcher = Torchrun.detect()
     if launcher is not None:
+        world_size = settings.get("world_size", 1)
         if world_size not in (1, launcher.rank.world_size):
             raise ValueError(
                 f"ablate: under torchrun the world size is torchrun's ({launcher.rank.world_size}); got world_size={world_size}"
             )
-        world_size = launcher.rank.world_size
+        settings["world_size"] = launcher.rank.world_size
         if launcher.rank.rank != 0:  # only rank 0 reports
             out, progress, on_event = False, False, None
-    run = RunConfig(
-        steps=steps,
-        warmup=warmup,
-        blocks=_blocks_from(blocks, repeats),
-        rounds=rounds,
-        batch_size=batch_size,
-        device=device,
-        seed=seed,
-        mode=mode,
-        optimizer=optimizer,
-        lr=lr,
-        control=control,
-        loader_arms=loader_arms,
-        world_size=world_size,
-        link=link,
-        isolate=isolate,
-        timeout_s=timeout_s,
-    )
+    run = RunConfig.from_options("ablate", settings, also=ABLATE_ONLY)
     prepared = prepare(model, data, loss_fn, techniques, run)
+    return _run_in_folder(prepared, out, overwrite, retry_failed, progress, on_event, stop, launcher)
+
+
+def _run_in_folder(
+    prepared: Prepared,
+    out: Any,
+    overwrite: bool,
+    retry_failed: bool,
+    progress: bool,
+    on_event: Callable[[dict], None] | None,
+    stop: threading.Event | None,
+    launcher: Torchrun | None,
+) -> Results:
+    """Run a prepared ablation into ``out`` (False: a temporary folder, removed afterwards)."""
     temporary = None
     if out is False:
         temporary = tempfile.TemporaryDirectory(prefix="workbench-")
@@ -577,7 +540,7 @@ def ablate(
     try:
         folder, finished = _open_out(out, prepared, overwrite, retry_failed)
         if launcher is not None:
-            launcher.start(timeout_s or STARTUP_LIMIT_S)
+            launcher.start(prepared.run.timeout_s or STARTUP_LIMIT_S)
             if launcher.resuming(len(finished)):
                 raise ValueError("ablate: resuming under torchrun is not supported; pass a new out folder")
         runner = _Runner(
@@ -602,29 +565,15 @@ def ablate(
     return results
 
 
+@takes_run_options
 def plan(
     model: Any = "mlp",
     data: Any = None,
     loss_fn: Callable | None = None,
     techniques: Mapping[str, Any] | None = None,
-    mode: str = "one-at-a-time",
-    blocks: int = 3,
-    batch_size: int = 32,
-    device: str = "auto",
-    control: bool = True,
-    loader_arms: bool | str | None = None,
-    world_size: int = 1,
-    link: Any = None,
-    steps: int = 30,
-    warmup: int = 5,
     *,
-    rounds: int | None = None,
-    isolate: bool = False,
     repeats: int | None = None,
-    seed: int = 0,
-    optimizer: str = "adamw",
-    lr: float = 1e-3,
-    timeout_s: float | None = None,
+    **settings: Any,
 ):
     """The arms ``ablate`` would run with these arguments, as a DataFrame, without running them.
 
@@ -633,27 +582,12 @@ def plan(
 
     ``process`` says where each arm runs: ``block`` (side by side with the others in each
     block's process) or ``own`` (a process of its own per block, with ``own_process`` saying why).
+
+    {run_options}
     """
     import pandas as pd
 
-    run = RunConfig(
-        steps=steps,
-        warmup=warmup,
-        blocks=_blocks_from(blocks, repeats),
-        rounds=rounds,
-        batch_size=batch_size,
-        device=device,
-        mode=mode,
-        control=control,
-        loader_arms=loader_arms,
-        world_size=world_size,
-        link=link,
-        isolate=isolate,
-        seed=seed,
-        optimizer=optimizer,
-        lr=lr,
-        timeout_s=timeout_s,
-    )
+    run = RunConfig.from_options("plan", _blocks_from(settings, repeats), also=PLAN_ONLY)
     prepared = prepare(model, data, loss_fn, techniques, run)
     rows = [{**arm.record(), "blocks": 0 if arm.unavailable else run.blocks} for arm in prepared.arms]
     for row in rows:  # a text column with nothing to say holds "", as in Results.table
@@ -877,35 +811,46 @@ class _Runner:
                     "wall_s": time.time() - started,
                 }
                 break
-            # The process died or was ended. Arms that reported their own failure first keep it.
-            for arm in list(runnable):
-                if arm.name in arm_errors:
-                    self._failed_in_block(
-                        arm, job, attempt, arm_errors[arm.name], len(runnable), units, moved
-                    )
-                    runnable.remove(arm)
-            culprit = next((arm for arm in runnable if arm.name == answer.get("arm")), None)
-            if culprit is None or len(runnable) == 1:
-                # Nothing to single out (the process failed before or between arms): all of them failed.
-                for arm in runnable:
-                    units.append(self._unit(arm, job, attempt, answer["status"], answer["reason"], answer))
-                break
-            if answer.get("shared_state"):
-                moved[culprit.name] = f"it changed process-wide state ({'; '.join(answer['shared_state'])})"
-            elif answer["status"] == "oom" or answer.get("signal") == signal.SIGKILL:
-                # Killed beside other arms: alone, it shows whether it was the arms together.
-                moved[culprit.name] = (
-                    f"its block's process ended while it ran ({answer['reason']}): it may not fit in memory "
-                    "beside the other arms"
-                )
-            else:
-                units.append(self._unit(culprit, job, attempt, answer["status"], answer["reason"], answer))
-            runnable.remove(culprit)  # and run the block again without it
+            runnable = self._without_the_culprit(job, attempt, answer, arm_errors, runnable, units, moved)
         if self.launcher is not None:  # every node follows rank 0's verdict, to stay in step
             ok = self.launcher.agree(all(u["status"] not in ("failed", "oom") for u in units))
             for unit in units:
                 if not ok and unit["status"] == "ok":
                     unit.update(status="failed", reason="failed on rank 0", result=None)
+        self._keep_job(job, units, moved, block_record, bar)
+
+    def _without_the_culprit(
+        self, job: Job, attempt: int, answer: dict, arm_errors: dict, runnable: list, units: list, moved: dict
+    ) -> list[Arm]:
+        """After a process died or was ended: record who failed; the arms to run again (maybe none)."""
+        runnable = list(runnable)
+        for arm in list(runnable):  # arms that reported their own failure first keep it
+            if arm.name in arm_errors:
+                self._failed_in_block(arm, job, attempt, arm_errors[arm.name], len(runnable), units, moved)
+                runnable.remove(arm)
+        culprit = next((arm for arm in runnable if arm.name == answer.get("arm")), None)
+        if culprit is None or len(runnable) == 1:
+            # Nothing to single out (the process failed before or between arms): all of them failed.
+            for arm in runnable:
+                units.append(self._unit(arm, job, attempt, answer["status"], answer["reason"], answer))
+            return []
+        if answer.get("shared_state"):
+            moved[culprit.name] = f"it changed process-wide state ({'; '.join(answer['shared_state'])})"
+        elif answer["status"] == "oom" or answer.get("signal") == signal.SIGKILL:
+            # Killed beside other arms: alone, it shows whether it was the arms together.
+            moved[culprit.name] = (
+                f"its block's process ended while it ran ({answer['reason']}): it may not fit in memory "
+                "beside the other arms"
+            )
+        else:
+            units.append(self._unit(culprit, job, attempt, answer["status"], answer["reason"], answer))
+        runnable.remove(culprit)  # and run the block again without it
+        return runnable
+
+    def _keep_job(
+        self, job: Job, units: list, moved: dict, block_record: dict | None, bar: _Progress
+    ) -> None:
+        """Write the process's record to the results folder at once, then tell the listeners."""
         record = {
             "block": job.block,
             "job": job.key,
@@ -974,17 +919,8 @@ class _Runner:
             data=prepared.data,
             loss_fn=prepared.loss_fn,
             arms=[arm.spec() for arm in arms],
-            steps=run.steps,
-            warmup=run.warmup,
-            rounds=run.rounds,
-            batch_size=run.batch_size,
-            device=prepared.config["device"],
-            seed=run.seed,
+            run=replace(run, device=prepared.config["device"]),
             block=job.block,
-            optimizer=run.optimizer,
-            lr=run.lr,
-            link=run.link,
-            comm_timeout_s=min(120.0, run.timeout_s or 120.0),
         )
         arm_errors: dict[str, dict] = {}
         where = f"block {job.block + 1}/{run.blocks}" + ("" if job.shared else f", {arms[0].name} alone")

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workbench.config import RunConfig
 from workbench.data import batch_size_of, endless_batches, inputs_and_targets, tensors_of
 from workbench.devices import synchronize
 from workbench.distributed import DDP_ORDER, CommMeter, CommSettings, Rank, wrap_ddp
@@ -99,22 +100,18 @@ class BlockArm:
         model: Any,
         data: Any,
         loss_fn: Callable | None,
-        batch_size: int,
-        device: torch.device,
-        seed: int,
-        optimizer: str,
-        lr: float,
+        run: RunConfig,
+        device: torch.device,  # the rank's own device (run.device names the first)
         rank: Rank,
         meter: CommMeter | None = None,
-        link: Any = None,
         shared: bool = True,
     ):
         self.spec = spec
         self.name = spec.name
         self.model_source, self.data, self.user_loss = model, data, loss_fn
-        self.batch_size, self.device, self.seed = batch_size, device, seed
-        self.optimizer_name, self.lr = optimizer, lr
-        self.rank, self.meter, self.link = rank, meter, link
+        self.batch_size, self.device, self.seed = run.batch_size, device, run.seed
+        self.optimizer_name, self.lr = run.optimizer, run.lr
+        self.rank, self.meter, self.link = rank, meter, run.link
         self.shared = shared  # other arms run in this process between this arm's windows
         self.random_state = ArmRandomState(device)
         self.memory = ArmMemory(device)

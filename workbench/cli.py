@@ -32,9 +32,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-LOADER_ARMS = {"auto": None, "on": True, "off": False, "only": "only"}
-
-
 def _value(text: str) -> Any:
     if "|" in text:  # num_workers=0|1|2: a sweep, one arm per value
         return [_value(part) for part in text.split("|")]
@@ -92,6 +89,56 @@ def _techniques(args: argparse.Namespace, preset: dict) -> dict | None:
     return chosen
 
 
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per run setting, read from RunConfig's fields: name, help, type and choices.
+
+    A flag left out is None, so the preset's value, or else RunConfig's default, applies.
+    """
+    from dataclasses import fields
+
+    from workbench.config import RunConfig
+
+    for item in fields(RunConfig):
+        rules = item.metadata["option"]
+        flag = "--" + item.name.replace("_", "-")
+        names = [flag, *("--" + alias.replace("_", "-") for alias in rules.aliases)]
+        shown = rules.help.replace("%", "%%")  # argparse formats help with %
+        if rules.kind is bool and item.default is True:
+            parser.add_argument(
+                "--no-" + flag[2:], dest=item.name, action="store_false", default=None, help=f"do not {shown}"
+            )
+        elif rules.kind is bool:
+            parser.add_argument(*names, dest=item.name, action="store_true", default=None, help=shown)
+        elif rules.choices is not None:
+            parser.add_argument(
+                *names,
+                dest=item.name,
+                choices=list(rules.choices),
+                help=f"{shown} (default {rules.word(item.default)})",
+            )
+        else:
+            default = rules.unset if item.default is None else item.default
+            parser.add_argument(
+                *names,
+                dest=item.name,
+                type=rules.parse,
+                metavar=item.name.upper(),
+                help=f"{shown} (default {default})",
+            )
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run settings given as flags (a choice's word turned into the value it stands for)."""
+    from workbench.config import run_options
+
+    settings = {}
+    for name, rules in run_options().items():
+        value = getattr(args, name)
+        if value is not None:
+            settings[name] = rules.choices[value] if rules.choices is not None else value
+    return settings
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="workbench",
@@ -130,50 +177,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help='all techniques as JSON, e.g. \'{"amp": {"dtype": "float16"}}\'',
     )
-    ablate.add_argument("--mode", help="one-at-a-time | leave-one-out | grid")
-    ablate.add_argument("--steps", type=int)
-    ablate.add_argument("--warmup", type=int)
-    ablate.add_argument(
-        "--blocks",
-        "--repeats",
-        dest="blocks",
-        type=int,
-        help="fresh processes, each running every arm side by side (default 3)",
-    )
-    ablate.add_argument(
-        "--rounds", type=int, help="windows per arm in a block (default 10, fewer for short runs)"
-    )
-    ablate.add_argument("--batch-size", type=int)
-    ablate.add_argument("--device")
-    ablate.add_argument("--seed", type=int)
-    ablate.add_argument("--optimizer", help="adamw | sgd")
-    ablate.add_argument("--lr", type=float)
-    ablate.add_argument("--timeout-s", type=float)
+    add_run_flags(ablate)
     ablate.add_argument("--out", help="results folder (default: a new one under ./workbench-results)")
     ablate.add_argument("--overwrite", action="store_true", help="discard earlier results in --out")
     ablate.add_argument(
         "--retry-failed",
         action="store_true",
         help="when resuming, run again the blocks in which an arm failed, ran out of memory or was skipped",
-    )
-    ablate.add_argument("--no-control", action="store_true", help="skip the A/A rerun of the baseline")
-    ablate.add_argument(
-        "--isolate", action="store_true", help="every arm in a process of its own (no arms side by side)"
-    )
-    ablate.add_argument(
-        "--world-size",
-        type=int,
-        help="ranks per arm: every arm runs as a DDP job (under torchrun: torchrun's world size)",
-    )
-    ablate.add_argument(
-        "--link-gbps", type=float, help="simulate a link of this bandwidth between the ranks (Gbit/s)"
-    )
-    ablate.add_argument("--link-latency-ms", type=float, default=0.0, help="the simulated link's latency")
-    ablate.add_argument(
-        "--loader-arms",
-        choices=LOADER_ARMS,
-        default="auto",
-        help="loader-only arms (a no-op model): auto = when dataloader or dali is ablated on a dataset",
     )
     ablate.add_argument("--no-progress", action="store_true", help="no progress bar")
     ablate.add_argument("--dry-run", action="store_true", help="print the plan and stop")
@@ -210,32 +220,11 @@ def _run_ablate(args: argparse.Namespace) -> int:
 
     preset = PRESETS[args.preset] if args.preset else {}
     settings = {key: value for key, value in preset.items() if key != "techniques"}
-    for key in (
-        "model",
-        "data",
-        "mode",
-        "steps",
-        "warmup",
-        "blocks",
-        "rounds",
-        "batch_size",
-        "device",
-        "seed",
-        "optimizer",
-        "lr",
-        "timeout_s",
-    ):
-        value = getattr(args, key)
-        if value is not None:
-            settings[key] = value
+    for key in ("model", "data"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    settings |= run_settings(args)
     settings["techniques"] = _techniques(args, preset)
-    settings["control"] = not args.no_control
-    settings["isolate"] = args.isolate
-    settings["loader_arms"] = LOADER_ARMS[args.loader_arms]
-    if args.world_size is not None:
-        settings["world_size"] = args.world_size
-    if args.link_gbps is not None:
-        settings["link"] = {"bandwidth_gbps": args.link_gbps, "latency_ms": args.link_latency_ms}
     if args.dry_run:
         from workbench.ablation import plan_arguments
 

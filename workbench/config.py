@@ -8,10 +8,12 @@ messages look alike: ``<owner>: <field> must be <rule>; got <value>``. Unknown n
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import numbers
-from collections.abc import Iterable
-from dataclasses import dataclass
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MODES = ("one-at-a-time", "leave-one-out", "grid")
@@ -78,74 +80,6 @@ def _is_cuda_index(value: str) -> bool:
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """How each arm is trained and timed. Everything here is the same for every arm."""
-
-    steps: int = 30  # timed optimizer steps per arm per block, split into `rounds` windows
-    warmup: int = 5  # untimed optimizer steps per arm before its first window
-    blocks: int = 3  # fresh processes, each running every arm side by side (repeats)
-    rounds: int | None = None  # windows per arm in a block; None: from the step time (workbench.worker)
-    batch_size: int = 32  # samples per optimizer step (grad_accum splits it, never grows it)
-    device: str = "auto"
-    seed: int = 0
-    mode: str = "one-at-a-time"
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    control: bool = True  # also run the baseline a second time: the A/A noise check
-    loader_arms: bool | str | None = None  # loader-only twins of input-pipeline arms; None: automatic
-    world_size: int = 1  # ranks per arm: > 1 runs every arm as a DDP job (gloo on CPU, NCCL on CUDA)
-    isolate: bool = False  # every arm in a process of its own, in every block (no arms side by side)
-    link: object = None  # a Link: a simulated network between the ranks
-    # One arm in one block; past it the arm is recorded as failed. None: from the arm's warm-up
-    # (workbench.process.ArmTimer).
-    timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        def set_(field: str, value: object) -> None:  # frozen: store the checked, converted value
-            object.__setattr__(self, field, value)
-
-        set_("steps", check_int("ablate", "steps", self.steps, 1))
-        set_(
-            "warmup",
-            check_int(
-                "ablate",
-                "warmup",
-                self.warmup,
-                1,
-                why=" (the first steps pay one-off costs: allocation, compilation, autotuning)",
-            ),
-        )
-        set_("blocks", check_int("ablate", "blocks", self.blocks, 1))
-        if self.rounds is not None:
-            set_("rounds", check_int("ablate", "rounds", self.rounds, 1))
-        if self.rounds is not None and self.rounds > self.steps:
-            raise ValueError(
-                f"ablate: rounds={self.rounds} exceeds steps={self.steps}; each round's window needs at least one step"
-            )
-        set_("batch_size", check_int("ablate", "batch_size", self.batch_size, 1))
-        # Seeds Python's, NumPy's and torch's generators; NumPy's takes 32 bits.
-        set_("seed", check_int("ablate", "seed", self.seed, 0, maximum=2**32 - 1))
-        check_device(self.device)
-        if self.mode not in MODES:
-            raise unknown_name_error("mode", self.mode, MODES)
-        if self.optimizer not in OPTIMIZERS:
-            raise unknown_name_error("optimizer", self.optimizer, OPTIMIZERS)
-        set_("lr", check_number("ablate", "lr", self.lr, above=0.0))
-        check_bool("ablate", "control", self.control)
-        check_bool("ablate", "isolate", self.isolate)
-        if not (self.loader_arms is None or isinstance(self.loader_arms, bool) or self.loader_arms == "only"):
-            raise ValueError(
-                f"ablate: loader_arms must be None (automatic), True, False or 'only'; got {self.loader_arms!r}"
-            )
-        if self.timeout_s is not None:
-            set_("timeout_s", check_number("ablate", "timeout_s", self.timeout_s, above=0.0))
-        set_("world_size", check_int("ablate", "world_size", self.world_size, 1))
-        object.__setattr__(self, "link", as_link(self.link))
-        if self.link is not None and self.world_size < 2:
-            raise ValueError("ablate: link simulates the network between ranks, so it needs world_size >= 2")
-
-
-@dataclass(frozen=True)
 class Link:
     """A simulated network link between the ranks (a simulation, not a measurement)."""
 
@@ -167,11 +101,31 @@ class Link:
     def describe(self) -> str:
         return f"simulated link: {self.bandwidth_gbps:g} Gbit/s, {self.latency_ms:g} ms latency"
 
+    def as_text(self) -> str:
+        """As typed on the CLI (``--link``) or in the panel; ``as_link`` reads it back."""
+        return f"bandwidth_gbps={self.bandwidth_gbps:g},latency_ms={self.latency_ms:g}"
+
+
+def _link_text(text: str) -> dict:
+    settings = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, equals, number = part.partition("=")
+        try:
+            settings[key.strip()] = float(number)
+        except ValueError:
+            raise ValueError(
+                f"link: write it as bandwidth_gbps=NUMBER[,latency_ms=NUMBER]; got {text!r}"
+            ) from None
+    return settings
+
 
 def as_link(value: Any) -> Link | None:
-    """``None``, a Link, or a dict like ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``."""
+    """``None``, a Link, a dict like ``{"bandwidth_gbps": 1, "latency_ms": 0.1}``, or that
+    dict as text: ``"bandwidth_gbps=1,latency_ms=0.1"``."""
     if value is None or isinstance(value, Link):
         return value
+    if isinstance(value, str):  # as typed on the CLI or in the panel: bandwidth_gbps=1,latency_ms=0.1
+        value = _link_text(value)
     if isinstance(value, dict):
         unknown = sorted(set(value) - {"bandwidth_gbps", "latency_ms"})
         if unknown:
@@ -184,5 +138,261 @@ def as_link(value: Any) -> Link | None:
             )
         return Link(**value)
     raise ValueError(
-        f"link must be None or a dict like {{'bandwidth_gbps': 1.0, 'latency_ms': 0.1}}; got {value!r}"
+        f"link must be None, a dict like {{'bandwidth_gbps': 1.0, 'latency_ms': 0.1}} or the text "
+        f"'bandwidth_gbps=1,latency_ms=0.1'; got {value!r}"
     )
+
+
+@dataclass(frozen=True)
+class Option:
+    """One run setting's contract: what it means, which values it takes, how people set it.
+
+    RunConfig's fields carry one each (``field.metadata["option"]``). Validation, ``ablate``'s
+    and ``plan``'s signatures and docs, the CLI's flags and the panel's controls are all read
+    from these, so a new setting is one field here and nothing else.
+    """
+
+    help: str
+    kind: type  # int, float, bool or str: what a set value is (choices and check may convert)
+    least: float | None = None  # int: the smallest valid value; float: values must exceed it
+    most: int | None = None  # int: the largest valid value
+    choices: Mapping[str, Any] | None = None  # the word a person picks -> the value it stands for
+    auto: bool = False  # None is valid: decided later (from measurements), or nothing at all
+    unset: str = "auto"  # the word for None, where None is valid: "auto", or "none" for a link
+    check: Callable[[Any], Any] | None = None  # validates and converts when the rules above can't
+    main: bool = False  # the panel shows it in its first row rather than under "more settings"
+    aliases: tuple[str, ...] = ()  # former names the CLI still accepts
+    why: str = ""  # added to a range error: why the limit exists
+
+    def validate(self, name: str, value: Any) -> Any:
+        """The value to store (converted), or a ValueError that names the rule."""
+        if value is None and self.auto:
+            return None
+        if self.check is not None:
+            return self.check(value)
+        if self.choices is not None:
+            for meant in self.choices.values():  # ``is`` for True/None: 1 is not True here
+                if value is meant or (isinstance(value, str) and value == meant):
+                    return meant
+            if all(isinstance(word, str) and word == meant for word, meant in self.choices.items()):
+                raise unknown_name_error(name, value, self.choices)
+            listed = " | ".join(f"{meant!r} ({word})" for word, meant in self.choices.items())
+            raise ValueError(f"ablate: {name} must be one of {listed}; got {value!r}")
+        if self.kind is bool:
+            return check_bool("ablate", name, value)
+        if self.kind is int:
+            return check_int("ablate", name, value, int(self.least or 0), self.why, self.most)
+        if self.kind is float:
+            return check_number("ablate", name, value, above=float(self.least or 0.0))
+        return value
+
+    def word(self, value: Any) -> str:
+        """The choice word that stands for ``value`` (``"auto"`` for loader_arms=None)."""
+        assert self.choices is not None
+        return next(
+            w
+            for w, meant in self.choices.items()
+            if meant is value or (type(meant) is type(value) and meant == value)
+        )
+
+    def text(self, value: Any) -> str:
+        """``value`` as a person would type it (the CLI, the panel's text boxes); "" for auto."""
+        if value is None:
+            return ""
+        return value.as_text() if isinstance(value, Link) else str(value)
+
+    def parse(self, text: str) -> Any:
+        """What a person typed, as the value to validate ("" and "auto" mean auto)."""
+        text = text.strip()
+        if self.auto and text.lower() in ("", "auto", "none", self.unset):
+            return None
+        if self.kind in (int, float):
+            try:
+                return self.kind(text)
+            except ValueError:
+                return text  # validation names the field and its rule
+        return text
+
+
+def option(default: Any, help: str, kind: type, **rules: Any) -> Any:
+    """A RunConfig field: its default and its Option."""
+    return field(default=default, metadata={"option": Option(help, kind, **rules)})
+
+
+def run_options() -> dict[str, Option]:
+    """Every run setting's Option, in RunConfig's order."""
+    return {f.name: f.metadata["option"] for f in fields(RunConfig)}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How each arm is trained and timed: the same for every arm, and the one object that
+    travels from ``ablate()`` (or ``plan()``, the CLI, the panel) to every worker process."""
+
+    steps: int = option(
+        30,
+        "timed optimizer steps per arm in each block, split into `rounds` windows",
+        int,
+        least=1,
+        main=True,
+    )
+    warmup: int = option(
+        5,
+        "untimed optimizer steps per arm before its first window",
+        int,
+        least=1,
+        main=True,
+        why=" (the first steps pay one-off costs: allocation, compilation, autotuning)",
+    )
+    blocks: int = option(
+        3,
+        "fresh processes, each running every arm side by side (the repeats): each speedup is "
+        "computed inside its block and combined over blocks",
+        int,
+        least=1,
+        main=True,
+        aliases=("repeats",),
+    )
+    rounds: int | None = option(
+        None,
+        "windows per arm in a block: each round runs every arm for steps/rounds steps, in a fresh "
+        "random order; auto: windows of about 5 ms (one step, for slower steps), from the warm-up's "
+        "step time",
+        int,
+        least=1,
+        auto=True,
+    )
+    batch_size: int = option(
+        32, "samples per optimizer step (grad_accum splits it, never grows it)", int, least=1, main=True
+    )
+    device: str = option("auto", "auto | cpu | cuda | cuda:N", str, check=check_device, main=True)
+    seed: int = option(
+        0,
+        "seeds Python's, NumPy's and torch's generators (NumPy's takes 32 bits)",
+        int,
+        least=0,
+        most=2**32 - 1,
+    )
+    mode: str = option(
+        "one-at-a-time",
+        "which arms: each technique alone (one-at-a-time), all but one (leave-one-out), or every "
+        "combination (grid)",
+        str,
+        choices={mode: mode for mode in MODES},
+        main=True,
+    )
+    optimizer: str = option(
+        "adamw", "the optimizer every arm trains with", str, choices={o: o for o in OPTIMIZERS}
+    )
+    lr: float = option(1e-3, "the learning rate every arm trains with", float, least=0.0)
+    control: bool = option(
+        True, "also run the baseline a second time in every block: an A/A check of the noise", bool
+    )
+    loader_arms: bool | str | None = option(
+        None,
+        "time the input pipeline alone too (loader rows, a no-op model); auto: when dataloader or "
+        "dali is ablated on a Dataset; only: nothing else",
+        object,
+        choices={"auto": None, "on": True, "off": False, "only": "only"},
+    )
+    world_size: int = option(
+        1,
+        "ranks per arm: > 1 runs every arm as a DDP job on this machine (gloo on CPU, NCCL on CUDA), "
+        "each rank on its own shard with batch_size samples per step, in a process group of its own "
+        "in every block; under torchrun, torchrun's world size",
+        int,
+        least=1,
+    )
+    isolate: bool = option(
+        False,
+        "every arm in a process of its own, in every block, as before blocks: each ratio then "
+        "carries two processes' luck (10-15% here); to compare, or when in doubt about an arm "
+        "sharing a process",
+        bool,
+    )
+    link: Link | None = option(
+        None,
+        "a simulated network between the ranks, e.g. bandwidth_gbps=1,latency_ms=0.1: each "
+        "gradient bucket is delayed by latency + bytes / bandwidth (a simulation)",
+        str,
+        check=as_link,
+        auto=True,
+        unset="none",
+    )
+    timeout_s: float | None = option(
+        None,
+        "limit in seconds for one arm in one block; past it the arm is recorded as failed and its "
+        "block runs again without it; auto: 15 minutes to build and warm up, then 10x what the "
+        "warm-up steps predict (at least 2 minutes)",
+        float,
+        least=0.0,
+        auto=True,
+    )
+
+    def __post_init__(self) -> None:
+        for name, rules in run_options().items():  # frozen: store the checked, converted value
+            object.__setattr__(self, name, rules.validate(name, getattr(self, name)))
+        if self.rounds is not None and self.rounds > self.steps:
+            raise ValueError(
+                f"ablate: rounds={self.rounds} exceeds steps={self.steps}; each round's window needs at least one step"
+            )
+        if self.link is not None and self.world_size < 2:
+            raise ValueError("ablate: link simulates the network between ranks, so it needs world_size >= 2")
+
+    @classmethod
+    def from_options(cls, caller: str, options: Mapping[str, Any], also: Iterable[str] = ()) -> RunConfig:
+        """RunConfig from keyword arguments; an unknown one is named, with the valid ones
+        (``also``: the caller's other keywords, listed among the valid ones)."""
+        valid = list(run_options())
+        for name in options:
+            if name not in valid:
+                raise unknown_name_error(f"{caller} argument", name, [*also, *valid])
+        return cls(**options)
+
+    def to_json(self) -> dict:
+        """JSON-ready; ``RunConfig(**run.to_json()) == run``."""
+        return asdict(self)
+
+
+def describe_run_options(indent: str = "    ") -> str:
+    """RunConfig's settings as a docstring section: name, then help and default, wrapped."""
+    width = max(len(name) for name in run_options()) + 2
+    lines = []
+    for item in fields(RunConfig):
+        rules: Option = item.metadata["option"]
+        if item.default is None and rules.auto:
+            default = rules.unset
+        elif rules.choices is not None and not isinstance(item.default, str):
+            default = rules.word(item.default)  # loader_arms: "auto", not None
+        else:
+            default = repr(item.default)
+        lines += textwrap.wrap(
+            f"{rules.help} (default {default})",
+            width=96,
+            initial_indent=f"{indent}{item.name:<{width}}",
+            subsequent_indent=indent + " " * width,
+        )
+    return "\n".join(lines)
+
+
+def takes_run_options(function: Callable) -> Callable:
+    """Show RunConfig's settings in ``function(..., **options)``'s signature and docstring.
+
+    ``inspect.signature``, ``help()`` and Jupyter's shift-tab then list them, with their
+    defaults, as if each were written out; the function reads them with
+    ``RunConfig.from_options``. ``{run_options}`` in the docstring becomes their descriptions.
+    """
+    signature = inspect.signature(function)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    leading = [p for p in own if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    trailing = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    settings = [
+        inspect.Parameter(
+            item.name, inspect.Parameter.KEYWORD_ONLY, default=item.default, annotation=item.type
+        )
+        for item in fields(RunConfig)
+    ]
+    function.__signature__ = signature.replace(parameters=[*leading, *settings, *trailing])
+    if function.__doc__:
+        function.__doc__ = function.__doc__.replace("{run_options}", describe_run_options().lstrip())
+    return function

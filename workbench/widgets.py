@@ -26,14 +26,16 @@ from typing import Any
 import ipywidgets as w
 
 from workbench.ablation import ablate, plan, plan_arguments
-from workbench.config import MODES
-from workbench.data import BUILTIN_DATA, data_label, image_size_of
-from workbench.devices import resolve_device
-from workbench.models import BUILTIN_MODELS, inspect_model, model_label
+from workbench.config import Option, RunConfig, run_options, unknown_name_error
+from workbench.data import BUILTIN_DATA, data_label, resolve_data
+from workbench.models import BUILTIN_MODELS, model_label
 from workbench.plots import plot_live
-from workbench.techniques import Context, Technique, all_techniques
+from workbench.techniques import Technique, all_techniques, technique_context
 
 REDRAW_S = 1.0
+# ablate's keywords that the panel takes and hands on untouched (it sets progress, on_event
+# and stop itself; every run setting gets a control).
+PANEL_PASSES_ON = ("overwrite", "retry_failed")
 
 
 class LiveRun:
@@ -192,8 +194,43 @@ class TechniqueRow(w.HBox):
         return {name: _read_field(widget, f, self.hints) for name, (f, widget) in self.fields.items()}
 
 
+def _setting_control(name: str, rules: Option, value: Any) -> w.Widget:
+    """A control for one run setting, from its Option: a dropdown for choices, a checkbox for a
+    switch, a number box, or a text box where "auto" (or "none") is a valid answer."""
+    common = {"description": name, "tooltip": rules.help, "style": {"description_width": "initial"}}
+    narrow = w.Layout(width="190px")
+    if name == "device":  # its choices are this machine's devices
+        return w.Dropdown(options=_device_options(value), value=value, layout=narrow, **common)
+    if rules.choices is not None:
+        width = 9 * max(len(word) for word in rules.choices) + 8 * len(name) + 50
+        return w.Dropdown(
+            options=list(rules.choices.items()), value=value, layout=w.Layout(width=f"{width}px"), **common
+        )
+    if rules.kind is bool:
+        return w.Checkbox(value=value, indent=False, layout=w.Layout(width="150px"), **common)
+    if rules.kind is int and not rules.auto:
+        return w.IntText(value=value, layout=narrow, **common)
+    if rules.kind is float and not rules.auto:
+        return w.FloatText(value=value, layout=narrow, **common)
+    wide = rules.kind is str  # a link's text is long: bandwidth_gbps=1,latency_ms=0.1
+    return w.Text(
+        value=rules.text(value),
+        placeholder=rules.unset if rules.auto else "",
+        layout=w.Layout(width="390px" if wide else "190px"),
+        **common,
+    )
+
+
+def _setting_value(rules: Option, control: w.Widget) -> Any:
+    return rules.parse(control.value) if isinstance(control, w.Text) else control.value
+
+
 class AblationPanel(w.VBox):
-    """Run settings, technique toggles, Run/Stop, live plots and the final results."""
+    """Run settings, technique toggles, Run/Stop, live plots and the final results.
+
+    Each run setting (RunConfig's fields) gets a control, built from its declared type, choices
+    and help: the main ones in the first row, the others under "More settings".
+    """
 
     def __init__(
         self,
@@ -201,29 +238,46 @@ class AblationPanel(w.VBox):
         data: Any = None,
         loss_fn: Any = None,
         techniques: Any = None,
-        mode: str = "one-at-a-time",
-        steps: int = 30,
-        warmup: int = 5,
-        blocks: int = 3,
-        batch_size: int = 32,
-        device: str = "auto",
-        seed: int = 0,
         out: Any = None,
-        **ablate_kwargs: Any,
+        **options: Any,
     ):
         self.custom_model = None if isinstance(model, str) else model
         # Anything but a built-in name ("jpeg-folder:PATH", a JpegFolder, a Dataset...) is "custom".
         self.custom_data = None if data is None or (isinstance(data, str) and data in BUILTIN_DATA) else data
         self.loss_fn = loss_fn
-        self.seed = seed
         self.keep_on_disk = out is not False  # out=False: results live in memory only
-        self.ablate_kwargs = ablate_kwargs
+        rules = run_options()
+        self.ablate_kwargs = {k: v for k, v in options.items() if k not in rules}
+        for key in self.ablate_kwargs:
+            if key not in PANEL_PASSES_ON:
+                raise unknown_name_error("panel argument", key, [*PANEL_PASSES_ON, *rules])
         self.results = None
         self.error: str | None = None
         self.live = LiveRun()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
+        self._make_setting_controls(model, data, out, options)
+        chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
+        self.rows = {t.name: TechniqueRow(t, chosen.get(t.name, False)) for t in all_techniques()}
+        self._make_run_controls_and_outputs()
+        technique_box = w.VBox([w.HTML("<b>Techniques</b> (applied top to bottom)"), *self.rows.values()])
+        super().__init__(
+            [
+                w.HTML("<h3 style='margin:4px 0'>workbench: controlled ablation</h3>"),
+                self._settings_box(rules),
+                technique_box,
+                w.HBox([self.run_button, self.stop_button]),
+                self.status,
+                self.live_image,
+                self.final_image,
+                self.table,
+            ]
+        )
+        self.refresh_availability()
+
+    def _make_setting_controls(self, model: Any, data: Any, out: Any, options: dict) -> None:
+        """Model, data and out, then one control per run setting, each starting at its value."""
         small = {"style": {"description_width": "initial"}, "layout": w.Layout(width="190px")}
         model_options = list(BUILTIN_MODELS) + (
             [f"custom: {model_label(model)}"] if self.custom_model else []
@@ -243,12 +297,15 @@ class AblationPanel(w.VBox):
             description="data",
             **small,
         )
-        self.mode = w.Dropdown(options=list(MODES), value=mode, description="mode", **small)
-        self.device = w.Dropdown(options=_device_options(device), value=device, description="device", **small)
-        self.steps = w.IntText(value=steps, description="steps", **small)
-        self.warmup = w.IntText(value=warmup, description="warmup", **small)
-        self.blocks = w.IntText(value=blocks, description="blocks", **small)
-        self.batch_size = w.IntText(value=batch_size, description="batch size", **small)
+        # Each value checked on its own (a Link from its dict...); rules that tie settings
+        # together (link needs world_size >= 2) are checked at Run, once the user has set both.
+        defaults = RunConfig()
+        self.settings = {
+            name: _setting_control(
+                name, rule, rule.validate(name, options.get(name, getattr(defaults, name)))
+            )
+            for name, rule in run_options().items()
+        }
         self.out = w.Text(
             value="" if out in (None, False) else str(out),
             placeholder="new folder under workbench-results"
@@ -258,14 +315,17 @@ class AblationPanel(w.VBox):
             style={"description_width": "initial"},
             layout=w.Layout(width="390px"),
         )
+        for control in (self.model, self.data, self.settings["device"], self.settings["world_size"]):
+            control.observe(lambda _: self.refresh_availability(), names="value")
 
-        chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
-        self.rows = {t.name: TechniqueRow(t, chosen.get(t.name, False)) for t in all_techniques()}
-
+    def _make_run_controls_and_outputs(self) -> None:
+        """Run and Stop, the status line, the live and final plots and the results table."""
         self.run_button = w.Button(description="Run ablation", button_style="success", icon="play")
         self.stop_button = w.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
         self.run_button.add_class("workbench-run")
         self.stop_button.add_class("workbench-stop")
+        self.run_button.on_click(lambda _: self.run())
+        self.stop_button.on_click(lambda _: self.stop())
         self.status = w.HTML("Choose the techniques, then press <b>Run ablation</b>.")
         self.status.add_class("workbench-status")
         self.live_image = w.Image(
@@ -278,32 +338,14 @@ class AblationPanel(w.VBox):
         self.table = w.HTML()
         self.table.add_class("workbench-results")
 
-        self.run_button.on_click(lambda _: self.run())
-        self.stop_button.on_click(lambda _: self.stop())
-        for control in (self.model, self.data, self.device):
-            control.observe(lambda _: self.refresh_availability(), names="value")
-
-        settings = w.VBox(
-            [
-                w.HBox([self.model, self.data, self.mode, self.device]),
-                w.HBox([self.steps, self.warmup, self.blocks, self.batch_size]),
-                self.out,
-            ]
-        )
-        technique_box = w.VBox([w.HTML("<b>Techniques</b> (applied top to bottom)"), *self.rows.values()])
-        super().__init__(
-            [
-                w.HTML("<h3 style='margin:4px 0'>workbench: controlled ablation</h3>"),
-                settings,
-                technique_box,
-                w.HBox([self.run_button, self.stop_button]),
-                self.status,
-                self.live_image,
-                self.final_image,
-                self.table,
-            ]
-        )
-        self.refresh_availability()
+    def _settings_box(self, rules: dict[str, Option]) -> w.Widget:
+        """Model, data and the main settings on top, wrapping on narrow pages; the rest folded."""
+        wrap = w.Layout(flex_flow="row wrap")
+        main = [self.settings[name] for name, rule in rules.items() if rule.main]
+        more = [self.settings[name] for name, rule in rules.items() if not rule.main]
+        folded = w.Accordion([w.HBox(more, layout=wrap)], selected_index=None)
+        folded.set_title(0, "More settings")
+        return w.VBox([w.HBox([self.model, self.data, *main], layout=wrap), self.out, folded])
 
     # ----- settings -> ablate arguments --------------------------------------------------
 
@@ -314,27 +356,23 @@ class AblationPanel(w.VBox):
         return self.custom_data if self.data.value == "custom" else self.data.value
 
     def refresh_availability(self) -> None:
-        """Re-check every technique against the chosen model and device."""
+        """Re-check every technique against the chosen model, data, device and ranks."""
         try:
+            run = self.run_config()
             model = self._model_value()
-            data = self._data_value()
-            instance, label = inspect_model(model)
-            if data is None and isinstance(model, str):
-                data = data_label(None, model)  # the built-in model's own dataset
-            ctx = Context(
-                device=resolve_device(self.device.value),
-                model=instance,
-                model_name=label,
-                data_is_dataset=self.custom_data is None or not _is_batches(self.custom_data),
-                data_label=data_label(data, model) if data is not None else "",
-                image_size=image_size_of(data),
-                world_size=self.ablate_kwargs.get("world_size", 1),
-            )
+            ctx = technique_context(run, model, resolve_data(self._data_value(), model, run.seed))
         except ValueError as error:
             self.status.value = _error_html(str(error))
             return
         for row in self.rows.values():
             row.set_reason(row.technique.unavailable_reason(ctx, row.technique.Config()))
+
+    def run_config(self) -> RunConfig:
+        """The run settings as the controls hold them now, checked (ValueError if one is bad)."""
+        return RunConfig.from_options("panel", self.setting_values())
+
+    def setting_values(self) -> dict[str, Any]:
+        return {name: _setting_value(rule, self.settings[name]) for name, rule in run_options().items()}
 
     def arguments(self) -> dict:
         """What Run passes to ``wb.ablate``."""
@@ -344,13 +382,7 @@ class AblationPanel(w.VBox):
             "data": self._data_value(),
             "loss_fn": self.loss_fn,
             "techniques": {name: value for name, value in techniques.items() if value is not False},
-            "mode": self.mode.value,
-            "steps": self.steps.value,
-            "warmup": self.warmup.value,
-            "blocks": self.blocks.value,
-            "batch_size": self.batch_size.value,
-            "device": self.device.value,
-            "seed": self.seed,
+            **self.setting_values(),
             "out": self.out.value.strip() or (None if self.keep_on_disk else False),
             **self.ablate_kwargs,
         }
@@ -454,12 +486,6 @@ def _device_options(device: str) -> list[str]:
 
     options = ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     return options if device in options else [*options, device]
-
-
-def _is_batches(data: Any) -> bool:
-    from torch.utils.data import Dataset
-
-    return not isinstance(data, Dataset) and not callable(data)
 
 
 def _short_label(data: Any) -> str:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from workbench.block import ArmSpec, BlockArm
+from workbench.config import RunConfig
 from workbench.data import DataSource
 from workbench.distributed import CommMeter, Rank, gather_to_rank0, init_process_group
 from workbench.process_state import differences, fingerprint
@@ -42,25 +43,21 @@ from workbench.telemetry import ProcessRss, nvml_indices, usable_cores
 
 @dataclass
 class BlockSpec:
-    """Everything one block's process needs: the arms, and how each is trained and timed."""
+    """Everything one block's process needs: the arms, and the run's settings, as ablate() checked them."""
 
     model: Any  # a built-in name or a zero-argument factory
     data: DataSource
     loss_fn: Callable | None
     arms: list[ArmSpec]
-    steps: int  # timed steps per arm, split into ``rounds`` windows
-    warmup: int  # untimed steps per arm before its first window
-    rounds: int | None  # windows per arm, each round running every arm once; None: see choose_rounds
-    batch_size: int
-    device: str
-    seed: int
-    block: int = 0  # which block this is; with ``seed``, it seeds the order of the arms
+    run: RunConfig  # its device resolved: "cpu" or "cuda:N", never "auto"
+    block: int = 0  # which block this is; with the run's seed, it seeds the order of the arms
     rewarm: int | None = None  # untimed steps before each window; None: see choose_rewarm
-    optimizer: str = "adamw"
-    lr: float = 1e-3
     progress_interval_s: float = 0.5
-    link: Any = None  # a workbench.config.Link: the simulated network, for DDP arms
-    comm_timeout_s: float = 120.0  # a collective waiting longer than this for a dead peer fails
+
+    @property
+    def comm_timeout_s(self) -> float:
+        """A collective waiting longer than this for a dead peer fails (the arm's limit, at most 2 min)."""
+        return min(120.0, self.run.timeout_s or 120.0)
 
 
 WINDOW_TARGET_S = 0.005  # how long a window lasts when rounds are chosen from the step time
@@ -136,7 +133,7 @@ def _initialize_runtime(device: torch.device) -> None:
 def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | None]:
     """This process's rank and device; with several ranks, the process group and its meter."""
     rank = Rank.from_env()
-    device = torch.device(spec.device)
+    device = torch.device(spec.run.device)
     if rank.distributed and len(spec.arms) != 1:
         raise ValueError("a data-parallel block holds exactly one arm")
     if rank.distributed and device.type == "cuda":
@@ -151,7 +148,7 @@ def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | Non
     meter = None
     if rank.distributed:
         init_process_group(rank, device, spec.comm_timeout_s)
-        meter = CommMeter(rank.world_size, spec.link)
+        meter = CommMeter(rank.world_size, spec.run.link)
         meter.install()
     return rank, device, meter
 
@@ -166,166 +163,198 @@ def run_block(spec: BlockSpec, emit: Callable[[dict], None] = lambda message: No
     With several ranks (RANK/WORLD_SIZE in the environment) every rank runs this, under DDP,
     on its own shard of the data; rank 0 returns the measurements of all of them.
     """
-    rank, device, meter = _process_setup(spec)
-    pristine = fingerprint()
-    rss = ProcessRss()
-    rss.mark_before_models()
-    # One generator for this block's orders: reproducible from (seed, block), different per block.
-    order_rng = np.random.default_rng([spec.seed, spec.block])
-    failures: dict[str, dict] = {}
+    block = _Block(spec, emit)
+    block.build_and_warm_up()
+    block.choose_windows()
+    block.run_rounds()
+    return {"arms": block.measure(), "failures": block.failures, "block": block.record()}
 
-    def fail(arm: BlockArm, error: BaseException) -> None:
-        if rank.distributed:  # the other ranks wait in collectives: end the whole job, loudly
+
+class _Block:
+    """One block's arms and what happened to them, phase by phase (see run_block)."""
+
+    def __init__(self, spec: BlockSpec, emit: Callable[[dict], None]):
+        self.spec, self.run, self.emit = spec, spec.run, emit
+        self.rank, self.device, self.meter = _process_setup(spec)
+        self.pristine = fingerprint()
+        self.rss = ProcessRss()
+        self.rss.mark_before_models()
+        # One generator for this block's orders: reproducible from (seed, block), different per block.
+        self.order_rng = np.random.default_rng([spec.run.seed, spec.block])
+        self.failures: dict[str, dict] = {}
+        self.arms = [
+            BlockArm(
+                arm_spec,
+                model=spec.model,
+                data=spec.data,
+                loss_fn=spec.loss_fn,
+                run=spec.run,
+                device=self.device,
+                rank=self.rank,
+                meter=self.meter,
+                shared=len(spec.arms) > 1,
+            )
+            for arm_spec in spec.arms
+        ]
+        self.build_order: list[BlockArm] = []
+        self.orders: list[list[str]] = []  # each round's order of the arms
+        self.typical_s = 0.0  # the median warm-up step: what windows are sized from
+        self.rounds, self.rewarm = 0, 0
+        self.reported: dict[str, float] = {}  # arm -> when its last progress message went out
+        self.comm: dict = {}
+        self.rss_mib: float | None = None
+
+    def _running(self) -> list[BlockArm]:
+        return [arm for arm in self.arms if arm.name not in self.failures]
+
+    def _fail(self, arm: BlockArm, error: BaseException) -> None:
+        if self.rank.distributed:  # the other ranks wait in collectives: end the whole job, loudly
             raise error
-        failures[arm.name] = {
+        self.failures[arm.name] = {
             "status": classify_error(error),
             "reason": one_line(error),
             "traceback": traceback.format_exc(),
         }
-        emit({"type": "arm_error", "arm": arm.name, **failures[arm.name]})
+        self.emit({"type": "arm_error", "arm": arm.name, **self.failures[arm.name]})
         arm.release()
 
-    def check_state(arm: BlockArm) -> None:
-        if len(arms) == 1:  # alone in its process: there is nobody to contaminate
+    def _check_state(self, arm: BlockArm) -> None:
+        if len(self.arms) == 1:  # alone in its process: there is nobody to contaminate
             return
-        changes = differences(pristine, fingerprint())
+        changes = differences(self.pristine, fingerprint())
         if changes:
             raise SharedStateChanged(arm.name, changes)
 
-    arms = [
-        BlockArm(
-            arm_spec,
-            model=spec.model,
-            data=spec.data,
-            loss_fn=spec.loss_fn,
-            batch_size=spec.batch_size,
-            device=device,
-            seed=spec.seed,
-            optimizer=spec.optimizer,
-            lr=spec.lr,
-            rank=rank,
-            meter=meter,
-            link=spec.link,
-            shared=len(spec.arms) > 1,
-        )
-        for arm_spec in spec.arms
-    ]
-    build_order = [arms[i] for i in order_rng.permutation(len(arms))]
-    for arm in build_order:
-        emit({"type": "phase", "arm": arm.name, "phase": "startup"})
-        try:
-            arm.build()
-            arm.warm_up(spec.warmup, emit)
-        except Exception as error:
-            fail(arm, error)
-        check_state(arm)
+    def build_and_warm_up(self) -> None:
+        """Each arm built and warmed up in turn, in a random order (no arm always goes first)."""
+        self.build_order = [self.arms[i] for i in self.order_rng.permutation(len(self.arms))]
+        for arm in self.build_order:
+            self.emit({"type": "phase", "arm": arm.name, "phase": "startup"})
+            try:
+                arm.build()
+                arm.warm_up(self.run.warmup, self.emit)
+            except Exception as error:
+                self._fail(arm, error)
+            self._check_state(arm)
 
-    warmed = [arm.warmup_step_s for arm in arms if arm.name not in failures and arm.warmup_step_s]
-    typical_s = float(np.median(warmed)) if warmed else 0.0
-    rounds, rewarm = spec.rounds, spec.rewarm
-    if rewarm is None:
-        rewarm = choose_rewarm(len(arms), typical_s)
-    if rounds is None and len(arms) == 1:
-        # Alone, nothing is interleaved: windows only chunk the steps (for the spread inside the
-        # block). Not from the step time, so that every rank of a data-parallel arm agrees.
-        rounds = min(spec.steps, LONE_ARM_ROUNDS)
-    elif rounds is None:
-        rounds = choose_rounds(spec.steps, typical_s)
-    # How long each arm's timed windows should take, from its warm-up: the parent's time limit.
-    expected_s = {
-        arm.name: arm.warmup_step_s * (spec.steps + rewarm * rounds)
-        for arm in arms
-        if arm.name not in failures and arm.warmup_step_s
-    }
-    emit({"type": "phase", "phase": "measure", "rounds": rounds, "expected_s": expected_s})
-    rss.begin_windows()
-    if meter is not None:
-        meter.reset()  # count the timed windows' communication only
-    orders = []
-    reported: dict[str, float] = {}  # arm -> when its last progress message went out
-    for round_index, steps in enumerate(window_steps(spec.steps, rounds)):
-        running = [arm for arm in arms if arm.name not in failures]
-        order = [running[i] for i in order_rng.permutation(len(running))]
-        orders.append([arm.name for arm in order])
-        for arm in order:
-            emit(
+    def choose_windows(self) -> None:
+        """Rounds and re-warm steps, from the warm-up's step time unless the run fixed them."""
+        warmed = [arm.warmup_step_s for arm in self._running() if arm.warmup_step_s]
+        self.typical_s = float(np.median(warmed)) if warmed else 0.0
+        rounds, rewarm, steps = self.run.rounds, self.spec.rewarm, self.run.steps
+        if rewarm is None:
+            rewarm = choose_rewarm(len(self.arms), self.typical_s)
+        if rounds is None and len(self.arms) == 1:
+            # Alone, nothing is interleaved: windows only chunk the steps (for the spread inside the
+            # block). Not from the step time, so that every rank of a data-parallel arm agrees.
+            rounds = min(steps, LONE_ARM_ROUNDS)
+        elif rounds is None:
+            rounds = choose_rounds(steps, self.typical_s)
+        self.rounds, self.rewarm = rounds, rewarm
+        # How long each arm's timed windows should take, from its warm-up: the parent's time limit.
+        expected_s = {
+            arm.name: arm.warmup_step_s * (steps + rewarm * rounds)
+            for arm in self._running()
+            if arm.warmup_step_s
+        }
+        self.emit({"type": "phase", "phase": "measure", "rounds": rounds, "expected_s": expected_s})
+
+    def run_rounds(self) -> None:
+        """Every round runs each arm's window once, in a fresh random order."""
+        self.rss.begin_windows()
+        if self.meter is not None:
+            self.meter.reset()  # count the timed windows' communication only
+        for round_index, steps in enumerate(window_steps(self.run.steps, self.rounds)):
+            running = self._running()
+            order = [running[i] for i in self.order_rng.permutation(len(running))]
+            self.orders.append([arm.name for arm in order])
+            for arm in order:
+                self._run_window(arm, round_index, steps)
+        self.comm = _comm_record(self.meter, self.run.steps) if self.meter is not None else {}
+        self.rss_mib = self.rss.growth_mib()
+
+    def _run_window(self, arm: BlockArm, round_index: int, steps: int) -> None:
+        self.emit(
+            {
+                "type": "phase",
+                "arm": arm.name,
+                "phase": "measure",
+                "round": round_index + 1,
+                "of": self.rounds,
+            }
+        )
+
+        def relay(message: dict) -> None:
+            self.emit({**message, "arm": arm.name, "round": round_index + 1})
+
+        interval_s = self.spec.progress_interval_s
+        try:
+            arm.run_window(steps, round_index, relay, interval_s, self.rewarm)
+        except Exception as error:
+            self._fail(arm, error)
+        self._check_state(arm)
+        if (
+            arm.name not in self.failures
+            and time.monotonic() - self.reported.get(arm.name, 0.0) >= interval_s
+        ):
+            self.reported[arm.name] = time.monotonic()  # windows are short: report one now and then
+            window = arm.windows[-1]
+            relay(
                 {
-                    "type": "phase",
-                    "arm": arm.name,
-                    "phase": "measure",
-                    "round": round_index + 1,
-                    "of": rounds,
+                    "type": "progress",
+                    "step": sum(w["steps"] for w in arm.windows),
+                    "of": self.run.steps,
+                    "loss": float(arm.losses[-1]),
+                    "samples_per_s": window["samples"] / window["wall_s"],
                 }
             )
 
-            def relay(message: dict, name: str = arm.name, index: int = round_index) -> None:
-                emit({**message, "arm": name, "round": index + 1})
-
+    def measure(self) -> dict[str, dict]:
+        """Each arm's measurements (an arm that fails here joins ``failures``)."""
+        measured: dict[str, dict] = {}
+        flop_counts: dict = {}  # the arms share the model: count its FLOPs once per batch shape
+        for arm in self._running():
             try:
-                arm.run_window(steps, round_index, relay, spec.progress_interval_s, rewarm)
+                result = arm.finish(self.emit, flop_counts)
             except Exception as error:
-                fail(arm, error)
-            check_state(arm)
-            if (
-                arm.name not in failures
-                and time.monotonic() - reported.get(arm.name, 0.0) >= spec.progress_interval_s
-            ):
-                reported[arm.name] = time.monotonic()  # windows are short: report one now and then
-                window = arm.windows[-1]
-                relay(
-                    {
-                        "type": "progress",
-                        "step": sum(w["steps"] for w in arm.windows),
-                        "of": spec.steps,
-                        "loss": float(arm.losses[-1]),
-                        "samples_per_s": window["samples"] / window["wall_s"],
-                    }
-                )
-    comm = _comm_record(meter, spec.steps) if meter is not None else {}
-    rss_mib = rss.growth_mib()
+                self._fail(arm, error)
+                continue
+            self._check_state(arm)
+            on_cuda = self.device.type == "cuda"
+            result["nvml_gpus"] = nvml_indices(self.device, self.rank.world_size) if on_cuda else []
+            result["warmup"] = self.run.warmup
+            if len(self.arms) == 1:  # a process of its own: its resident set is the arm's
+                result.update(peak_rss_mib=self.rss_mib, rss_method=self.rss.method)
+            else:
+                result.update(peak_rss_mib=None, rss_method="process-wide: not split between a block's arms")
+            measured[arm.name] = {**result, **self.comm}
+        if self.rank.distributed and measured:
+            (name,) = measured
+            measured[name] = _gather_ranks(measured[name], self.rank, self.device)
+            # Keep the distributed run's objects alive past this return: tearing down DDP's reducer
+            # and gloo's state can block in their destructors (seen about once in 30 runs here),
+            # before the result is sent. main() reports, then leaves with os._exit.
+            _KEEP_ALIVE.append((self.arms, self.meter))
+        return measured
 
-    measured: dict[str, dict] = {}
-    flop_counts: dict = {}  # the arms share the model: count its FLOPs once per batch shape
-    for arm in arms:
-        if arm.name in failures:
-            continue
-        try:
-            result = arm.finish(emit, flop_counts)
-        except Exception as error:
-            fail(arm, error)
-            continue
-        check_state(arm)
-        result["nvml_gpus"] = nvml_indices(device, rank.world_size) if device.type == "cuda" else []
-        result["warmup"] = spec.warmup
-        if len(arms) == 1:  # a process of its own: its resident set is the arm's
-            result.update(peak_rss_mib=rss_mib, rss_method=rss.method)
-        else:
-            result.update(peak_rss_mib=None, rss_method="process-wide: not split between a block's arms")
-        measured[arm.name] = {**result, **comm}
-    if rank.distributed and measured:
-        (name,) = measured
-        measured[name] = _gather_ranks(measured[name], rank, device)
-        # Keep the distributed run's objects alive past this return: tearing down DDP's reducer
-        # and gloo's state can block in their destructors (seen about once in 30 runs here),
-        # before the result is sent. main() reports, then leaves with os._exit.
-        _KEEP_ALIVE.append((arms, meter))
-    block = {
-        "block": spec.block,
-        "arms": [arm.name for arm in arms],
-        "build_order": [arm.name for arm in build_order],
-        "rounds": rounds,
-        "rounds_chosen": spec.rounds is None,  # from the warm-up's step time (choose_rounds)
-        "warmup_step_ms": 1e3 * typical_s,
-        "window_steps": window_steps(spec.steps, rounds),
-        "warmup": spec.warmup,
-        "rewarm": rewarm,
-        "order": orders,
-        "pid": os.getpid(),
-        "rss_growth_mib": rss_mib,
-        "rss_method": rss.method,
-        "torch_threads": torch.get_num_threads(),
-    }
-    return {"arms": measured, "failures": failures, "block": block}
+    def record(self) -> dict:
+        """How the block ran: its arms, orders, windows and process."""
+        return {
+            "block": self.spec.block,
+            "arms": [arm.name for arm in self.arms],
+            "build_order": [arm.name for arm in self.build_order],
+            "rounds": self.rounds,
+            "rounds_chosen": self.run.rounds is None,  # from the warm-up's step time (choose_rounds)
+            "warmup_step_ms": 1e3 * self.typical_s,
+            "window_steps": window_steps(self.run.steps, self.rounds),
+            "warmup": self.run.warmup,
+            "rewarm": self.rewarm,
+            "order": self.orders,
+            "pid": os.getpid(),
+            "rss_growth_mib": self.rss_mib,
+            "rss_method": self.rss.method,
+            "torch_threads": torch.get_num_threads(),
+        }
 
 
 _KEEP_ALIVE: list = []

@@ -14,7 +14,8 @@ import pkgutil
 from collections.abc import Mapping
 from typing import Any
 
-from workbench.config import unknown_name_error
+from workbench.config import RunConfig, unknown_name_error
+from workbench.data import DataSource
 from workbench.devices import resolve_device
 from workbench.models import inspect_model
 from workbench.techniques.base import Context, Technique
@@ -127,6 +128,35 @@ def conflict_reason(techniques: list[tuple[Technique, Any]]) -> str | None:
     return None
 
 
+def technique_context(
+    run: RunConfig,
+    model: Any = None,
+    source: DataSource | None = None,
+    *,
+    inspected: tuple[Any, str] | None = None,
+) -> Context:
+    """What availability checks see of a run: the one place a Context is made.
+
+    ``ablate``/``plan`` pass everything; the panel passes what its controls hold; ``workbench
+    list`` passes only a device (and a model, if named), so model- and data-specific
+    conditions go unchecked. ``inspected``: ``inspect_model(model)``, when the caller has it.
+    """
+    if inspected is None:
+        inspected = inspect_model(model) if model is not None else (None, "")
+    instance, model_name = inspected
+    return Context(
+        device=resolve_device(run.device),
+        model=instance,
+        model_name=model_name,
+        data_is_dataset=source.is_dataset if source is not None else True,
+        batch_size=run.batch_size,
+        data_label=source.label if source is not None else "",
+        image_size=source.images.size if source is not None and source.images is not None else None,
+        world_size=run.world_size,
+        warmup=run.warmup,
+    )
+
+
 def list_techniques(device: str = "auto", model: Any = None):
     """A DataFrame of every technique: name, available, reason, summary (plus order, requires).
 
@@ -135,9 +165,7 @@ def list_techniques(device: str = "auto", model: Any = None):
     """
     import pandas as pd
 
-    resolved = resolve_device(device)
-    instance, model_name = inspect_model(model) if model is not None else (None, "")
-    ctx = Context(device=resolved, model=instance, model_name=model_name)
+    ctx = technique_context(RunConfig(device=device), model)
     rows = []
     for technique in all_techniques():
         reason = technique.unavailable_reason(ctx, technique.Config())
