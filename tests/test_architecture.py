@@ -158,3 +158,39 @@ def test_the_import_reader_sees_every_import(tmp_path, source, expected):
     path = tmp_path / "module.py"
     path.write_text(source)
     assert _imports(path, {"workbench", "workbench.a", "workbench.b"}) - {"workbench"} == expected
+
+
+MAX_FUNCTION_LINES = 60  # "about 60": a function longer than this does several jobs
+
+
+def function_lengths(path: Path) -> dict[str, int]:
+    """Each function's lines, from ``def`` to its end, without its docstring (documentation is
+    not a job). Nested functions count inside their parent too."""
+    lengths = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            documented = ast.get_docstring(node, clean=False) is not None
+            docstring = node.body[0].end_lineno - node.body[0].lineno + 1 if documented else 0
+            lengths[f"{node.name} (line {node.lineno})"] = node.end_lineno - node.lineno + 1 - docstring
+    return lengths
+
+
+def test_no_function_does_several_jobs():
+    """No function in workbench/ is longer than about 60 lines (issue: the longest functions mixed
+    several jobs). Split by job, not by line count."""
+    long = [
+        f"{path.relative_to(PACKAGE.parent)}: {name} has {lines} lines"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in function_lengths(path).items()
+        if lines > MAX_FUNCTION_LINES
+    ]
+    assert not long, "\n".join(long)
+
+
+def test_the_function_length_reader_skips_docstrings_only(tmp_path):
+    source = tmp_path / "example.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    source.write_text(
+        f'def long():\n    """Doc.\n\n    More doc.\n    """\n{body}\n\n\ndef short():\n    return 1\n'
+    )
+    assert function_lengths(source) == {"long (line 1)": 62, "short (line 69)": 2}

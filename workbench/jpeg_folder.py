@@ -116,6 +116,30 @@ def scan(folder: JpegFolder, progress: bool = True) -> ImageFiles:
     """List and check the folder. Raises ValueError with a clear message for a bad layout."""
     root = Path(folder.root).expanduser()
     where = f"jpeg-folder {str(root)!r}"
+    class_dirs = _class_folders(root, where)
+    classes = [p.name for p in class_dirs]
+    _check_expected_classes(folder.classes, classes, where)
+    files, labels = _list_jpegs(class_dirs, where)
+    reasons = _corruption_reasons(files, folder.size, root.name, progress)
+    bad = [(f, why) for f, why in zip(files, reasons, strict=True) if why]
+    if bad and folder.on_corrupt == "raise":
+        raise ValueError(
+            f"{where}: corrupt JPEG {bad[0][0]} ({bad[0][1]})"
+            + (f", and {len(bad) - 1} more" if len(bad) > 1 else "")
+            + "; pass on_corrupt='skip' to leave such files out"
+        )
+    if bad:
+        files, labels = _without_corrupt(files, labels, reasons, classes, bad, where)
+        warnings.warn(
+            f"{where}: skipped {len(bad)} corrupt JPEG file(s) of {len(files) + len(bad)} "
+            f"(first: {bad[0][0]}: {bad[0][1]})",
+            stacklevel=2,
+        )
+    return ImageFiles(str(root), files, labels, classes, folder.size, bad)
+
+
+def _class_folders(root: Path, where: str) -> list[Path]:
+    """The class subfolders in sorted order (their index is the label); a clear error for any other layout."""
     if not root.exists():
         raise ValueError(f"{where} does not exist")
     if not root.is_dir():
@@ -132,14 +156,21 @@ def scan(folder: JpegFolder, progress: bool = True) -> ImageFiles:
             f"{where}: {len(stray)} JPEG file(s) lie directly in the root, outside any class folder "
             f"(first: {stray[0]}); move them into their class folder"
         )
-    classes = [p.name for p in class_dirs]
-    if folder.classes is not None and sorted(folder.classes) != classes:
-        missing = sorted(set(folder.classes) - set(classes))
-        unexpected = sorted(set(classes) - set(folder.classes))
+    return class_dirs
+
+
+def _check_expected_classes(expected: tuple[str, ...] | None, classes: list[str], where: str) -> None:
+    if expected is not None and sorted(expected) != classes:
+        missing = sorted(set(expected) - set(classes))
+        unexpected = sorted(set(classes) - set(expected))
         raise ValueError(
             f"{where}: the class folders do not match the expected classes "
             f"(missing: {', '.join(missing) or 'none'}; unexpected: {', '.join(unexpected) or 'none'})"
         )
+
+
+def _list_jpegs(class_dirs: list[Path], where: str) -> tuple[list[str], list[int]]:
+    """Every JPEG under each class folder, sorted, with the class's index as its label."""
     files, labels = [], []
     for label, class_dir in enumerate(class_dirs):
         found = sorted(str(p) for p in class_dir.rglob("*") if p.is_file() and _is_jpeg_name(p))
@@ -150,45 +181,45 @@ def scan(folder: JpegFolder, progress: bool = True) -> ImageFiles:
             )
         files += found
         labels += [label] * len(found)
+    return files, labels
 
+
+def _corruption_reasons(files: list[str], size: int, name: str, progress: bool) -> list[str | None]:
+    """Per file, None or why it does not decode; decoded in threads, with a progress bar for big folders."""
     from tqdm.auto import tqdm
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without the GIL
-        checks = pool.map(_corruption, files, [folder.size] * len(files))
-        reasons = list(
+        checks = pool.map(_corruption, files, [size] * len(files))
+        return list(
             tqdm(
                 checks,
                 total=len(files),
-                desc=f"checking {root.name}",
+                desc=f"checking {name}",
                 unit="file",
                 disable=not progress or len(files) < SCAN_PROGRESS_FROM,
             )
         )
-    bad = [(f, why) for f, why in zip(files, reasons, strict=True) if why]
-    if bad and folder.on_corrupt == "raise":
-        raise ValueError(
-            f"{where}: corrupt JPEG {bad[0][0]} ({bad[0][1]})"
-            + (f", and {len(bad) - 1} more" if len(bad) > 1 else "")
-            + "; pass on_corrupt='skip' to leave such files out"
-        )
-    if bad:
-        keep = [why is None for why in reasons]
-        files = [f for f, k in zip(files, keep, strict=True) if k]
-        labels = [lab for lab, k in zip(labels, keep, strict=True) if k]
-        if not files:
-            raise ValueError(
-                f"{where}: all {len(bad)} JPEG files are corrupt (first: {bad[0][0]}: {bad[0][1]})"
-            )
-        present = set(labels)
-        empty = [c for i, c in enumerate(classes) if i not in present]
-        if empty:
-            raise ValueError(f"{where}: every JPEG in class folder {empty[0]!r} is corrupt")
-        warnings.warn(
-            f"{where}: skipped {len(bad)} corrupt JPEG file(s) of {len(files) + len(bad)} "
-            f"(first: {bad[0][0]}: {bad[0][1]})",
-            stacklevel=2,
-        )
-    return ImageFiles(str(root), files, labels, classes, folder.size, bad)
+
+
+def _without_corrupt(
+    files: list[str],
+    labels: list[int],
+    reasons: list[str | None],
+    classes: list[str],
+    bad: list[tuple[str, str]],
+    where: str,
+) -> tuple[list[str], list[int]]:
+    """The files and labels left once the corrupt ones go; an error if that empties a class or all."""
+    keep = [why is None for why in reasons]
+    files = [f for f, k in zip(files, keep, strict=True) if k]
+    labels = [lab for lab, k in zip(labels, keep, strict=True) if k]
+    if not files:
+        raise ValueError(f"{where}: all {len(bad)} JPEG files are corrupt (first: {bad[0][0]}: {bad[0][1]})")
+    present = set(labels)
+    empty = [c for i, c in enumerate(classes) if i not in present]
+    if empty:
+        raise ValueError(f"{where}: every JPEG in class folder {empty[0]!r} is corrupt")
+    return files, labels
 
 
 def random_resized_crop_box(height: int, width: int, rng: np.random.Generator) -> tuple[int, int, int, int]:

@@ -66,30 +66,28 @@ def _speedup(baseline: list[float], arm: list[float]) -> tuple[float, float, flo
 def _cases(rows: int, cols: int, dtype: torch.dtype, dropout: float):
     """(operator, pass, bytes the fused kernel moves, {implementation: zero-argument call})."""
     device = torch.device("cuda")
-    size = torch.tensor([], dtype=dtype).element_size()
-    n = rows * cols
     x = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
     residual = torch.randn_like(x, requires_grad=True)
     # Parameters in the activations' dtype, so the eager chain does not promote to float32.
     bias = torch.zeros(cols, device=device, dtype=dtype, requires_grad=True)
     weight = torch.ones(cols, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
+    yield from _bias_gelu_cases(x, bias, grad)
+    yield from _residual_layer_norm_cases(x, residual, weight, bias, grad, dropout)
+
+
+def _bias_gelu_cases(x: torch.Tensor, bias: torch.Tensor, grad: torch.Tensor):
+    """bias + GELU, forward and backward: fused kernel, eager chain, compiled chain."""
+    size = x.element_size()
 
     def gelu_chain(a, b):
         return F.gelu(a + b)
 
-    def residual_chain(a, r, w, b):
-        h = r + F.dropout(a, dropout)
-        return h, F.layer_norm(h, (cols,), w, b)
-
     compiled_gelu = torch.compile(gelu_chain)
-    compiled_residual = torch.compile(residual_chain)
-    fused_residual = lambda a, r, w, b: fused_ops.residual_dropout_layer_norm(a, r, w, b, p=dropout)  # noqa: E731
-
     yield (
         "bias + GELU",
         "forward",
-        2 * n * size,
+        2 * x.numel() * size,
         {
             "fused": lambda: fused_ops.bias_gelu(x, bias),
             "eager": lambda: gelu_chain(x, bias),
@@ -101,17 +99,29 @@ def _cases(rows: int, cols: int, dtype: torch.dtype, dropout: float):
     yield (
         "bias + GELU",
         "backward",
-        3 * n * size,
+        3 * x.numel() * size,
         {
             name: (lambda y=y: torch.autograd.grad(y, (x, bias), grad, retain_graph=True))
             for name, y in graphs.items()
         },
     )
+
+
+def _residual_layer_norm_cases(x, residual, weight, bias, grad: torch.Tensor, dropout: float):
+    """residual + dropout + LayerNorm, forward and backward: fused kernel, eager chain, compiled chain."""
+    size, cols = x.element_size(), x.shape[-1]
+
+    def residual_chain(a, r, w, b):
+        h = r + F.dropout(a, dropout)
+        return h, F.layer_norm(h, (cols,), w, b)
+
+    compiled_residual = torch.compile(residual_chain)
+    fused_residual = lambda a, r, w, b: fused_ops.residual_dropout_layer_norm(a, r, w, b, p=dropout)  # noqa: E731
     args = (x, residual, weight, bias)
     yield (
         f"residual + dropout({dropout}) + LayerNorm",
         "forward",
-        4 * n * size,
+        4 * x.numel() * size,
         {
             "fused": lambda: fused_residual(*args),
             "eager": lambda: residual_chain(*args),
@@ -123,7 +133,7 @@ def _cases(rows: int, cols: int, dtype: torch.dtype, dropout: float):
     yield (
         f"residual + dropout({dropout}) + LayerNorm",
         "backward",
-        5 * n * size,
+        5 * x.numel() * size,
         {
             name: (lambda hy=hy: torch.autograd.grad(hy, args, (grad, grad), retain_graph=True))
             for name, hy in outputs.items()

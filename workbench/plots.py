@@ -40,31 +40,25 @@ def _mib(value: float) -> str:
 
 def plot_results(results) -> ResultsFigure:
     table = results.table.iloc[::-1].reset_index(drop=True)  # first arm at the top
-    labels = list(table.arm)
     y = np.arange(len(table))
     figure = ResultsFigure(figsize=(13, 1.6 + 0.42 * max(len(table), 3)), layout="constrained")
     speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
+    _plot_speedups(speed_ax, table, y)
+    _plot_step_breakdown(phase_ax, table, y)
+    _plot_memory(memory_ax, table, y)
+    _add_figure_legend(figure, (speed_ax, phase_ax, memory_ax))
+    title, warned = _results_title(results)
+    figure.suptitle(title, fontsize=10, color="#c44e52" if warned else "black")
+    return figure
 
-    # Speedup: point and 95% interval per arm, on a log axis (0.5x and 2x are equally far from
-    # 1x); rows that did not run say why. The control arm's interval, the A/A noise of this
-    # run, is shaded across all rows: a speedup inside the band is not told apart from noise.
+
+def _plot_speedups(axes, table, y) -> None:
+    """Speedup: point and 95% interval per arm, on a log axis (0.5x and 2x are equally far from
+    1x); rows that did not run say why."""
     measured = table.speedup.notna()
     colors = [STATUS_COLORS.get(s, "#c44e52") for s in table.status]
-    control = table[(table.arm == "baseline (control)") & measured]
-    if (
-        not control.empty
-        and np.isfinite(control.speedup_low.iloc[0])
-        and np.isfinite(control.speedup_high.iloc[0])
-    ):
-        speed_ax.axvspan(
-            control.speedup_low.iloc[0],
-            control.speedup_high.iloc[0],
-            color="#d9d9d9",
-            alpha=0.6,
-            zorder=0,
-            label="noise band (control's interval)",
-        )
-    speed_ax.barh(
+    _shade_noise_band(axes, table, measured)
+    axes.barh(
         y[measured],
         table.speedup[measured] - 1,
         left=1,
@@ -72,7 +66,7 @@ def plot_results(results) -> ResultsFigure:
         alpha=0.35,
         height=0.6,
     )
-    speed_ax.errorbar(
+    axes.errorbar(
         table.speedup[measured],
         y[measured],
         xerr=[
@@ -84,40 +78,63 @@ def plot_results(results) -> ResultsFigure:
         capsize=3,
         markersize=4,
     )
-    speed_ax.axvline(1.0, color="black", linewidth=0.8)
+    axes.axvline(1.0, color="black", linewidth=0.8)
     for index in y[~measured]:
-        speed_ax.text(
-            1.0, index, f"  {table.status[index]}", va="center", ha="left", color="#c44e52", fontsize=9
-        )
-    speed_ax.set_xscale("log")
-    _readable_log_ticks(speed_ax, table.speedup_low[measured], table.speedup_high[measured])
-    speed_ax.set_xlabel("speedup vs baseline (95% interval, log scale)")
-    speed_ax.set_yticks(y, labels)
-    speed_ax.set_title("Throughput")
+        axes.text(1.0, index, f"  {table.status[index]}", va="center", ha="left", color="#c44e52", fontsize=9)
+    axes.set_xscale("log")
+    _readable_log_ticks(axes, table.speedup_low[measured], table.speedup_high[measured])
+    axes.set_xlabel("speedup vs baseline (95% interval, log scale)")
+    axes.set_yticks(y, list(table.arm))
+    axes.set_title("Throughput")
 
-    # Step breakdown: where the time of one optimizer step goes.
-    # Only the phases that occurred get a bar and a legend entry ("replay" only with cuda_graphs).
+
+def _shade_noise_band(axes, table, measured) -> None:
+    """The control arm's interval, the A/A noise of this run, shaded across all rows: a speedup
+    inside the band is not told apart from noise."""
+    control = table[(table.arm == "baseline (control)") & measured]
+    if (
+        not control.empty
+        and np.isfinite(control.speedup_low.iloc[0])
+        and np.isfinite(control.speedup_high.iloc[0])
+    ):
+        axes.axvspan(
+            control.speedup_low.iloc[0],
+            control.speedup_high.iloc[0],
+            color="#d9d9d9",
+            alpha=0.6,
+            zorder=0,
+            label="noise band (control's interval)",
+        )
+
+
+def _plot_step_breakdown(axes, table, y) -> None:
+    """Step breakdown: where the time of one optimizer step goes.
+
+    Only the phases that occurred get a bar and a legend entry ("replay" only with cuda_graphs).
+    """
     left = np.zeros(len(table))
     for phase, color in PHASE_COLORS.items():
         values = table[f"{phase}_ms"].fillna(0).to_numpy() if f"{phase}_ms" in table else np.zeros(len(table))
         if values.any():
-            phase_ax.barh(y, values, left=left, color=color, label=phase, height=0.6)
+            axes.barh(y, values, left=left, color=color, label=phase, height=0.6)
             left += values
     other = np.clip(table.step_ms.fillna(0).to_numpy() - left, 0, None)
     if (other > 0.005 * np.maximum(table.step_ms.fillna(0).to_numpy(), 1e-9)).any():  # more than rounding
-        phase_ax.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
-    phase_ax.set_xlabel("ms per optimizer step")
-    phase_ax.set_title("Step breakdown")
+        axes.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
+    axes.set_xlabel("ms per optimizer step")
+    axes.set_title("Step breakdown")
 
-    # Memory: the step's peak, and inside it the activations autograd saved for backward, the
-    # part that checkpointing and grad_accum shrink (weights, gradients and optimizer state
-    # dominate the peak and would hide those savings).
+
+def _plot_memory(axes, table, y) -> None:
+    """Memory: the step's peak, and inside it the activations autograd saved for backward, the
+    part that checkpointing and grad_accum shrink (weights, gradients and optimizer state
+    dominate the peak and would hide those savings)."""
     memory = table.peak_mem_mb.to_numpy(dtype=float)
     activations = table.activation_mb.to_numpy(dtype=float)
-    memory_ax.barh(
+    axes.barh(
         y, np.nan_to_num(memory), color=MEMORY_COLOR, alpha=0.35, height=0.6, label="peak tensor memory"
     )
-    memory_ax.barh(
+    axes.barh(
         y,
         np.nan_to_num(activations),
         color=MEMORY_COLOR,
@@ -127,17 +144,18 @@ def plot_results(results) -> ResultsFigure:
     for index, (peak, saved) in enumerate(zip(memory, activations, strict=True)):
         if math.isfinite(peak):
             text = f" {_mib(peak)}" + (f" ({_mib(saved)} act.)" if math.isfinite(saved) else "")
-            memory_ax.text(peak, index, text, va="center", fontsize=8)
+            axes.text(peak, index, text, va="center", fontsize=8)
     if np.isfinite(memory).any():
-        memory_ax.set_xlim(0, np.nanmax(memory) * 1.6)  # room for the labels right of the bars
-    device = results.config.get("device", "")
-    memory_ax.set_xlabel("memory per step, MiB")
-    memory_ax.set_title("Memory")
+        axes.set_xlim(0, np.nanmax(memory) * 1.6)  # room for the labels right of the bars
+    axes.set_xlabel("memory per step, MiB")
+    axes.set_title("Memory")
 
-    # One legend for the figure, below the panels: constrained layout keeps it clear of the axis
-    # labels at any number of arms (a legend hung under one axes overlapped them with few arms).
+
+def _add_figure_legend(figure, panels) -> None:
+    """One legend for the figure, below the panels: constrained layout keeps it clear of the axis
+    labels at any number of arms (a legend hung under one axes overlapped them with few arms)."""
     handles, labels = [], []
-    for axes in (speed_ax, phase_ax, memory_ax):
+    for axes in panels:
         more_handles, more_labels = axes.get_legend_handles_labels()
         handles += more_handles
         labels += more_labels
@@ -145,9 +163,13 @@ def plot_results(results) -> ResultsFigure:
         handles, labels, loc="outside lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False
     )
 
+
+def _results_title(results) -> tuple[str, bool]:
+    """The figure's title (run settings and the machine) and whether it carries warnings."""
+    config = results.config
+    device = config.get("device", "")
     env = results.environment
     where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")
-    config = results.config
     title = (
         f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps per arm x "
         f"{config.get('blocks', config.get('repeats'))} blocks, batch {config['batch_size']}, {device} ({where})"
@@ -158,8 +180,7 @@ def plot_results(results) -> ResultsFigure:
             w.split(":")[0] if w.startswith("the control arm") else w.split(" while ")[0] for w in warnings
         ]
         title += "\nWARNING: " + "; ".join(short)
-    figure.suptitle(title, fontsize=10, color="#c44e52" if warnings else "black")
-    return figure
+    return title, bool(warnings)
 
 
 def _readable_log_ticks(axis, lows, highs) -> None:
@@ -193,23 +214,42 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     (speed_ax, phase_ax, loss_ax), (cpu_ax, gpu_ax, gpu_detail_ax) = figure.subplots(2, 3)
     arms = snapshot["arms"] or sorted(snapshot["throughput"])
     colors = _arm_colors(arms)
-    started = snapshot["started"]
+    _plot_live_throughput(speed_ax, snapshot["throughput"], colors)
+    finished = [unit for unit in snapshot["finished"] if unit.get("result")]
+    _plot_live_breakdown(phase_ax, finished, arms)
+    _plot_live_losses(loss_ax, finished, colors)
+    samples = snapshot["telemetry"]
+    seconds = [s["time"] - snapshot["started"] for s in samples]
+    _plot_cpu_utilization(cpu_ax, samples, seconds)
+    _plot_gpu_telemetry(gpu_ax, gpu_detail_ax, samples, seconds)
+    for axes in (gpu_ax, gpu_detail_ax):
+        axes.set_xlabel("seconds since start")
+    figure.suptitle(
+        f"{snapshot['state']}: {snapshot['processes_done']} of {snapshot['processes'] or '?'} processes finished"
+        + (f"; now {snapshot['current']}" if snapshot["state"] == "running" and snapshot["current"] else ""),
+        fontsize=10,
+    )
+    return figure
 
-    for arm, points in snapshot["throughput"].items():
+
+def _plot_live_throughput(axes, throughput: dict, colors: dict) -> None:
+    for arm, points in throughput.items():
         # One line per block: between blocks a new process starts, and nothing was measured.
         for index, block in enumerate(dict.fromkeys(point[2] for point in points)):
             seconds = [point[0] for point in points if point[2] == block]
             rates = [point[1] for point in points if point[2] == block]
-            speed_ax.plot(
+            axes.plot(
                 seconds, rates, "o-", markersize=3, color=colors.get(arm), label=arm if index == 0 else None
             )
-    speed_ax.set_title("Throughput while running")
-    speed_ax.set_xlabel("seconds since start")
-    speed_ax.set_ylabel("samples/s")
-    if snapshot["throughput"]:
-        speed_ax.legend(fontsize=7, frameon=False)
+    axes.set_title("Throughput while running")
+    axes.set_xlabel("seconds since start")
+    axes.set_ylabel("samples/s")
+    if throughput:
+        axes.legend(fontsize=7, frameon=False)
 
-    finished = [unit for unit in snapshot["finished"] if unit.get("result")]
+
+def _plot_live_breakdown(axes, finished: list[dict], arms: list[str]) -> None:
+    """Per arm, the median time of each phase over its finished blocks."""
     per_arm: dict[str, list[dict]] = {}
     for unit in finished:
         per_arm.setdefault(unit["arm"], []).append(unit["result"])
@@ -218,80 +258,80 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     for phase, color in PHASE_COLORS.items():
         values = np.array([np.median([r["phase_ms"].get(phase, 0.0) for r in per_arm[arm]]) for arm in names])
         if values.any():  # only phases that occurred: "replay" appears with cuda_graphs alone
-            phase_ax.barh(names, values, left=left, color=color, label=phase, height=0.6)
+            axes.barh(names, values, left=left, color=color, label=phase, height=0.6)
             left += values
-    phase_ax.invert_yaxis()
-    phase_ax.set_title("Step breakdown (finished blocks)")
-    phase_ax.set_xlabel("ms per optimizer step")
+    axes.invert_yaxis()
+    axes.set_title("Step breakdown (finished blocks)")
+    axes.set_xlabel("ms per optimizer step")
     if names:
-        phase_ax.legend(fontsize=7, frameon=False, ncol=2)
+        axes.legend(fontsize=7, frameon=False, ncol=2)
 
+
+def _plot_live_losses(axes, finished: list[dict], colors: dict) -> None:
     for unit in finished:
-        loss_ax.plot(
+        axes.plot(
             range(1, len(unit["result"]["losses"]) + 1),
             unit["result"]["losses"],
             color=colors.get(unit["arm"]),
             alpha=0.7,
             linewidth=1,
         )
-    loss_ax.set_title("Loss (finished blocks)")
-    loss_ax.set_xlabel("optimizer step, warm-up included")
+    axes.set_title("Loss (finished blocks)")
+    axes.set_xlabel("optimizer step, warm-up included")
 
-    samples = snapshot["telemetry"]
-    seconds = [s["time"] - started for s in samples]
-    cpu_ax.plot(seconds, [s["cpu_percent"] for s in samples], color="#4c72b0")
-    cpu_ax.set_ylim(0, 105)
-    cpu_ax.set_title("CPU utilization (whole machine)")
-    cpu_ax.set_ylabel("%")
-    cpu_ax.set_xlabel("seconds since start")
 
+def _plot_cpu_utilization(axes, samples: list[dict], seconds: list[float]) -> None:
+    axes.plot(seconds, [s["cpu_percent"] for s in samples], color="#4c72b0")
+    axes.set_ylim(0, 105)
+    axes.set_title("CPU utilization (whole machine)")
+    axes.set_ylabel("%")
+    axes.set_xlabel("seconds since start")
+
+
+def _plot_gpu_telemetry(gpu_ax, gpu_detail_ax, samples: list[dict], seconds: list[float]) -> None:
+    """NVML readings per GPU when there are any; else the machine's memory and a note saying why."""
     gpu_keys = sorted(
         {key for s in samples for key in s if key.startswith("gpu") and key.endswith("_util_percent")}
     )
-    if gpu_keys:
-        for key in gpu_keys:
-            index = key[3 : key.index("_")]
-            gpu_ax.plot(seconds, [s.get(key, np.nan) for s in samples], label=f"GPU {index} util %")
-            gpu_ax.plot(
-                seconds,
-                [s.get(f"gpu{index}_memory_used_mib", np.nan) / 1024 for s in samples],
-                "--",
-                label=f"GPU {index} memory, GiB",
-            )
-            gpu_detail_ax.plot(
-                seconds, [s.get(f"gpu{index}_power_w", np.nan) for s in samples], label=f"GPU {index} W"
-            )
-            gpu_detail_ax.plot(
-                seconds,
-                [s.get(f"gpu{index}_sm_clock_mhz", np.nan) / 10 for s in samples],
-                ":",
-                label=f"GPU {index} SM clock, x10 MHz",
-            )
-        gpu_ax.legend(fontsize=7, frameon=False)
-        gpu_detail_ax.legend(fontsize=7, frameon=False)
-        gpu_ax.set_title("GPU utilization and memory (NVML)")
-        gpu_detail_ax.set_title("GPU power and SM clock (NVML)")
-    else:
-        gpu_ax.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color=MEMORY_COLOR)
-        gpu_ax.set_title("Memory used (whole machine)")
-        gpu_ax.set_ylabel("GiB")
-        gpu_detail_ax.axis("off")
-        gpu_detail_ax.text(
-            0.5,
-            0.5,
-            "No GPU telemetry: NVML readings of GPU\nutilization, memory, power and SM clock\n"
-            "appear here on a CUDA machine\nwith nvidia-ml-py installed.",
-            ha="center",
-            va="center",
-            fontsize=9,
-            color="#666",
+    if not gpu_keys:
+        _plot_without_gpu_telemetry(gpu_ax, gpu_detail_ax, samples, seconds)
+        return
+    for key in gpu_keys:
+        index = key[3 : key.index("_")]
+        gpu_ax.plot(seconds, [s.get(key, np.nan) for s in samples], label=f"GPU {index} util %")
+        gpu_ax.plot(
+            seconds,
+            [s.get(f"gpu{index}_memory_used_mib", np.nan) / 1024 for s in samples],
+            "--",
+            label=f"GPU {index} memory, GiB",
         )
-    for axes in (gpu_ax, gpu_detail_ax):
-        axes.set_xlabel("seconds since start")
+        gpu_detail_ax.plot(
+            seconds, [s.get(f"gpu{index}_power_w", np.nan) for s in samples], label=f"GPU {index} W"
+        )
+        gpu_detail_ax.plot(
+            seconds,
+            [s.get(f"gpu{index}_sm_clock_mhz", np.nan) / 10 for s in samples],
+            ":",
+            label=f"GPU {index} SM clock, x10 MHz",
+        )
+    gpu_ax.legend(fontsize=7, frameon=False)
+    gpu_detail_ax.legend(fontsize=7, frameon=False)
+    gpu_ax.set_title("GPU utilization and memory (NVML)")
+    gpu_detail_ax.set_title("GPU power and SM clock (NVML)")
 
-    figure.suptitle(
-        f"{snapshot['state']}: {snapshot['processes_done']} of {snapshot['processes'] or '?'} processes finished"
-        + (f"; now {snapshot['current']}" if snapshot["state"] == "running" and snapshot["current"] else ""),
-        fontsize=10,
+
+def _plot_without_gpu_telemetry(memory_ax, note_ax, samples: list[dict], seconds: list[float]) -> None:
+    memory_ax.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color=MEMORY_COLOR)
+    memory_ax.set_title("Memory used (whole machine)")
+    memory_ax.set_ylabel("GiB")
+    note_ax.axis("off")
+    note_ax.text(
+        0.5,
+        0.5,
+        "No GPU telemetry: NVML readings of GPU\nutilization, memory, power and SM clock\n"
+        "appear here on a CUDA machine\nwith nvidia-ml-py installed.",
+        ha="center",
+        va="center",
+        fontsize=9,
+        color="#666",
     )
-    return figure

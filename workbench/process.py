@@ -223,119 +223,143 @@ def _run_ranks(
 ) -> dict:
     oom_kills_before = kernel_oom_kills()
     processes = _start_ranks(payload, log_path, env, world_size, only_rank)
-    # Watch rank-by-rank only when this parent started them all; under torchrun it has one.
-    world_size = len(processes)
-    messages: queue.Queue = queue.Queue()
+    watch = _RankWatch(processes, ArmTimer(timeout_s), on_message)
+    try:
+        watch.follow(should_stop)
+    except KeyboardInterrupt:
+        watch.stopped = True
+        raise Interrupted from None
+    finally:
+        watch.end_processes()
+    if watch.answer is not None:
+        return watch.answer
+    # The arm in flight when the block died is the likely cause; the worker names it when it knows.
+    return {"arm": watch.timer.current, **_failure(processes, watch.rank_errors, oom_kills_before)}
 
-    def read_messages(rank: int, process: subprocess.Popen) -> None:
+
+class _RankWatch:
+    """Follows a block's processes (one per rank) until rank 0 answers, a limit passes or a rank dies.
+
+    Watches rank by rank only when this parent started them all; under torchrun it has one.
+    """
+
+    def __init__(self, processes: list[subprocess.Popen], timer: ArmTimer, on_message: Callable):
+        self.processes, self.timer, self.on_message = processes, timer, on_message
+        self.messages: queue.Queue = queue.Queue()
+        self.readers = [
+            threading.Thread(target=self._read_messages, args=(rank, process), daemon=True)
+            for rank, process in enumerate(processes)
+        ]
+        for reader in self.readers:
+            reader.start()
+        self.answer: dict | None = None
+        self.rank_errors: dict[int, dict] = {}
+        self.dead_since: float | None = None  # when a rank was first seen dead without rank 0 finishing
+        self.finished_since: float | None = None  # when a rank was first seen to exit cleanly
+        self.answered_at: float | None = None
+        self.open_channels = len(processes)
+        self.stopped = False  # True when we end the children ourselves: timeout, Stop, Ctrl-C, a dead rank
+
+    def _read_messages(self, rank: int, process: subprocess.Popen) -> None:
         for line in process.stdout:
             try:
-                messages.put((rank, json.loads(line)))
+                self.messages.put((rank, json.loads(line)))
             except ValueError:  # JSONDecodeError, UnicodeDecodeError: a library wrote to stdout
                 continue  # not ours: the message channel only carries JSON lines
-        messages.put((rank, None))
+        self.messages.put((rank, None))
 
-    readers = [
-        threading.Thread(target=read_messages, args=(rank, process), daemon=True)
-        for rank, process in enumerate(processes)
-    ]
-    for reader in readers:
-        reader.start()
-    timer = ArmTimer(timeout_s)
-    answer: dict | None = None
-    rank_errors: dict[int, dict] = {}
-    dead_since: float | None = None  # when a rank was first seen dead without rank 0 finishing
-    finished_since: float | None = None  # when a rank was first seen to exit cleanly
-    answered_at: float | None = None
-    open_channels = len(processes)
-    stopped = False  # True when we end the children ourselves: timeout, Stop, Ctrl-C, a dead rank
-    try:
-        while open_channels:
+    def follow(self, should_stop: Callable[[], bool]) -> None:
+        while self.open_channels:
             if should_stop():
-                stopped = True
+                self.stopped = True
                 raise Interrupted
-            if answer is None and timer.overdue():
-                stopped = True
-                answer = {
-                    "type": "error",
-                    "status": "failed",
-                    "reason": f"{timer.describe()}; the arm's process was ended",
-                    "arm": timer.current,
-                }
+            if self._waiting_cannot_help():
                 break
-            if answered_at is not None and time.monotonic() - answered_at > EXIT_GRACE_S:
-                break  # the result is in; a rank that does not exit is ended below
-            if world_size > 1 and answer is None:
-                codes = [p.poll() for p in processes]
-                dead = [r for r, code in enumerate(codes) if code not in (None, 0)]
-                if dead and dead_since is None:
-                    dead_since = time.monotonic()
-                # Give the surviving ranks a moment to report the error they saw, then end them.
-                if dead_since is not None and time.monotonic() - dead_since > DEAD_RANK_GRACE_S:
-                    stopped = True
-                    break
-                # Ranks finish together (the last step ends in an all-reduce); one that finished
-                # long before rank 0 reported means rank 0 is stuck.
-                finished = [r for r, code in enumerate(codes) if code == 0]
-                if finished and finished_since is None:
-                    finished_since = time.monotonic()
-                if finished_since is not None and time.monotonic() - finished_since > RANK0_REPORT_S:
-                    stopped = True
-                    answer = {
-                        "type": "error",
-                        "status": "failed",
-                        "reason": f"rank {finished[0]} finished, but rank 0 did not report within "
-                        f"{RANK0_REPORT_S:.0f} s; the ranks were ended",
-                    }
-                    break
             try:
                 # Waiting blocks; the timeout only bounds how late a Stop or a timeout is noticed,
                 # and waking rarely keeps this process off the cores the arm is measured on.
-                rank, message = messages.get(timeout=POLL_S)
+                rank, message = self.messages.get(timeout=POLL_S)
             except queue.Empty:
                 continue
-            if message is None:
-                open_channels -= 1
-                continue
-            if message.get("type") == "error":
-                rank_errors.setdefault(rank, message)
-            elif rank == 0 and message.get("type") == "result":
-                answer, answered_at = message, time.monotonic()
-                timer.switch(None)
-            elif rank == 0:
-                if message.get("type") == "phase":
-                    timer.switch(message.get("arm"))
-                    if message.get("expected_s"):
-                        timer.expect(message["expected_s"])
-                on_message(message)
-    except KeyboardInterrupt:
-        stopped = True
-        raise Interrupted from None
-    finally:
-        if not stopped:
+            self._take(rank, message)
+
+    def _take(self, rank: int, message: dict | None) -> None:
+        if message is None:
+            self.open_channels -= 1
+        elif message.get("type") == "error":
+            self.rank_errors.setdefault(rank, message)
+        elif rank == 0 and message.get("type") == "result":
+            self.answer, self.answered_at = message, time.monotonic()
+            self.timer.switch(None)
+        elif rank == 0:
+            if message.get("type") == "phase":
+                self.timer.switch(message.get("arm"))
+                if message.get("expected_s"):
+                    self.timer.expect(message["expected_s"])
+            self.on_message(message)
+
+    def _waiting_cannot_help(self) -> bool:
+        """Overdue, answered but not exiting, or a rank lost: stop following."""
+        if self.answer is None and self.timer.overdue():
+            self.stopped = True
+            self.answer = {
+                "type": "error",
+                "status": "failed",
+                "reason": f"{self.timer.describe()}; the arm's process was ended",
+                "arm": self.timer.current,
+            }
+            return True
+        if self.answered_at is not None and time.monotonic() - self.answered_at > EXIT_GRACE_S:
+            return True  # the result is in; a rank that does not exit is ended afterwards
+        return len(self.processes) > 1 and self.answer is None and self._a_rank_is_lost()
+
+    def _a_rank_is_lost(self) -> bool:
+        codes = [p.poll() for p in self.processes]
+        now = time.monotonic()
+        if self.dead_since is None and any(code not in (None, 0) for code in codes):
+            self.dead_since = now
+        # Give the surviving ranks a moment to report the error they saw, then end them.
+        if self.dead_since is not None and now - self.dead_since > DEAD_RANK_GRACE_S:
+            self.stopped = True
+            return True
+        # Ranks finish together (the last step ends in an all-reduce); one that finished
+        # long before rank 0 reported means rank 0 is stuck.
+        finished = [r for r, code in enumerate(codes) if code == 0]
+        if finished and self.finished_since is None:
+            self.finished_since = now
+        if self.finished_since is not None and now - self.finished_since > RANK0_REPORT_S:
+            self.stopped = True
+            self.answer = {
+                "type": "error",
+                "status": "failed",
+                "reason": f"rank {finished[0]} finished, but rank 0 did not report within "
+                f"{RANK0_REPORT_S:.0f} s; the ranks were ended",
+            }
+            return True
+        return False
+
+    def end_processes(self) -> None:
+        """Let the processes exit, or end them; no rank or DataLoader worker outlives its arm."""
+        if not self.stopped:
             try:
-                for process in processes:
+                for process in self.processes:
                     process.wait(timeout=EXIT_GRACE_S)
             except subprocess.TimeoutExpired:
-                stopped = True
-        if stopped:
-            for process in processes:
+                self.stopped = True
+        if self.stopped:
+            for process in self.processes:
                 _signal_group(process, signal.SIGTERM)
-            for process in processes:
+            for process in self.processes:
                 _end_process_group(process)
-        for process in processes:
-            _signal_group(process, signal.SIGKILL)  # no rank or DataLoader worker outlives its arm
-        for process in processes:
+        for process in self.processes:
+            _signal_group(process, signal.SIGKILL)
+        for process in self.processes:
             try:
                 process.wait(timeout=KILL_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
-        for reader in readers:
+        for reader in self.readers:
             reader.join(timeout=5)
-    if answer is not None:
-        return answer
-    # The arm in flight when the block died is the likely cause; the worker names it when it knows.
-    return {"arm": timer.current, **_failure(processes, rank_errors, oom_kills_before)}
 
 
 OOM_KILL_COUNTERS = ("/sys/fs/cgroup/memory.events", "/proc/vmstat")  # this cgroup's, then the machine's

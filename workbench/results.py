@@ -182,6 +182,19 @@ def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) 
     if arm.get("unavailable"):
         row.update(status="unavailable", reason=arm["unavailable"])
         return row
+    results = _set_status(row, arm_units, planned_blocks, complete)
+    if not results:
+        return row
+    notes = list(dict.fromkeys(note for r in results for note in r["notes"]))
+    if arm.get("own_process"):
+        notes.insert(0, f"its own process: {arm['own_process']}")
+    notes += _set_measurements(row, results)
+    row["_notes"] = notes
+    return row
+
+
+def _set_status(row: dict, arm_units: list[dict], planned_blocks: int, complete: bool) -> list[dict]:
+    """The arm's status from its units (failed, interrupted, diverged...); its blocks' results."""
     ok = [u for u in arm_units if u["status"] == "ok"]
     bad = [u for u in arm_units if u["status"] not in ("ok", "skipped")]
     results = [u["result"] for u in ok]
@@ -196,11 +209,12 @@ def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) 
         divergence = _divergence(result)
         if divergence and row["status"] == "ok":
             row.update(status="diverged", reason=divergence)
-    if not results:
-        return row
-    notes = list(dict.fromkeys(note for r in results for note in r["notes"]))
-    if arm.get("own_process"):
-        notes.insert(0, f"its own process: {arm['own_process']}")
+    return results
+
+
+def _set_measurements(row: dict, results: list[dict]) -> list[str]:
+    """The arm's own figures: medians over its blocks. Returns notes about them."""
+    notes = []
     # Wall clock, all timed steps: what a job like this one would see (as the speedup does).
     throughputs = [r["samples_per_s"] for r in results]
     row["samples_per_s"], row["samples_per_s_spread"] = stats.median_and_spread(throughputs)
@@ -224,8 +238,7 @@ def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) 
         notes.append(
             f"timed windows total only {1e3 * window_s:.0f} ms per block; more steps give tighter intervals"
         )
-    row["_notes"] = notes
-    return row
+    return notes
 
 
 def _compare(
@@ -270,6 +283,13 @@ def _compare(
     else:
         notes.append("no baseline block to compare with")
     row["noisy"] = stats.is_noisy(row["speedup"], row["speedup_low"], row["speedup_high"])
+    notes += _parity_notes(row, arm, baseline)
+    return notes
+
+
+def _parity_notes(row: dict, arm: dict, baseline: str | None) -> list[str]:
+    """Warnings when the loss drifted from the baseline's, or the control missed its own interval."""
+    notes = []
     drift = row["loss_vs_baseline"] - 1.0
     if arm["name"] != baseline and abs(drift) > LOSS_DRIFT:  # NaN (loader arms) never is
         why = (

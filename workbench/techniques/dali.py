@@ -92,45 +92,16 @@ def build_pipeline(
     ``with_source_info`` adds a third output, each sample's file path (as bytes), so tests
     can check which label went with which file.
     """
-    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali import fn, pipeline_def
 
-    # Shuffle the file list once, seeded: the reader then shards a class-balanced list, and its
-    # own shuffle buffer (initial_fill) only has to mix within a window, not across classes.
-    order = np.random.default_rng(seed).permutation(len(images.files))
-    files = [images.files[i] for i in order]
-    labels = [images.labels[i] for i in order]
+    files, labels = _shuffled(images, seed)
     decode = _decode_device(config, device)
     on_gpu = device.type == "cuda"
 
     @pipeline_def
     def jpeg_pipeline():
-        encoded, label = fn.readers.file(
-            files=files,
-            labels=labels,
-            random_shuffle=True,
-            initial_fill=min(len(files), 1024),
-            shard_id=config.shard_id,
-            num_shards=config.num_shards,
-            name="reader",
-        )
-        decoded = fn.decoders.image(encoded, device=decode, output_type=types.RGB)
-        if on_gpu and decode == "cpu":
-            decoded = decoded.gpu()
-        cropped = fn.random_resized_crop(
-            decoded,
-            size=(images.size, images.size),
-            random_area=list(CROP_AREA),
-            random_aspect_ratio=list(CROP_ASPECT),
-            interp_type=types.INTERP_LINEAR,
-        )
-        normalized = fn.crop_mirror_normalize(
-            cropped,
-            dtype=types.FLOAT,
-            output_layout="CHW",
-            mean=[m * 255 for m in MEAN],
-            std=[s * 255 for s in STD],
-            mirror=fn.random.coin_flip(probability=0.5),
-        )
+        encoded, label = _read_files(files, labels, config)
+        normalized = _decode_and_augment(encoded, decode, on_gpu, images.size)
         outputs = [normalized, label.gpu() if on_gpu else label]
         if with_source_info:
             outputs.append(fn.get_property(encoded, key="source_info"))
@@ -148,6 +119,55 @@ def build_pipeline(
     )
     pipeline.build()
     return pipeline
+
+
+def _shuffled(images: ImageFiles, seed: int) -> tuple[list[str], list[int]]:
+    """The file list and its labels, shuffled once, seeded.
+
+    The reader then shards a class-balanced list, and its own shuffle buffer (initial_fill)
+    only has to mix within a window, not across classes.
+    """
+    order = np.random.default_rng(seed).permutation(len(images.files))
+    return [images.files[i] for i in order], [images.labels[i] for i in order]
+
+
+def _read_files(files: list[str], labels: list[int], config: DaliConfig):
+    """The pipeline's file reader: (encoded JPEG, label) per sample, from this shard of the files."""
+    from nvidia.dali import fn
+
+    return fn.readers.file(
+        files=files,
+        labels=labels,
+        random_shuffle=True,
+        initial_fill=min(len(files), 1024),
+        shard_id=config.shard_id,
+        num_shards=config.num_shards,
+        name="reader",
+    )
+
+
+def _decode_and_augment(encoded, decode: str, on_gpu: bool, size: int):
+    """Decode to RGB, random resized crop, random flip, normalise to CHW float32 (on the GPU on CUDA)."""
+    from nvidia.dali import fn, types
+
+    decoded = fn.decoders.image(encoded, device=decode, output_type=types.RGB)
+    if on_gpu and decode == "cpu":
+        decoded = decoded.gpu()
+    cropped = fn.random_resized_crop(
+        decoded,
+        size=(size, size),
+        random_area=list(CROP_AREA),
+        random_aspect_ratio=list(CROP_ASPECT),
+        interp_type=types.INTERP_LINEAR,
+    )
+    return fn.crop_mirror_normalize(
+        cropped,
+        dtype=types.FLOAT,
+        output_layout="CHW",
+        mean=[m * 255 for m in MEAN],
+        std=[s * 255 for s in STD],
+        mirror=fn.random.coin_flip(probability=0.5),
+    )
 
 
 def dali_batches(
