@@ -162,6 +162,11 @@ def test_quickstart_panel_runs_live_in_a_real_browser(jupyter_lab):
             run_button = page.locator("button.workbench-run")
             run_button.wait_for(timeout=400_000)  # the cells above it run a small ablation first
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+            more = page.get_by_text("More settings", exact=True).first
+            more.scroll_into_view_if_needed()
+            more.click()  # unfold the run settings that sit below the first row
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ARTIFACTS / "00-panel-settings.png"))
             run_button.scroll_into_view_if_needed()
             page.screenshot(path=str(ARTIFACTS / "01-panel.png"))
             run_button.click()

@@ -179,20 +179,40 @@ def test_every_cpu_run_reports_its_flops():
     )
 
 
-def test_a_model_that_cannot_be_counted_gets_a_note_not_a_failure():
+class NeedsRealData(torch.nn.Module):
+    """Reads a value in its forward: it cannot run on the meta device (as Hugging Face's masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        if x.sum().item() > 1e9:
+            raise AssertionError
+        return self.linear(x.flatten(1))
+
+
+def test_a_model_that_cannot_run_on_meta_is_counted_on_the_cpu():
+    """Two samples for real on the CPU, scaled to the batch: the Linear's 2*64*10 per sample
+    forward, as much again backward (the weight's gradient; the input needs none)."""
     from helpers import train
-
-    class NeedsRealData(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(64, 10)
-
-        def forward(self, x):
-            if x.sum().item() > 1e9:  # reads a value: impossible on the meta device
-                raise AssertionError
-            return self.linear(x.flatten(1))
 
     batches = [(torch.randn(8, 64), torch.randint(0, 10, (8,)))] * 4
     result = train(NeedsRealData, steps=2, warmup=1, data=batches)
+    assert result["flops_per_sample"] == pytest.approx(2 * 2 * 64 * 10)
+    assert not any(note.startswith("FLOPs not counted") for note in result["notes"])
+
+
+def test_a_model_that_cannot_be_counted_gets_a_note_not_a_failure():
+    from helpers import train
+
+    class NeedsAFullBatch(NeedsRealData):
+        def forward(self, x):
+            if x.shape[0] < 8:  # and cannot run on a few samples on the CPU either
+                raise ValueError("needs the whole batch")
+            return super().forward(x)
+
+    batches = [(torch.randn(8, 64), torch.randint(0, 10, (8,)))] * 4
+    result = train(NeedsAFullBatch, steps=2, warmup=1, data=batches)
     assert "flops_per_sample" not in result
     assert any(note.startswith("FLOPs not counted") for note in result["notes"])

@@ -291,3 +291,11 @@ def test_every_run_setting_reaches_ablate_through_the_panel(setting):
     rule = run_options()[setting]  # a link comes back as its text, which means the same Link
     assert rule.validate(setting, panel.arguments()[setting]) == rule.validate(setting, value)
     assert panel.arguments()[setting] != getattr(RunConfig(), setting), "the control lost the value"
+
+
+def test_every_setting_control_shows_its_value():
+    """A Dropdown shows a value of None as blank: loader_arms' default (auto) once did."""
+    panel = wb.panel(model="mlp")
+    for name, control in panel.settings.items():
+        if isinstance(control, w.Dropdown):
+            assert control.label, f"{name}'s dropdown is blank"

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from workbench.data import batch_size_of, map_tensors
 from workbench.devices import current_precision
-from workbench.loop import build_on_meta, call_model, to_device
+from workbench.loop import CPU_CHECK_MAX_PARAMETERS, build_on_meta, call_model, to_device
 
 # Dense peak TFLOP/s per compute dtype. Matched against torch.cuda.get_device_name() in this
 # order (first match wins), so more specific names come first ("A100" before "A10").
@@ -74,17 +75,44 @@ def count_flops(
     """FLOPs of one forward and backward of a model built by ``build`` on this batch's shapes.
 
     The model is built on the meta device and the batch is replaced by meta tensors of the
-    same shapes, so nothing is computed and no memory is used.
+    same shapes, so nothing is computed and no memory is used. A model that cannot run on
+    meta tensors (``.item()`` in its forward, as Hugging Face's attention masks do) is built
+    on the CPU and runs two samples of the batch for real, scaled to the batch (FLOPs grow
+    with the samples); not for a model over CPU_CHECK_MAX_PARAMETERS.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = build_on_meta(build)
-    meta = torch.device("meta")
-    meta_inputs, meta_targets = to_device(inputs, meta, False), to_device(targets, meta, False)
+    meta, model = torch.device("meta"), None
+    try:
+        model = build_on_meta(build)
+        meta_inputs, meta_targets = to_device(inputs, meta, False), to_device(targets, meta, False)
+        with FlopCounterMode(display=False) as counter:
+            loss_fn(call_model(model, meta_inputs), meta_targets).backward()
+        return int(counter.get_total_flops())
+    except Exception as on_meta:
+        if model is None:
+            raise  # the factory itself cannot build on meta: nothing to count with
+        parameters = sum(p.numel() for p in model.parameters())
+        if parameters > CPU_CHECK_MAX_PARAMETERS:
+            raise ValueError(
+                f"it cannot run on the meta device ({type(on_meta).__name__}: {on_meta}) and, at "
+                f"{parameters / 1e6:.0f}M parameters, is too large to count on the CPU"
+            ) from None
+    return _count_on_cpu(build, inputs, targets, loss_fn)
+
+
+def _count_on_cpu(build: Callable, inputs: Any, targets: Any, loss_fn: Callable) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    batch = batch_size_of(inputs, targets)
+    # Two samples, not one: BatchNorm refuses a batch of one in training mode.
+    sample = min(batch, 2)
+    cpu = torch.device("cpu")
+    few_inputs, few_targets = map_tensors((inputs, targets), lambda t: t[:sample].to(cpu) if t.dim() else t)
+    model = build().to(cpu)
     with FlopCounterMode(display=False) as counter:
-        loss = loss_fn(call_model(model, meta_inputs), meta_targets)
-        loss.backward()
-    return int(counter.get_total_flops())
+        loss_fn(call_model(model, few_inputs), few_targets).backward()
+    return round(counter.get_total_flops() * batch / sample)
 
 
 def achieved_tflops(flops_per_sample: float, samples_per_s: float) -> float:

@@ -203,8 +203,12 @@ def _setting_control(name: str, rules: Option, value: Any) -> w.Widget:
         return w.Dropdown(options=_device_options(value), value=value, layout=narrow, **common)
     if rules.choices is not None:
         width = 9 * max(len(word) for word in rules.choices) + 8 * len(name) + 50
+        # The words are the options: a Dropdown shows a value of None (loader_arms' "auto") as blank.
         return w.Dropdown(
-            options=list(rules.choices.items()), value=value, layout=w.Layout(width=f"{width}px"), **common
+            options=list(rules.choices),
+            value=rules.word(value),
+            layout=w.Layout(width=f"{width}px"),
+            **common,
         )
     if rules.kind is bool:
         return w.Checkbox(value=value, indent=False, layout=w.Layout(width="150px"), **common)
@@ -222,7 +226,11 @@ def _setting_control(name: str, rules: Option, value: Any) -> w.Widget:
 
 
 def _setting_value(rules: Option, control: w.Widget) -> Any:
-    return rules.parse(control.value) if isinstance(control, w.Text) else control.value
+    if isinstance(control, w.Text):
+        return rules.parse(control.value)
+    if rules.choices is not None and isinstance(control, w.Dropdown) and control.value in rules.choices:
+        return rules.choices[control.value]  # the word shown -> the value it stands for
+    return control.value
 
 
 class AblationPanel(w.VBox):
