@@ -109,9 +109,7 @@ class BlockArm:
         self.spec = spec
         self.name = spec.name
         self.model_source, self.data, self.user_loss = model, data, loss_fn
-        self.batch_size, self.device, self.seed = run.batch_size, device, run.seed
-        self.optimizer_name, self.lr = run.optimizer, run.lr
-        self.rank, self.meter, self.link = rank, meter, run.link
+        self.run, self.device, self.rank, self.meter = run, device, rank, meter
         self.shared = shared  # other arms run in this process between this arm's windows
         self.random_state = ArmRandomState(device)
         self.memory = ArmMemory(device)
@@ -151,7 +149,7 @@ class BlockArm:
     def build(self) -> None:
         """Seed as a fresh process would, build the model, apply the techniques, open the data."""
         self._build_started = time.perf_counter()
-        seed_everything(self.seed)
+        seed_everything(self.run.seed)
         if self.spec.loader_only:
             model, loss_fn = NoOpModel().to(self.device), noop_loss
         else:
@@ -162,7 +160,7 @@ class BlockArm:
             model=model,
             device=self.device,
             loss_fn=loss_fn,
-            make_optimizer=make_optimizer(self.optimizer_name, self.lr),
+            make_optimizer=make_optimizer(self.run.optimizer, self.run.lr),
             rank=self.rank.rank,
             world_size=self.rank.world_size,
             comm=CommSettings() if distributed else None,
@@ -177,12 +175,12 @@ class BlockArm:
             self.notes.append(self.data.images.note())
         with self.active():  # a technique's switches may matter while its pipeline is built
             if setup.make_batches is not None:  # an input pipeline that replaces the DataLoader (dali)
-                batches = setup.make_batches(self.data, self.batch_size, self.seed)
+                batches = setup.make_batches(self.data, self.run.batch_size, self.run.seed)
             else:
                 batches = endless_batches(
                     self.data,
-                    self.batch_size,
-                    self.seed,
+                    self.run.batch_size,
+                    self.run.seed,
                     setup.loader_options,
                     self.rank.rank,
                     self.rank.world_size,
@@ -203,9 +201,9 @@ class BlockArm:
             notes += setup.comm.notes  # what the DDP wrapper had to adapt, said once
             if setup.device.type == "cpu":
                 notes.append(f"{torch.get_num_threads()} CPU thread(s) per rank")
-            if self.link is not None:
+            if self.run.link is not None:
                 notes.append(
-                    self.link.describe()
+                    self.run.link.describe()
                     + " (a simulation: each bucket is delayed by latency + bytes/bandwidth)"
                 )
         return notes

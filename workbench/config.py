@@ -171,9 +171,9 @@ class Option:
         if self.check is not None:
             return self.check(value)
         if self.choices is not None:
-            for meant in self.choices.values():  # ``is`` for True/None: 1 is not True here
-                if value is meant or (isinstance(value, str) and value == meant):
-                    return meant
+            chosen = self._choice_of(value)
+            if chosen is not None:
+                return chosen[1]
             if all(isinstance(word, str) and word == meant for word, meant in self.choices.items()):
                 raise unknown_name_error(name, value, self.choices)
             listed = " | ".join(f"{meant!r} ({word})" for word, meant in self.choices.items())
@@ -186,14 +186,19 @@ class Option:
             return check_number("ablate", name, value, above=float(self.least or 0.0))
         return value
 
+    def _choice_of(self, value: Any) -> tuple[str, Any] | None:
+        """The (word, value) pair that ``value`` is; ``is`` for True/None, so 1 is not True here."""
+        assert self.choices is not None
+        for word, meant in self.choices.items():
+            if value is meant or (isinstance(value, str) and value == meant):
+                return word, meant
+        return None
+
     def word(self, value: Any) -> str:
         """The choice word that stands for ``value`` (``"auto"`` for loader_arms=None)."""
-        assert self.choices is not None
-        return next(
-            w
-            for w, meant in self.choices.items()
-            if meant is value or (type(meant) is type(value) and meant == value)
-        )
+        chosen = self._choice_of(value)
+        assert chosen is not None, f"{value!r} is none of the choices"
+        return chosen[0]
 
     def text(self, value: Any) -> str:
         """``value`` as a person would type it (the CLI, the panel's text boxes); "" for auto."""

@@ -98,7 +98,12 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
     return model.to("meta")  # a factory that places its parameters on a device explicitly
 
 
-# The CPU fallback of check_the_loss builds the model for real: not for one this large.
+def first_samples(batch: Any, count: int) -> Any:
+    """The first ``count`` samples of every tensor in ``batch`` (a scalar whole), on the CPU."""
+    return map_tensors(batch, lambda tensor: (tensor[:count] if tensor.dim() else tensor).cpu())
+
+
+# The CPU fallbacks of check_the_loss and FLOP counting build the model for real: not one this large.
 CPU_CHECK_MAX_PARAMETERS = 100_000_000
 
 
@@ -119,11 +124,11 @@ def check_the_loss(build: Callable[[], nn.Module], batch: Any, loss_fn: Callable
     except Exception:
         if model is None or sum(p.numel() for p in model.parameters()) > CPU_CHECK_MAX_PARAMETERS:
             return  # a factory that cannot build on meta, or a model too large to build twice
-        one_sample = map_tensors((inputs, targets), lambda tensor: tensor[:1] if tensor.dim() else tensor)
+        one_input, one_target = first_samples((inputs, targets), 1)
         try:
             with torch.no_grad():
-                outputs = call_model(build().cpu(), to_device(one_sample[0], torch.device("cpu"), False))
-            targets = to_device(one_sample[1], torch.device("cpu"), False)
+                outputs = call_model(build().cpu(), one_input)
+            targets = one_target
         except Exception:
             return
     if loss_fn is None:

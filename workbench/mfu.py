@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from workbench.data import batch_size_of, map_tensors
+from workbench.data import batch_size_of
 from workbench.devices import current_precision
-from workbench.loop import CPU_CHECK_MAX_PARAMETERS, build_on_meta, call_model, to_device
+from workbench.loop import CPU_CHECK_MAX_PARAMETERS, build_on_meta, call_model, first_samples, to_device
 
 # Dense peak TFLOP/s per compute dtype. Matched against torch.cuda.get_device_name() in this
 # order (first match wins), so more specific names come first ("A100" before "A10").
@@ -80,15 +80,10 @@ def count_flops(
     on the CPU and runs two samples of the batch for real, scaled to the batch (FLOPs grow
     with the samples); not for a model over CPU_CHECK_MAX_PARAMETERS.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     meta, model = torch.device("meta"), None
     try:
         model = build_on_meta(build)
-        meta_inputs, meta_targets = to_device(inputs, meta, False), to_device(targets, meta, False)
-        with FlopCounterMode(display=False) as counter:
-            loss_fn(call_model(model, meta_inputs), meta_targets).backward()
-        return int(counter.get_total_flops())
+        return _flops_of(model, to_device(inputs, meta, False), to_device(targets, meta, False), loss_fn)
     except Exception as on_meta:
         if model is None:
             raise  # the factory itself cannot build on meta: nothing to count with
@@ -98,21 +93,20 @@ def count_flops(
                 f"it cannot run on the meta device ({type(on_meta).__name__}: {on_meta}) and, at "
                 f"{parameters / 1e6:.0f}M parameters, is too large to count on the CPU"
             ) from None
-    return _count_on_cpu(build, inputs, targets, loss_fn)
-
-
-def _count_on_cpu(build: Callable, inputs: Any, targets: Any, loss_fn: Callable) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
     batch = batch_size_of(inputs, targets)
     # Two samples, not one: BatchNorm refuses a batch of one in training mode.
-    sample = min(batch, 2)
-    cpu = torch.device("cpu")
-    few_inputs, few_targets = map_tensors((inputs, targets), lambda t: t[:sample].to(cpu) if t.dim() else t)
-    model = build().to(cpu)
+    few = min(batch, 2)
+    few_inputs, few_targets = first_samples((inputs, targets), few)
+    return round(_flops_of(build().cpu(), few_inputs, few_targets, loss_fn) * batch / few)
+
+
+def _flops_of(model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> int:
+    """FLOPs of one forward, loss and backward, as torch's FlopCounterMode counts them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     with FlopCounterMode(display=False) as counter:
-        loss_fn(call_model(model, few_inputs), few_targets).backward()
-    return round(counter.get_total_flops() * batch / sample)
+        loss_fn(call_model(model, inputs), targets).backward()
+    return int(counter.get_total_flops())
 
 
 def achieved_tflops(flops_per_sample: float, samples_per_s: float) -> float:

@@ -228,7 +228,7 @@ def _setting_control(name: str, rules: Option, value: Any) -> w.Widget:
 def _setting_value(rules: Option, control: w.Widget) -> Any:
     if isinstance(control, w.Text):
         return rules.parse(control.value)
-    if rules.choices is not None and isinstance(control, w.Dropdown) and control.value in rules.choices:
+    if rules.choices is not None:
         return rules.choices[control.value]  # the word shown -> the value it stands for
     return control.value
 
@@ -264,6 +264,7 @@ class AblationPanel(w.VBox):
         self.live = LiveRun()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._sources: dict[tuple, Any] = {}  # resolved data per (model, data, seed) choice
 
         self._make_setting_controls(model, data, out, options)
         chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
@@ -368,7 +369,10 @@ class AblationPanel(w.VBox):
         try:
             run = self.run_config()
             model = self._model_value()
-            ctx = technique_context(run, model, resolve_data(self._data_value(), model, run.seed))
+            key = (self.model.value, self.data.value, run.seed)
+            if key not in self._sources:  # a user's data factory is called once, not per change
+                self._sources[key] = resolve_data(self._data_value(), model, run.seed)
+            ctx = technique_context(run, model, self._sources[key])
         except ValueError as error:
             self.status.value = _error_html(str(error))
             return
