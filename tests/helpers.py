@@ -6,8 +6,7 @@ from technique_settings import TECHNIQUE_SETTINGS
 from workbench.block import ArmSpec
 from workbench.config import RunConfig, run_options
 from workbench.data import resolve_data
-from workbench.models import inspect_model
-from workbench.techniques import Context, get_technique, parse_techniques
+from workbench.techniques import get_technique, parse_techniques, technique_context
 from workbench.worker import BlockSpec, run_block
 
 ARM = "arm"  # the name of the one arm in the blocks these helpers build
@@ -39,16 +38,9 @@ def unavailable_here(
     """Why technique ``name``, with its settings row, cannot run on ``model`` here (None: it can)."""
     row = TECHNIQUE_SETTINGS[name]
     technique = get_technique(name)
-    instance, label = inspect_model(model)
     source = resolve_data(row.get("data"), model, 0)
-    ctx = Context(
-        device=device,
-        model=instance,
-        model_name=label,
-        data_label=source.label,
-        image_size=source.images.size if source.images is not None else None,
-        world_size=row.get("world_size", 1) if world_size is None else world_size,
-    )
+    ranks = row.get("world_size", 1) if world_size is None else world_size
+    ctx = technique_context(RunConfig(device=str(device), world_size=ranks), model, source)
     return technique.unavailable_reason(ctx, technique.configure(row["config"]))
 
 
