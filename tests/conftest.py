@@ -34,6 +34,8 @@ def _reset_compiler_state():
 
 
 # Tiers: pytest -m fast | slow | notebooks | browser | thirdparty | gpu (README, "Test tiers").
+# Apart from the tiers, `timing` marks the tests that check the wall clock or the machine's load
+# against a known answer: other work on the machine skews them (they allow for a busy machine).
 # Whole modules that run real ablations in fresh processes are slow; a test elsewhere that
 # takes more than a few seconds carries @pytest.mark.slow itself.
 SLOW_MODULES = {

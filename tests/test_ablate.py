@@ -43,6 +43,7 @@ def tiny_batches(n=4, batch=8):
     ]
 
 
+@pytest.mark.timing
 def test_a_known_sleep_is_timed_right():
     res = wb.ablate(
         model=lambda: SleepyNet(0.02),
@@ -57,11 +58,14 @@ def test_a_known_sleep_is_timed_right():
     )
     row = res.table.iloc[0]
     assert row.status == "ok"
-    assert 20.0 <= row.step_ms <= 26.0, row.step_ms
-    assert 20.0 <= row.forward_ms <= 25.0, row.forward_ms
-    assert 8 / 0.026 <= row.samples_per_s <= 8 / 0.020
+    # A sleep never ends early, so 20 ms is a hard floor. The ceiling only has to catch a clock
+    # that counts the forward twice (40 ms) or takes in the warm-up: a busy machine wakes a
+    # sleeper late by a few ms (27 ms seen in CI), never by 15.
+    assert 20.0 <= row.forward_ms <= row.step_ms < 35.0, (row.forward_ms, row.step_ms)
+    assert row.samples_per_s == pytest.approx(8 / (row.step_ms / 1000), rel=0.01)
 
 
+@pytest.mark.timing
 def test_warmup_is_excluded_from_the_clock():
     # The first 3 forwards sleep 0.5 s each; with warmup=3 none of them may reach the timed window.
     res = wb.ablate(
@@ -76,7 +80,8 @@ def test_warmup_is_excluded_from_the_clock():
         **QUIET,
     )
     row = res.table.iloc[0]
-    assert row.step_ms < 15, f"warm-up leaked into the timed window: {row.step_ms} ms per step"
+    # One slow call in the window adds 50 ms to every one of the 10 steps; 5 ms sleeps measure 5-10.
+    assert row.step_ms < 30, f"warm-up leaked into the timed window: {row.step_ms} ms per step"
     assert row.startup_s >= 0.5, "the first (slow) step belongs to startup_s"
 
 
@@ -88,6 +93,7 @@ def _aa_interval():
     return control.speedup_low, control.speedup, control.speedup_high
 
 
+@pytest.mark.timing
 def test_running_the_baseline_twice_gives_one_inside_its_interval():
     """The A/A check, on a short budget. A 95% interval misses by chance 1 time in 20, so one miss
     is retried; two misses in a row (1 in 400 by chance) mean the timing or the interval is biased."""

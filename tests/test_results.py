@@ -131,6 +131,7 @@ def test_noisy_flag():
     assert not stats.is_noisy(float("nan"), float("nan"), float("nan"))
 
 
+# The tests that use this run carry the timing mark: its breakdown is checked against its wall clock.
 @pytest.fixture(scope="module")
 def small_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("results") / "run"
@@ -145,6 +146,7 @@ def small_results(tmp_path_factory):
     )
 
 
+@pytest.mark.timing
 def test_table_has_the_contract_columns_and_sane_values(small_results):
     table = small_results.table
     assert list(table.columns) == TABLE_COLUMNS
@@ -169,6 +171,7 @@ def test_table_has_the_contract_columns_and_sane_values(small_results):
     assert (ok.activation_mb > 0).all() and ok.peak_rss_mb.isna().all()  # RSS: the block's, not an arm's
 
 
+@pytest.mark.timing
 def test_save_and_load_round_trip_json_and_csv(small_results, tmp_path):
     folder = small_results.save(tmp_path / "saved")
     for name in ("results.json", "table.csv", "losses.csv", "telemetry.csv"):
@@ -186,6 +189,7 @@ def test_save_and_load_round_trip_json_and_csv(small_results, tmp_path):
     assert load_results(folder / "results.json").table.equals(loaded.table)
 
 
+@pytest.mark.timing
 def test_an_unavailable_value_is_one_thing_in_each_form(small_results, tmp_path):
     """None in the record and its JSON, NaN in a table's number columns, "" in its text columns."""
     loaded = load_results(small_results.save(tmp_path / "saved"))
@@ -210,6 +214,7 @@ def test_an_unavailable_value_is_one_thing_in_each_form(small_results, tmp_path)
         assert plan[column].map(lambda v: isinstance(v, str)).all(), column
 
 
+@pytest.mark.timing
 def test_ablate_out_folder_is_loadable(small_results):
     assert load_results(small_results.path).table.equals(small_results.table)
     assert (small_results.path / "plan.json").exists()
@@ -232,6 +237,7 @@ def test_loading_rejects_what_is_not_ours(tmp_path):
         load_results(tmp_path / "missing")
 
 
+@pytest.mark.timing
 def test_plot_has_speedup_breakdown_and_memory(small_results, tmp_path):
     figure = small_results.plot()
     assert isinstance(figure, Figure)
@@ -324,6 +330,7 @@ def test_loss_drift_is_called_out():
     assert rows[3]["speedup"] == 1.0 and rows[4]["speedup"] == 1.0  # equal throughput, own baseline
 
 
+@pytest.mark.timing
 def test_summary_and_repr_mention_what_did_not_run(small_results):
     text = repr(small_results)
     assert "tf32: unavailable: needs a CUDA device" in text
@@ -364,12 +371,14 @@ def test_show_on_a_malformed_file_says_what_is_wrong_in_one_line(tmp_path, conte
     assert done.returncode == 2 and "Traceback" not in done.stderr and str(file) in done.stderr
 
 
+@pytest.mark.timing
 def test_step_ms_and_samples_per_s_are_one_figure(small_results):
     """With an even number of blocks, two separate medians could disagree; one is derived."""
     ok = small_results.table[small_results.table.status == "ok"]
     assert np.allclose(ok.step_ms * ok.samples_per_s / 1e3, 32.0)  # batch 32 per step
 
 
+@pytest.mark.timing
 def test_a_failed_control_and_a_busy_machine_are_said_first(small_results):
     record = json.loads(json.dumps(small_results.record))
     control = next(row for row in record["table"] if row["arm"] == "baseline (control)")
