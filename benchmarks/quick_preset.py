@@ -1,10 +1,12 @@
 """The main job's figures: wall time, table and stability of ``workbench ablate --preset quick``.
 
-Run:  python benchmarks/quick_preset.py [--runs 5] [--json benchmarks/results/quick-preset.json]
+Run:  python benchmarks/quick_preset.py [--runs 5] [--start template|spawn|both] [--json FILE]
 
 Each run is the command a user types, start to exit, in a fresh process. With several runs
 it also reports how far each arm's speedup strays from its median over the runs: the goal
 is every arm within +-3% (and the whole command within 45 s on the 2-core CI machine).
+``--start both`` alternates the two ways a run starts its processes (forked from a warm
+template, or a new interpreter each), run by run, to measure what the template saves.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ COLUMNS = [
 ]
 
 
-def run_once(folder: Path) -> tuple[float, object]:
+def run_once(folder: Path, start: str) -> tuple[float, object]:
     from workbench.results import load_results
 
     out = folder / "quick"
@@ -52,6 +54,8 @@ def run_once(folder: Path) -> tuple[float, object]:
         "--out",
         str(out),
         "--no-progress",
+        "--start",
+        start,
     ]
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -64,25 +68,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1, help="run the preset this many times (stability)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--start",
+        choices=["template", "spawn", "both"],
+        default="template",
+        help="how the preset's processes start; both: alternate, run by run",
+    )
     args = parser.parse_args()
+    starts = ["template", "spawn"] if args.start == "both" else [args.start]
 
     from workbench.environment import machine_summary
 
-    walls, tables = [], []
-    for run in range(args.runs):
+    walls, tables, started = [], [], []
+    for run in range(args.runs * len(starts)):
+        start = starts[run % len(starts)]
         with tempfile.TemporaryDirectory() as folder:
-            wall, results = run_once(Path(folder))
+            wall, results = run_once(Path(folder), start)
         walls.append(wall)
+        started.append(start)
         tables.append(json.loads(results.table[COLUMNS].to_json(orient="records")))
-        print(f"run {run + 1}/{args.runs}: {wall:.1f} s", flush=True)
+        print(f"run {run + 1}/{args.runs * len(starts)} ({start}): {wall:.1f} s", flush=True)
     print(results.summary())
-    print(
-        f"\nwall time of `workbench ablate --preset quick` (start to exit): {', '.join(f'{w:.1f}' for w in walls)} s"
-    )
+    for start in starts:
+        these = [w for w, s in zip(walls, started, strict=True) if s == start]
+        print(
+            f"\nwall time of `workbench ablate --preset quick --start {start}` (start to exit): "
+            f"{', '.join(f'{w:.1f}' for w in these)} s; median {statistics.median(these):.1f} s"
+        )
     stability = {}
-    if args.runs > 1:
+    if len(tables) > 1:
         print("\nspeedup per run, and the largest distance from the arm's median over the runs:")
-        for index, row in enumerate(tables[0]):
+        for index, row in enumerate(tables[0]):  # the arms, in the same order in every run
             speedups = [table[index]["speedup"] for table in tables]
             median = statistics.median(speedups)
             worst = max(abs(s / median - 1) for s in speedups)
@@ -99,6 +115,7 @@ def main() -> None:
             "benchmark": "quick-preset",
             "runs": args.runs,
             "wall_s": walls,
+            "start": started,
             "table": tables[-1],
             "tables": tables,
             "stability": stability,

@@ -75,5 +75,12 @@ RUN_SETTINGS = {
     "world_size": 2,
     "isolate": True,
     "link": {"bandwidth_gbps": 1.0},
+    "start": "spawn",
     "timeout_s": 60.0,
 }
+
+
+def is_workbench_process(cmdline: list[str] | None) -> bool:
+    """A worker, or the warm template: workers forked from the template keep its command line."""
+    joined = " ".join(cmdline or [])
+    return "workbench.worker" in joined or "workbench.template" in joined

@@ -43,6 +43,7 @@ LAYER_OF = {
     "workbench.block": 5,
     "workbench.worker": 5,
     "workbench.process": 5,
+    "workbench.template": 5,
     "workbench.environment": 5,
     "workbench.results_folder": 6,
     "workbench.plots": 6,

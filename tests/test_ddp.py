@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import arm_result, block_spec
+from helpers import arm_result, block_spec, is_workbench_process
 from torch import nn
 
 import workbench as wb
@@ -157,7 +157,7 @@ TAG = f"WORKBENCH_TEST_SESSION_{os.getpid()}"
 def _workers() -> set[int]:
     found = set()
     for p in psutil.process_iter(["cmdline"]):
-        if "workbench.worker" not in " ".join(p.info["cmdline"] or []):
+        if not is_workbench_process(p.info["cmdline"]):
             continue
         try:
             if p.environ().get(TAG) == "1":

@@ -65,6 +65,7 @@ from workbench.results import SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
 from workbench.techniques import Context, Technique, conflict_reason, parse_techniques, technique_context
 from workbench.telemetry import Sampler, competing_load, usable_cores
+from workbench.template import WarmTemplate, start_template
 from workbench.worker import WINDOW_TARGET_S, BlockSpec
 
 DDP_OWN_PROCESS = "a data-parallel arm is a process group of its own (one process per rank)"
@@ -656,6 +657,7 @@ class _Runner:
         self.on_event, self.stop, self.launcher = on_event, stop, launcher
         self.units: list[dict] = []
         self.stopped = False
+        self.template: WarmTemplate | None = None  # while the run goes on (workbench.template)
         self.block_records: list[dict] = []
         self.done: set[tuple[int, str]] = set()
         self.failed: dict[str, str] = {}  # arm -> why: its later blocks are skipped, not rerun
@@ -732,6 +734,7 @@ class _Runner:
             print(describe_plan(plan_event), flush=True)
         bar = _Progress(progress, total=planned, already=len(self.done))
         self.sampler.start()
+        self.template = self._start_template(bar)
         try:
             with tempfile.TemporaryDirectory(prefix="workbench-inductor-") as compile_cache:
                 for block in range(run.blocks):
@@ -750,6 +753,7 @@ class _Runner:
                         ]
                         bar.at_least(self._planned())
         except (Interrupted, KeyboardInterrupt):
+            self._close_template()
             self.sampler.stop()
             bar.close()
             self.stopped = True
@@ -764,11 +768,28 @@ class _Runner:
             if self.stop is not None and self.stop.is_set():
                 return results
             raise KeyboardInterrupt from None
+        self._close_template()
         self.sampler.stop()
         bar.close()
         results = self.save(complete=True)
         self.on_event({"type": "done", "out": str(self.folder)})
         return results
+
+    def _start_template(self, bar: _Progress) -> WarmTemplate | None:
+        """The warm template the run's processes fork from, or None (plain spawns); either is recorded."""
+        if self.run_config.start == "spawn":
+            self.record["worker_start"] = "plain spawn, as asked (start='spawn')"
+            return None
+        bar.show("importing torch once for the run's processes")
+        template, how = start_template(self.folder / "logs" / "template.log")
+        self.files.file("logs/template.log")
+        self.record["worker_start"] = how
+        return template
+
+    def _close_template(self) -> None:
+        if self.template is not None:
+            self.template.close()
+            self.template = None
 
     def _jobs(self, block: int) -> list[Job]:
         """Block ``block``'s processes, less an added lone baseline that no arm needs any more."""
@@ -958,5 +979,6 @@ class _Runner:
             should_stop=(lambda: self.stop.is_set()) if self.stop is not None else (lambda: False),
             world_size=run.world_size,
             only_rank=only_rank,
+            template=self.template if self.template is not None and self.template.alive() else None,
         )
         return answer, arm_errors

@@ -1,5 +1,8 @@
 """Run one block (a BlockSpec) in a fresh process (see workbench.worker) and collect its answer.
 
+The process is started as ``python -m workbench.worker``, or forked from the run's warm
+template (workbench.template), which has imported torch already; it is a new process either way.
+
 The child runs in its own session (process group), so that a timeout, a Stop or Ctrl-C
 can end it together with its DataLoader workers, leaving no orphans. A data-parallel block
 runs as several rank processes, each leading its own session: a rank that raises or dies
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from workbench.distributed import free_port
+from workbench.template import ForkedWorker, WarmTemplate
 
 KILL_GRACE_S = 3.0
 POLL_S = 0.5
@@ -144,6 +148,7 @@ def run_in_fresh_process(
     should_stop: Callable[[], bool] = lambda: False,
     world_size: int = 1,
     only_rank: tuple[int, int, str, int] | None = None,
+    template: WarmTemplate | None = None,
 ) -> dict:
     """Run the BlockSpec ``spec`` in ``python -m workbench.worker``; return its result or error (a dict).
 
@@ -155,11 +160,15 @@ def run_in_fresh_process(
 
     ``only_rank=(rank, local_rank, master_addr, master_port)`` starts just that rank, which
     meets the others (started by other parents, under torchrun) at the given address.
+    With a ``template`` (workbench.template), each rank is forked from it instead of starting
+    a new interpreter; everything else is the same.
     """
     payload = _serialize(spec)
 
     def run() -> dict:
-        return _run_ranks(payload, log_path, timeout_s, env, on_message, should_stop, world_size, only_rank)
+        return _run_ranks(
+            payload, log_path, timeout_s, env, on_message, should_stop, world_size, only_rank, template
+        )
 
     answer = run()
     if (
@@ -177,7 +186,14 @@ def rank_log(log_path: Path, rank: int) -> Path:
     return log_path if rank == 0 else log_path.with_name(f"{log_path.stem}.rank{rank}{log_path.suffix}")
 
 
-def _start_ranks(payload: bytes, log_path: Path, env: dict[str, str] | None, world_size: int, only_rank=None):
+def _start_ranks(
+    payload: bytes,
+    log_path: Path,
+    env: dict[str, str] | None,
+    world_size: int,
+    only_rank=None,
+    template: WarmTemplate | None = None,
+):
     header = json.dumps({"sys_path": sys.path}).encode() + b"\n"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # Under torchrun the parent's environment says to use torchrun's own store; a unit's ranks
@@ -193,21 +209,24 @@ def _start_ranks(payload: bytes, log_path: Path, env: dict[str, str] | None, wor
         common.update(MASTER_ADDR=address, MASTER_PORT=str(port), WORLD_SIZE=str(world_size))
         if only_rank is None:
             common["LOCAL_WORLD_SIZE"] = str(world_size)
-    processes: list[subprocess.Popen] = []
+    processes: list[subprocess.Popen | ForkedWorker] = []
     for rank, local_rank in ranks:
         rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank)} if world_size > 1 else common
         # Each rank leads its own session (a process group cannot span sessions), so that one
         # killpg per rank ends it together with its DataLoader workers.
         rank_log_path = rank_log(log_path, rank)
-        with open(rank_log_path, "wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "workbench.worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=rank_env,
-                start_new_session=True,
-            )
+        if template is not None:  # forked from the run's warm template, in a session of its own
+            process = template.spawn(rank_env, rank_log_path)
+        else:
+            with open(rank_log_path, "wb") as log:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "workbench.worker"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=rank_env,
+                    start_new_session=True,
+                )
         process.log_path = rank_log_path  # named by global rank; under torchrun, index 0 may not be rank 0
         processes.append(process)
         try:
@@ -219,10 +238,10 @@ def _start_ranks(payload: bytes, log_path: Path, env: dict[str, str] | None, wor
 
 
 def _run_ranks(
-    payload, log_path, timeout_s, env, on_message, should_stop, world_size, only_rank=None
+    payload, log_path, timeout_s, env, on_message, should_stop, world_size, only_rank=None, template=None
 ) -> dict:
     oom_kills_before = kernel_oom_kills()
-    processes = _start_ranks(payload, log_path, env, world_size, only_rank)
+    processes = _start_ranks(payload, log_path, env, world_size, only_rank, template)
     watch = _RankWatch(processes, ArmTimer(timeout_s), on_message)
     try:
         watch.follow(should_stop)

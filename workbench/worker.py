@@ -412,7 +412,7 @@ def one_line(error: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """On Linux, get SIGTERM when the ablation process dies, even by SIGKILL: no orphaned arms."""
     if not sys.platform.startswith("linux"):
         return
@@ -436,7 +436,7 @@ def main() -> int:
 
     # A unit that is ended (timeout, Stop, a stuck rank) leaves every thread's stack in its log.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    _die_with_parent()
+    die_with_parent()
 
     messages = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # the user's prints go to the log (stderr), never into the message channel
