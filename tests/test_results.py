@@ -226,6 +226,7 @@ def test_ablate_out_folder_is_loadable(small_results):
     assert sorted(p.name for p in (small_results.path / "logs").glob("*.log")) == [
         "b0-block.log",
         "b1-block.log",
+        "template.log",  # the warm template the blocks were forked from (workbench.template)
     ]
 
 
