@@ -75,6 +75,9 @@ RUN_SETTINGS = {
     "world_size": 2,
     "isolate": True,
     "link": {"bandwidth_gbps": 1.0},
+    "memory_cap_mb": 4096.0,
+    "profile_steps": 2,
+    "trace_dir": "traces",
     "start": "spawn",
     "timeout_s": 60.0,
 }

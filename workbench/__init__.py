@@ -19,6 +19,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ablate": "workbench.ablation",
     "plan": "workbench.ablation",
+    "advise": "workbench.advisor",
+    "Advice": "workbench.advisor",
     "list_techniques": "workbench.techniques",
     "describe": "workbench.techniques",
     "register_technique": "workbench.techniques",
@@ -33,10 +35,12 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Advice",
     "JpegFolder",
     "Results",
     "Technique",
     "ablate",
+    "advise",
     "describe",
     "environment",
     "list_datasets",
@@ -50,6 +54,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from workbench.ablation import ablate, plan
+    from workbench.advisor import Advice, advise
     from workbench.data import list_datasets
     from workbench.environment import environment
     from workbench.jpeg_folder import JpegFolder

@@ -21,19 +21,21 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from workbench.config import RunConfig
-from workbench.data import batch_size_of, endless_batches, inputs_and_targets, tensors_of
+from workbench.data import batch_size_of, endless_batches, inputs_and_targets, map_tensors, tensors_of
 from workbench.devices import synchronize
 from workbench.distributed import DDP_ORDER, CommMeter, CommSettings, Rank, wrap_ddp
 from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
 from workbench.mfu import compute_dtype, count_flops
 from workbench.models import NoOpModel, build_model, noop_loss
 from workbench.process_state import ArmRandomState
+from workbench.profiling import profile_steps
 from workbench.telemetry import ArmMemory, StepClock, process_cpu_seconds, usable_cores, worker_processes
 
 
@@ -88,6 +90,10 @@ def timed_window(
             next_report = now + progress_interval_s
     synchronize(device)
     return time.perf_counter() - t0
+
+
+class MemoryCapExceeded(MemoryError):
+    """An arm's peak passed ``memory_cap_mb``: out of memory on a device of that size."""
 
 
 class BlockArm:
@@ -285,6 +291,11 @@ class BlockArm:
             flops = (
                 {} if self.spec.loader_only else self._count_flops({} if flop_counts is None else flop_counts)
             )
+        cap = self.run.memory_cap_mb
+        if cap is not None and peak_mib is not None and peak_mib > cap:
+            raise MemoryCapExceeded(
+                f"{self.name} needs {peak_mib:.0f} MiB at its peak, more than memory_cap_mb={cap:g} allows"
+            )
         wall_s = sum(w["wall_s"] for w in self.windows)
         samples = sum(w["samples"] for w in self.windows)
         steps = sum(w["steps"] for w in self.windows)
@@ -308,6 +319,50 @@ class BlockArm:
             "torch_threads": torch.get_num_threads(),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             **flops,
+        }
+
+    def profile(self, trace_path: Path | None) -> dict:
+        """After the clock stopped: ``run.profile_steps`` steps under torch.profiler
+        (workbench.profiling), then the same number timed at the batch and at half of it."""
+        trainer = self.trainer
+        with self.active():
+            if self.meter is not None:
+                self.meter.enabled = False
+            figures = profile_steps(
+                lambda: trainer.step(StepClock(self.device)), self.run.profile_steps, self.device, trace_path
+            )
+            return {**figures, "batch_scaling": self._batch_scaling(max(2 * self.run.profile_steps, 20))}
+
+    def _batch_scaling(self, steps: int) -> dict:
+        """Step times at the arm's batch and at half of it, interleaved step by step.
+
+        Work grows with the batch; what each operation or kernel costs to launch does not. With
+        t = fixed + batch x per_sample, the two sizes give ``fixed``, what the step pays whatever
+        its batch (the advisor's launch overhead). No profiler runs here: its own cost per operation would count as fixed. Medians, so that
+        one slow step does not decide.
+        """
+        trainer, original = self.trainer, self.trainer.batches
+        batch = batch_size_of(*inputs_and_targets(next(original)))
+        if batch < 2:
+            return {}
+        halved = (
+            map_tensors(b, lambda t: t[: batch // 2] if t.dim() and len(t) == batch else t) for b in original
+        )
+        clocks = {"full": StepClock(self.device), "half": StepClock(self.device)}
+        try:
+            for index in range(steps + 1):  # the first pair untimed: the half batch's first allocation
+                for label, batches in (("full", original), ("half", halved)):
+                    trainer.batches = batches
+                    trainer.step(clocks[label] if index else StepClock(self.device))
+        finally:
+            trainer.batches = original
+        for clock in clocks.values():
+            clock.resolve()
+        return {
+            "batch": batch,
+            "half_batch": batch // 2,
+            "step_ms": 1e3 * float(np.median(clocks["full"].step_s)),
+            "half_batch_step_ms": 1e3 * float(np.median(clocks["half"].step_s)),
         }
 
     def _count_flops(self, counted: dict) -> dict:

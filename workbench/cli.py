@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -188,9 +189,23 @@ def _parser() -> argparse.ArgumentParser:
     ablate.add_argument("--no-progress", action="store_true", help="no progress bar")
     ablate.add_argument("--dry-run", action="store_true", help="print the plan and stop")
 
+    _add_advise_command(commands)
+
     show = commands.add_parser("show", help="print a saved results table")
     show.add_argument("path", help="a results folder or its results.json")
     return parser
+
+
+def _add_advise_command(commands) -> None:
+    advise = commands.add_parser(
+        "advise", help="profile a short baseline, name its bottleneck and the techniques to try"
+    )
+    advise.add_argument("--model", default="mlp", help="mlp | resnet-mini | gpt-mini")
+    advise.add_argument("--data", help="as for ablate (default: the model's own)")
+    add_run_flags(advise)
+    advise.add_argument("--json", metavar="FILE", help="also write the advice as JSON")
+    advise.add_argument("--plot", metavar="PNG", help="also save the figure: the step's parts, memory")
+    advise.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def format_plan(table) -> str:
@@ -252,6 +267,24 @@ def _run_ablate(args: argparse.Namespace) -> int:
     return exit_code(results.table)
 
 
+def _run_advise(args: argparse.Namespace) -> int:
+    import workbench as wb
+
+    settings = run_settings(args)
+    advice = wb.advise(args.model, args.data, progress=not args.no_progress, **settings)
+    print()
+    print(advice.summary())
+    if args.json:
+        Path(args.json).write_text(json.dumps(advice.to_json(), indent=1, default=str))
+    if args.plot:
+        advice.plot(args.plot)
+    if args.trace_dir:
+        print(
+            f"\nProfiler traces in {args.trace_dir} (open them in https://ui.perfetto.dev or chrome://tracing)"
+        )
+    return 0
+
+
 EXIT_CODES = {0: "every arm ran", 1: "some arms failed (their rows say why)", 2: "bad input: nothing ran"}
 
 
@@ -297,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(load_results(args.path).summary())
             return 0
+        if args.command == "advise":
+            return _run_advise(args)
         return _run_ablate(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"workbench: error: {error}", file=sys.stderr)

@@ -161,7 +161,7 @@ class Option:
     unset: str = "auto"  # the word for None, where None is valid: "auto", or "none" for a link
     check: Callable[[Any], Any] | None = None  # validates and converts when the rules above can't
     main: bool = False  # the panel shows it in its first row rather than under "more settings"
-    aliases: tuple[str, ...] = ()  # former names the CLI still accepts
+    aliases: tuple[str, ...] = ()  # other names the CLI accepts (former ones, shorter ones)
     why: str = ""  # added to a range error: why the limit exists
 
     def validate(self, name: str, value: Any) -> Any:
@@ -324,6 +324,32 @@ class RunConfig:
         auto=True,
         unset="none",
     )
+    memory_cap_mb: float | None = option(
+        None,
+        "treat the device as having this much memory (MiB): an arm whose peak tensor memory in a "
+        "step passes it is recorded as out of memory, as it would be on such a device (checked "
+        "on the measured peak, not enforced by the allocator); the advisor reads it as the "
+        "capacity; auto: the device's own",
+        float,
+        least=1.0,
+        auto=True,
+    )
+    profile_steps: int = option(
+        0,
+        "after the timed windows, run this many more steps of each arm under torch.profiler and "
+        "record what a step is made of: operations and kernels per step, their median time, the "
+        "matmul/conv share (never part of the timed windows); 0: no profiling",
+        int,
+        least=0,
+    )
+    trace_dir: str | None = option(
+        None,
+        "with profile_steps, write each arm's profiler trace into this folder, one JSON file per "
+        "arm and block (open it in Perfetto or chrome://tracing); auto: no trace",
+        str,
+        auto=True,
+        aliases=("trace",),
+    )
     start: str = option(
         "template",
         "how each process of the run starts: template forks it from a process that imported torch "
@@ -349,6 +375,8 @@ class RunConfig:
             raise ValueError(
                 f"ablate: rounds={self.rounds} exceeds steps={self.steps}; each round's window needs at least one step"
             )
+        if self.trace_dir is not None and not self.profile_steps:
+            raise ValueError("ablate: trace_dir writes the profiler's trace, so it needs profile_steps >= 1")
         if self.link is not None and self.world_size < 2:
             raise ValueError("ablate: link simulates the network between ranks, so it needs world_size >= 2")
 

@@ -335,3 +335,74 @@ def _plot_without_gpu_telemetry(memory_ax, note_ax, samples: list[dict], seconds
         fontsize=9,
         color="#666",
     )
+
+
+# --- the advisor's figure ----------------------------------------------------------------------
+
+PART_COLORS = {
+    "data": PHASE_COLORS["data"],
+    "launch": "#c44e52",  # red: time the step spends on overhead, not on work
+    "compute": PHASE_COLORS["forward"],
+    "communication": "#8172b3",
+}
+PART_LABELS = {
+    "data": "waiting for data",
+    "launch": "launch / overhead",
+    "compute": "compute (work that grows with the batch)",
+    "communication": "gradient communication",
+}
+
+
+def plot_advice(advice, path=None) -> ResultsFigure:
+    """One step split into its parts, the bottleneck marked; memory against the capacity."""
+    facts = advice.facts
+    figure = ResultsFigure(figsize=(11, 3.2), layout="constrained")
+    step_ax, memory_ax = figure.subplots(1, 2, width_ratios=[2.2, 1])
+    _plot_step_parts(step_ax, facts.parts_ms, facts.step_ms, advice.bottleneck, facts.device)
+    _plot_memory_limit(memory_ax, facts, advice.bottleneck == "memory")
+    figure.suptitle(f"bottleneck: {advice.bottleneck}", fontsize=11, fontweight="bold")
+    if path is not None:
+        figure.savefig(path, dpi=110)
+    return figure
+
+
+def _plot_step_parts(axes, parts_ms: dict, step_ms: float, bottleneck: str, device: str) -> None:
+    left = 0.0
+    for part, ms in parts_ms.items():
+        if ms <= 0:
+            continue
+        marked = part == bottleneck
+        axes.barh(0, ms, left=left, color=PART_COLORS[part], height=0.5,
+                  edgecolor="black" if marked else "white", linewidth=2.5 if marked else 0.5,
+                  hatch="//" if marked else None, label=f"{PART_LABELS[part]}: {ms:.3g} ms ({100 * ms / step_ms:.0f}%)")  # fmt: skip
+        if ms / step_ms >= 0.08:  # room for a label inside the bar
+            axes.text(left + ms / 2, 0, f"{100 * ms / step_ms:.0f}%", ha="center", va="center",
+                      color="white", fontsize=10, fontweight="bold")  # fmt: skip
+        left += ms
+    axes.set_xlim(0, step_ms * 1.02)
+    axes.set_ylim(-0.5, 0.5)
+    axes.set_yticks([])
+    axes.set_xlabel(f"one training step on {device} (ms)")
+    axes.set_title("where the step's time goes", fontsize=10)
+    # Outside the axes, below them (constrained layout makes room): never over the bar.
+    axes.figure.legend(
+        *axes.get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=8, frameon=False
+    )
+
+
+def _plot_memory_limit(axes, facts, limited: bool) -> None:
+    axes.barh(0, facts.capacity_mib, color="#e5e5e5", height=0.5)
+    axes.barh(0, facts.peak_mib, color=MEMORY_COLOR, height=0.5,
+              edgecolor="black" if limited else "white", linewidth=2.5 if limited else 0.5,
+              hatch="//" if limited else None)  # fmt: skip
+    axes.axvline(0.8 * facts.capacity_mib, color="#c44e52", linestyle="--", linewidth=1)
+    axes.text(0.8 * facts.capacity_mib, 0.3, " limit (80%)", color="#c44e52", fontsize=8, ha="right")
+    axes.set_ylim(-0.5, 0.5)
+    axes.set_yticks([])
+    axes.set_xlim(0, facts.capacity_mib * 1.02)
+    axes.set_xlabel("MiB")
+    share = 100 * facts.peak_mib / facts.capacity_mib
+    axes.set_title(
+        f"peak {_mib(facts.peak_mib)} of {facts.capacity_mib:,.0f} MiB ({share:.2g}%)\n{facts.capacity_source}",
+        fontsize=9,
+    )

@@ -23,11 +23,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -316,6 +318,8 @@ class _Block:
         for arm in self._running():
             try:
                 result = arm.finish(self.emit, flop_counts)
+                if self.run.profile_steps:
+                    result["profile"] = arm.profile(self._trace_path(arm))
             except Exception as error:
                 self._fail(arm, error)
                 continue
@@ -336,6 +340,13 @@ class _Block:
             # before the result is sent. main() reports, then leaves with os._exit.
             _KEEP_ALIVE.append((self.arms, self.meter))
         return measured
+
+    def _trace_path(self, arm: BlockArm) -> Path | None:
+        if self.run.trace_dir is None:
+            return None
+        rank = f"-rank{self.rank.rank}" if self.rank.distributed else ""
+        name = re.sub(r"[^\w.-]+", "_", arm.name)  # "baseline (control)" -> "baseline_control_"
+        return Path(self.run.trace_dir) / f"b{self.spec.block}-{name}{rank}.json"
 
     def record(self) -> dict:
         """How the block ran: its arms, orders, windows and process."""

@@ -1,0 +1,162 @@
+"""The advisor: it names the bottleneck of constructed jobs whose bottleneck is known, shows
+its evidence in figures, and ranks what to try by the ceiling the measured shares allow."""
+
+import json
+import time
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.advisor import Facts, bound, build_advice, diagnose
+from workbench.profiling import summarize_events
+
+EVERYTHING = {name: None for name in ("amp", "checkpointing", "compile", "dataloader", "grad_accum")}
+
+
+def _facts(**changes) -> Facts:
+    """A CPU step of 10 ms: 1 ms data, 3 ms overhead (it does not shrink with the batch), 6 ms work."""
+    base = dict(
+        device="cpu", step_ms=10.0, data_ms=1.0, comm_ms=0.0, overhead_ms=3.0, batch=16, half_batch_ms=5.0,
+        full_batch_ms=7.0, busy_ms=6.0, matmul_ms=4.0, optimizer_ms=0.5,
+        fp32_matmul_ms=0.0, forward_ms=3.0, ops=200.0, median_op_us=12.0, peak_mib=100.0,
+        activation_mib=60.0, capacity_mib=1000.0, capacity_source="memory_cap_mb", has_conv=False,
+        world_size=1,
+    )  # fmt: skip
+    return Facts(**{**base, **changes})
+
+
+def test_the_parts_add_up_to_the_step_and_the_largest_is_named():
+    facts = _facts()
+    assert sum(facts.parts_ms.values()) == pytest.approx(facts.step_ms)
+    assert facts.parts_ms == {"data": 1.0, "launch": 3.0, "compute": 6.0, "communication": 0.0}
+    assert diagnose(facts) == "compute"
+    assert diagnose(_facts(overhead_ms=7.0, matmul_ms=1.0)) == "launch"
+    assert diagnose(_facts(data_ms=7.0)) == "data"
+    assert diagnose(_facts(peak_mib=850.0)) == "memory", "80% of the capacity is the limit, whatever the time"
+
+
+def test_recommendations_are_ranked_by_their_ceiling_and_each_says_why():
+    advice = build_advice(
+        _facts(data_ms=0.5, overhead_ms=7.6, matmul_ms=1.5), EVERYTHING
+    )  # launch: 7.6 of 10 ms
+    assert advice.bottleneck == "launch"
+    first = advice.recommendations.iloc[0]
+    # compile takes the model, not the optimizer's step (0.5 ms): 7.1 of the 7.6 ms overhead.
+    assert first.technique == "compile" and first.at_most == pytest.approx(bound(0.71))
+    assert "71% of the step, outside the optimizer, does not grow with the batch" in first.why
+    assert list(advice.recommended)[0] == "compile"
+    ceilings = list(advice.recommendations[advice.recommendations.part == "launch"].at_most)
+    assert ceilings == sorted(ceilings, reverse=True)
+    rejected = advice.not_recommended.set_index("technique").why
+    assert "memory is not the limit (peak 100 of 1,000 MiB, 10%)" in rejected["checkpointing"]
+    assert "about 30% per step" in rejected["checkpointing"]  # the forward, recomputed: 3 of 10 ms
+    assert "at most x1.05" in rejected["dataloader"]  # the data wait is 0.5 ms of 10
+    assert "On a CPU" in advice.caveats[0]
+
+
+def test_memory_remedies_are_ranked_by_what_they_free_and_unavailable_ones_say_why():
+    advice = build_advice(_facts(peak_mib=900.0), {**EVERYTHING, "checkpointing": "no repeated blocks"})
+    assert advice.bottleneck == "memory"
+    memory = advice.recommendations[advice.recommendations.part == "memory"]
+    assert list(memory.technique) == ["grad_accum", "amp"]  # checkpointing is unavailable here
+    assert advice.not_recommended.set_index("technique").why["checkpointing"] == (
+        "unavailable here: no repeated blocks"
+    )
+    assert json.loads(json.dumps(advice.to_json(), default=str))["bottleneck"] == "memory"
+
+
+def test_the_profile_counts_dispatched_operations_and_matmul_time():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    batch = torch.randn(32, 64)
+
+    def step():
+        model(batch).sum().backward()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(3):
+            step()
+    figures = summarize_events(profiler.events(), 3, no_work_us=1.0)
+    # Forward: addmm, relu, addmm (linear is a composite that calls addmm), sum; then backward's ops.
+    assert 4 <= figures["ops"] < 60
+    assert 0 < figures["matmul_conv_ms"] <= figures["op_ms"]
+    assert figures["op_overhead_ms"] <= figures["ops"] * 1e-3  # at most 1 us per operator
+    assert figures["median_op_us"] > 0 and "kernels" not in figures
+
+
+@pytest.mark.slow
+def test_a_data_starved_job_is_called_data_bound(tmp_path):
+    class SlowDataset(torch.utils.data.Dataset):
+        def __len__(self):
+            return 256
+
+        def __getitem__(self, index):
+            time.sleep(0.002)  # a slow decode: 32 ms per batch of 16
+            return torch.randn(64), index % 10
+
+    advice = wb.advise(
+        lambda: torch.nn.Sequential(torch.nn.Linear(64, 10)), SlowDataset(), steps=20, warmup=2,
+        batch_size=16, device="cpu", progress=False, trace_dir=str(tmp_path / "traces"),
+    )  # fmt: skip
+    assert advice.bottleneck == "data", advice.summary()
+    assert advice.shares["data"] > 0.5  # the loading of the next batch overlaps the step in a thread
+    assert list(advice.recommended)[0] == "dataloader"
+    (trace,) = (tmp_path / "traces").glob("*.json")
+    assert "traceEvents" in trace.read_text()[:2000]
+
+
+def _tiny_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 10),
+    )
+
+
+@pytest.mark.slow
+def test_a_tiny_mlp_at_batch_8_is_launch_bound():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))] * 8
+    advice = wb.advise(_tiny_mlp, batches, steps=100, warmup=5, batch_size=8, device="cpu", progress=False)
+    assert advice.bottleneck == "launch", advice.summary()
+    assert list(advice.recommended)[0] == "compile"
+
+
+@pytest.mark.slow
+def test_gpt_mini_on_a_large_batch_is_compute_bound():
+    advice = wb.advise("gpt-mini", steps=6, warmup=2, batch_size=64, device="cpu", progress=False)
+    assert advice.bottleneck == "compute", advice.summary()
+    assert "amp" in advice.recommended
+
+
+@pytest.mark.slow
+def test_a_job_near_its_memory_cap_is_memory_bound():
+    free = wb.advise("gpt-mini", steps=4, warmup=1, batch_size=16, device="cpu", progress=False)
+    peak = free.facts.peak_mib
+    capped = wb.advise(
+        "gpt-mini", steps=4, warmup=1, batch_size=16, device="cpu", progress=False, memory_cap_mb=1.1 * peak
+    )
+    assert free.bottleneck != "memory" and capped.bottleneck == "memory", capped.summary()
+    assert capped.facts.capacity_source == "memory_cap_mb"
+    assert list(capped.recommended)[0] == "checkpointing"  # it frees the most activations
+
+
+@pytest.mark.slow
+def test_an_arm_over_the_memory_cap_is_recorded_out_of_memory():
+    def run(**cap):
+        return wb.ablate(
+            model="gpt-mini", techniques={"checkpointing": True}, steps=3, warmup=1, blocks=1, batch_size=16,
+            control=False, out=False, progress=False, **cap,
+        ).table.set_index("arm")  # fmt: skip
+
+    free = run()
+    between = (free.loc["baseline", "peak_mem_mb"] + free.loc["checkpointing", "peak_mem_mb"]) / 2
+    capped = run(memory_cap_mb=between)
+    assert capped.loc["baseline", "status"] == "oom", capped[["status", "reason"]]
+    assert f"more than memory_cap_mb={between:g} allows" in capped.loc["baseline", "reason"]
+    assert capped.loc["checkpointing", "status"] == "ok"  # it fits: checkpointing is what makes it fit

@@ -1,0 +1,508 @@
+"""The advisor: where a training step's time goes, and which techniques could win it back.
+
+``advise(model, data, ...)`` runs a short baseline of the user's job in a fresh process (one
+block, no control, the usual warm-up and timed windows), then ``profile_steps`` more steps
+under ``torch.profiler`` (workbench.profiling), then the same steps timed at the batch and
+at half of it. From those figures it splits the median step into four parts and names the
+bottleneck:
+
+``data``
+    waiting for the next batch (the step clock's data phase);
+``communication``
+    gradient communication, as the DDP hooks measured it (data-parallel runs only);
+``compute``
+    the rest of the step: the work that grows with the batch, and the optimizer's step (the
+    profile says how much of it is matmul and convolution);
+``launch``
+    the step time that does not grow with the batch: steps at the batch and at half of it,
+    interleaved (t = fixed + batch x per_sample gives fixed = 2 t(b/2) - t(b)). It includes
+    the optimizer's step, whose cost follows the weights, not the batch. On a GPU it
+    is the time the GPU waits while Python, the dispatcher and the autograd engine launch the
+    next kernel; on a CPU, Python and the fixed cost each operator pays whatever its size.
+
+``memory`` overrides the time split when the peak tensor memory of a step reaches 80% of the
+capacity (``memory_cap_mb``, or the device's own): the job then cannot grow its batch or its
+model, whatever its step time.
+
+Every suggestion carries a bound from Amdahl's law on the measured shares: a technique that
+removes at most a share ``s`` of the step is at most ``1 / (1 - s)`` times faster. A bound is
+a ceiling, not a forecast; ``wb.ablate(techniques=advice.recommended)`` measures the truth.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pandas as pd
+
+from workbench.ablation import ablate
+from workbench.config import RunConfig, takes_run_options
+from workbench.data import resolve_data
+from workbench.results import Results
+from workbench.techniques import all_techniques, technique_context
+
+PARTS = ("data", "launch", "compute", "communication")
+BOTTLENECKS = (*PARTS, "memory")
+MEMORY_LIMIT = 0.8  # a peak at 80% of the capacity or more: memory is the limit
+WORTH_TRYING = 1.10  # a remedy for another part is still recommended if it could give 10%
+PROFILE_STEPS = 5
+
+CPU_CAVEAT = (
+    "On a CPU the operators run on the cores that dispatch them, so 'launch' is the step time "
+    "that does not grow with the batch (Python, the dispatcher, each operator's fixed cost), "
+    "not a GPU waiting for work; Tensor Cores, TF32 and MFU do not apply, and the memory capacity is "
+    "memory_cap_mb or this machine's RAM, which other programs share. The verdict says where "
+    "this job's time goes on this machine: on a GPU the same job can have another bottleneck."
+)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the advisor read from the profiled baseline, in milliseconds per step and MiB."""
+
+    device: str  # "cpu" or "cuda"
+    step_ms: float
+    data_ms: float
+    comm_ms: float
+    overhead_ms: float  # step time that does not grow with the batch (launch)
+    batch: int
+    half_batch_ms: float  # median step at half the batch (the evidence for overhead_ms)
+    full_batch_ms: float  # median step at the batch, interleaved with those
+    busy_ms: float  # the profile's time in operators (CPU, self time) or kernels (GPU), per step
+    matmul_ms: float  # of which matmul, attention and convolution
+    fp32_matmul_ms: float  # GPU matmul kernels in fp32 without Tensor Cores (0 on CPU)
+    forward_ms: float
+    optimizer_ms: float
+    ops: float  # operations (CPU) or kernels (GPU) per step
+    median_op_us: float
+    peak_mib: float
+    activation_mib: float
+    capacity_mib: float
+    capacity_source: str
+    has_conv: bool
+    world_size: int
+
+    @property
+    def parts_ms(self) -> dict[str, float]:
+        """The step split into PARTS; the four add up to the step."""
+        rest = max(self.step_ms - self.data_ms - self.comm_ms, 0.0)
+        launch = min(self.overhead_ms, rest)
+        compute = rest - launch
+        return {"data": self.data_ms, "launch": launch, "compute": compute, "communication": self.comm_ms}
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return {part: ms / self.step_ms for part, ms in self.parts_ms.items()}
+
+    @property
+    def memory_share(self) -> float:
+        return self.peak_mib / self.capacity_mib
+
+
+def bound(share: float) -> float:
+    """Amdahl: removing ``share`` of the step makes it at most this many times faster."""
+    return 1.0 / max(1.0 - share, 1e-3)
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    technique: str
+    settings: dict
+    part: str  # the bottleneck it attacks
+    at_most: float  # the speedup ceiling (< 1 for memory remedies, which cost time)
+    why: str
+    saves_mib: float = float("nan")  # memory remedies: activation memory it could free
+
+
+def diagnose(facts: Facts) -> str:
+    """The bottleneck: memory if the peak nears the capacity, else the largest part of the step."""
+    if facts.memory_share >= MEMORY_LIMIT:
+        return "memory"
+    shares = facts.shares
+    return max(PARTS, key=lambda part: shares[part])
+
+
+def evidence(facts: Facts) -> pd.DataFrame:
+    """The figures behind the verdict, one row each, with what each one measures."""
+    gpu = facts.device == "cuda"
+    unit = "kernels" if gpu else "operations"
+    shares = facts.shares
+    rows = [
+        ("step time (median)", facts.step_ms, "ms", "the baseline's typical step"),
+        ("waiting for data", 100 * shares["data"], "% of step", "the step clock's data phase"),
+        (f"{unit} per step", facts.ops, "", "what one step dispatched" + (" to the GPU" if gpu else "")),
+        (f"median {unit[:-1]} time", facts.median_op_us, "us", "short ones mean overhead dominates"),
+        (f"step at batch {facts.batch}", facts.full_batch_ms, "ms", "interleaved with the next row's steps"),
+        (
+            f"step at batch {facts.batch // 2}",
+            facts.half_batch_ms,
+            "ms",
+            "half the work: a step that barely shrinks is overhead",
+        ),
+        ("overhead (launch)", 100 * shares["launch"], "% of step", "does not grow with the batch"),
+        ("work (compute)", 100 * shares["compute"], "% of step", "grows with the batch"),
+        (
+            "optimizer step",
+            100 * facts.optimizer_ms / facts.step_ms,
+            "% of step",
+            "part of the overhead: it follows the weights",
+        ),
+        (
+            "matmul/conv",
+            100 * facts.matmul_ms / facts.step_ms,
+            "% of step",
+            "the work AMP, TF32 and channels_last speed up",
+        ),
+    ]
+    if gpu:
+        rows.append(("GPU busy (kernels running)", 100 * facts.busy_ms / facts.step_ms, "% of step",
+                     "from the profile; the rest of the step the GPU waits"))  # fmt: skip
+        rows.append(("fp32 matmul without Tensor Cores", 100 * facts.fp32_matmul_ms / facts.step_ms, "% of step",
+                     "by kernel name: where TF32 or AMP could help"))  # fmt: skip
+    rows += [
+        (
+            "peak tensor memory",
+            facts.peak_mib,
+            "MiB",
+            f"of {facts.capacity_mib:,.0f} MiB ({facts.capacity_source})",
+        ),
+        (
+            "peak / capacity",
+            100 * facts.memory_share,
+            "%",
+            f"memory is the limit from {100 * MEMORY_LIMIT:.0f}%",
+        ),
+        ("activations", facts.activation_mib, "MiB", "what autograd saved for backward"),
+    ]
+    if facts.world_size > 1:
+        rows.append(("gradient communication", 100 * shares["communication"], "% of step",
+                     "the hooks' busy time; part of it may hide behind backward"))  # fmt: skip
+    return pd.DataFrame(rows, columns=["figure", "value", "unit", "meaning"])
+
+
+def suggestions(facts: Facts, available: dict[str, str | None]) -> list[Suggestion]:
+    """Every remedy for every part of the step, with its ceiling; only techniques available here."""
+    found = [
+        *_for_data(facts),
+        *_for_launch(facts),
+        *_for_compute(facts),
+        *_for_memory(facts),
+        *_for_comm(facts),
+    ]
+    return [s for s in found if available.get(s.technique, "unknown") is None]
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f}%"
+
+
+def _for_data(facts: Facts) -> Iterator[Suggestion]:
+    share = facts.shares["data"]
+    wait = f"the step waits for its next batch {_pct(share)} of the time"
+    workers = max(1, min(4, (os.cpu_count() or 2) - 1))
+    yield Suggestion("dataloader", {"num_workers": workers, "pin_memory": facts.device == "cuda"}, "data",
+                     bound(share), f"{wait}; {workers} worker processes prepare batches during the step")  # fmt: skip
+    yield Suggestion(
+        "dali", {}, "data", bound(share), f"{wait}; DALI decodes and augments in its own threads"
+    )
+
+
+def _for_launch(facts: Facts) -> Iterator[Suggestion]:
+    share = facts.shares["launch"]
+    if facts.device == "cuda":
+        idle = f"the GPU idles {_pct(share)} of the step between {facts.ops:.0f} kernels of {facts.median_op_us:.0f} us"
+        yield Suggestion(
+            "cuda_graphs", {}, "launch", bound(share), f"{idle}; one graph replay launches them all"
+        )
+        yield Suggestion("compile", {"mode": "reduce-overhead"}, "launch", bound(share),
+                         f"{idle}; compiling fuses them and replays them as a CUDA graph")  # fmt: skip
+        yield Suggestion(
+            "cupy_fusion", {}, "launch", bound(share), f"{idle}; fused kernels launch fewer of them"
+        )
+    else:
+        # compile takes the model's forward and backward, not the optimizer's step.
+        model_share = max(share - facts.optimizer_ms / facts.step_ms, 0.0)
+        outside = (
+            f"{_pct(model_share)} of the step, outside the optimizer, does not grow with the batch: "
+            f"Python and the fixed cost of {facts.ops:.0f} operations of {facts.median_op_us:.0f} us each"
+        )
+        yield Suggestion("compile", {"mode": "default"}, "launch", bound(model_share),
+                         f"{outside}; compiling fuses them into fewer, larger ones")  # fmt: skip
+
+
+def _for_compute(facts: Facts) -> Iterator[Suggestion]:
+    matmul = facts.matmul_ms / facts.step_ms
+    # Half precision halves the bytes a matmul moves, and on hardware with bf16/fp16 units its
+    # time at best: the ceiling removes half of the matmul/conv share.
+    dtype = "bfloat16"
+    yield Suggestion("amp", {"dtype": dtype}, "compute", bound(matmul / 2),
+                     f"matmul/conv take {_pct(matmul)} of the step; in {dtype} they move half the bytes")  # fmt: skip
+    if facts.device == "cuda":
+        fp32 = facts.fp32_matmul_ms / facts.step_ms
+        yield Suggestion("tf32", {}, "compute", bound(fp32),
+                         f"fp32 matmul kernels without Tensor Cores take {_pct(fp32)} of the step")  # fmt: skip
+    if facts.has_conv:
+        yield Suggestion("channels_last", {}, "compute", bound(matmul / 2),
+                         f"convolutions (with matmul {_pct(matmul)} of the step) prefer NHWC memory")  # fmt: skip
+    other = max(facts.parts_ms["compute"] - facts.matmul_ms, 0.0) / facts.step_ms
+    if facts.device != "cuda":
+        yield Suggestion("compile", {"mode": "default"}, "compute", bound(other / 2),
+                         f"other operators take {_pct(other)} of the step; fusing them saves memory traffic")  # fmt: skip
+
+
+def _for_memory(facts: Facts) -> Iterator[Suggestion]:
+    # Memory remedies cost time; their "at most" is a slowdown and they are ranked by what they free.
+    recompute = facts.forward_ms / facts.step_ms
+    act = facts.activation_mib
+    peak = f"the peak is {facts.peak_mib:,.0f} of {facts.capacity_mib:,.0f} MiB, {act:,.0f} MiB of it activations"
+    yield Suggestion("checkpointing", {}, "memory", 1 / (1 + recompute),
+                     f"{peak}; recomputing them in backward frees most, for about {_pct(recompute)} more time",
+                     saves_mib=0.7 * act)  # fmt: skip
+    yield Suggestion("grad_accum", {"steps": 2}, "memory", 1.0,
+                     f"{peak}; two micro-batches hold half the activations at a time", saves_mib=act / 2)  # fmt: skip
+    yield Suggestion("amp", {"dtype": "bfloat16"}, "memory", 1.0,
+                     f"{peak}; activations saved in bfloat16 take half the bytes", saves_mib=act / 2)  # fmt: skip
+
+
+def _for_comm(facts: Facts) -> Iterator[Suggestion]:
+    share = facts.shares["communication"]
+    if facts.world_size < 2:
+        return
+    comm = f"gradient communication takes {_pct(share)} of the step"
+    yield Suggestion("ddp_compression", {"hook": "powersgd"}, "communication", bound(share),
+                     f"{comm}; PowerSGD sends a low-rank sketch, a small fraction of the bytes")  # fmt: skip
+    yield Suggestion("ddp_compression", {"hook": "fp16"}, "communication", bound(share / 2),
+                     f"{comm}; fp16 sends half the bytes")  # fmt: skip
+
+
+@dataclass
+class Advice:
+    """What ``advise()`` found: the bottleneck, its evidence, and what to try (see the module)."""
+
+    bottleneck: str
+    evidence: pd.DataFrame
+    shares: dict[str, float]
+    recommendations: pd.DataFrame  # technique, settings, at_most, saves_mb, why
+    not_recommended: pd.DataFrame  # technique, why
+    caveats: list[str]
+    facts: Facts
+    results: Results | None = field(default=None, repr=False)
+
+    @property
+    def recommended(self) -> dict[str, dict]:
+        """The recommendations as a techniques mapping for ``wb.ablate(techniques=...)``, best first."""
+        mapping: dict[str, dict] = {}
+        for row in self.recommendations.itertuples():
+            mapping.setdefault(row.technique, row.settings)
+        return mapping
+
+    def summary(self) -> str:
+        lines = [f"bottleneck: {self.bottleneck}", ""]
+        for row in self.evidence.itertuples():
+            value = f"{row.value:,.1f}" if math.isfinite(row.value) else "-"
+            lines.append(f"  {row.figure:34s} {value:>10s} {row.unit:10s} {row.meaning}")
+        lines += ["", "recommended (best first; 'at most' is Amdahl's ceiling from the shares above):"]
+        for row in self.recommendations.itertuples():
+            lines.append(f"  {row.technique} {row.settings}: {_gain(row)}; {row.why}")
+        if self.recommendations.empty:
+            lines.append("  nothing available here attacks this bottleneck")
+        lines += ["", "not recommended:"]
+        lines += [f"  {row.technique}: {row.why}" for row in self.not_recommended.itertuples()]
+        lines += ["", *self.caveats]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        return f"<pre>{escape(self.summary())}</pre>"
+
+    def plot(self, path=None):
+        from workbench.plots import plot_advice
+
+        return plot_advice(self, path)
+
+    def to_json(self) -> dict:
+        return {
+            "bottleneck": self.bottleneck,
+            "shares": self.shares,
+            "evidence": self.evidence.to_dict(orient="records"),
+            "recommended": self.recommended,
+            "recommendations": self.recommendations.to_dict(orient="records"),
+            "not_recommended": self.not_recommended.to_dict(orient="records"),
+            "caveats": self.caveats,
+        }
+
+
+def _gain(row) -> str:
+    if row.part == "memory":
+        return f"frees up to {row.saves_mb:,.0f} MiB" + (
+            f", at most x{row.at_most:.2f}" if row.at_most < 1 else ""
+        )
+    return f"at most x{row.at_most:.2f}"
+
+
+def build_advice(facts: Facts, available: dict[str, str | None], results: Results | None = None) -> Advice:
+    """The verdict, the ranked recommendations and the reasons against the rest."""
+    verdict = diagnose(facts)
+    found = suggestions(facts, available)
+    chosen = [s for s in found if s.part == verdict or (s.part != "memory" and s.at_most >= WORTH_TRYING)]
+    key = (lambda s: -np.nan_to_num(s.saves_mib)) if verdict == "memory" else (lambda s: -s.at_most)
+    chosen.sort(key=lambda s: (s.part != verdict, key(s)))
+    seen: set[str] = set()  # a technique that attacks two parts is listed once, for its best
+    chosen = [s for s in chosen if not (s.technique in seen or seen.add(s.technique))]
+    recommended = {s.technique for s in chosen}
+    rejected = {}
+    for s in found:
+        if s.technique not in recommended and s.technique not in rejected:
+            rejected[s.technique] = _why_not(s, facts, verdict)
+    for name, reason in available.items():
+        if reason is not None:
+            rejected.setdefault(name, f"unavailable here: {reason}")
+    for name in available:
+        if name not in recommended:
+            rejected.setdefault(name, f"does not address this job's {verdict} bottleneck")
+    return Advice(
+        bottleneck=verdict,
+        evidence=evidence(facts),
+        shares=facts.shares,
+        recommendations=pd.DataFrame(
+            [
+                {
+                    "technique": s.technique,
+                    "settings": s.settings,
+                    "part": s.part,
+                    "at_most": s.at_most,
+                    "saves_mb": s.saves_mib,
+                    "why": s.why,
+                }
+                for s in chosen
+            ],  # fmt: skip
+            columns=["technique", "settings", "part", "at_most", "saves_mb", "why"],
+        ),
+        not_recommended=pd.DataFrame(sorted(rejected.items()), columns=["technique", "why"]),
+        caveats=[CPU_CAVEAT] if facts.device != "cuda" else [],
+        facts=facts,
+        results=results,
+    )
+
+
+def _why_not(suggestion: Suggestion, facts: Facts, verdict: str) -> str:
+    if suggestion.part == "memory":
+        return (
+            f"memory is not the limit (peak {facts.peak_mib:,.0f} of {facts.capacity_mib:,.0f} MiB, "
+            f"{_pct(facts.memory_share)}); it would cost time"
+            + (f": about {_pct(1 / suggestion.at_most - 1)} per step" if suggestion.at_most < 1 else "")
+        )
+    return f"{suggestion.why}: at most x{suggestion.at_most:.2f}, and the bottleneck is {verdict}"
+
+
+# --- running the profiled baseline --------------------------------------------------------------
+
+
+def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -> Facts:
+    """The Facts of the baseline in ``results`` (one block, profiled)."""
+    unit = next(u for u in results.record["units"] if u["arm"] == "baseline")
+    if unit["status"] != "ok":
+        raise RuntimeError(f"advise: the baseline did not run ({unit['status']}): {unit['reason']}")
+    result, profile = unit["result"], unit["result"]["profile"]
+    gpu = run_device == "cuda"
+    phases = result["phase_ms"]
+    step_ms = 1e3 * float(np.median(result["step_s"]))
+    capacity, source = _capacity(results, gpu, memory_cap_mb)
+    return Facts(
+        device="cuda" if gpu else "cpu",
+        step_ms=step_ms,
+        data_ms=phases.get("data", 0.0),
+        comm_ms=result.get("comm_ms_per_step", 0.0) or 0.0,
+        overhead_ms=_overhead_ms(profile, step_ms),
+        batch=int(profile.get("batch_scaling", {}).get("batch", 0)),
+        half_batch_ms=profile.get("batch_scaling", {}).get("half_batch_step_ms", float("nan")),
+        full_batch_ms=profile.get("batch_scaling", {}).get("step_ms", float("nan")),
+        busy_ms=profile["kernel_ms"] if gpu else profile["op_ms"],
+        matmul_ms=(profile["matmul_conv_kernel_ms"] if gpu else profile["matmul_conv_ms"])
+        * _unprofiled(profile, step_ms),
+        fp32_matmul_ms=profile.get("fp32_matmul_kernel_ms", 0.0),
+        forward_ms=phases.get("forward", 0.0),
+        optimizer_ms=phases.get("optimizer", 0.0),
+        ops=profile["kernels"] if gpu else profile["ops"],
+        median_op_us=(profile["median_kernel_us"] if gpu else profile["median_op_us"]) or float("nan"),
+        peak_mib=result["peak_mem_mib"],
+        activation_mib=result.get("activation_mib") or 0.0,
+        capacity_mib=capacity,
+        capacity_source=source,
+        has_conv=False,  # advise() reads it from the model
+        world_size=int(result.get("world_size", 1)),
+    )
+
+
+def _unprofiled(profile: dict, step_ms: float) -> float:
+    """Profiled times shrink by this to the unprofiled step (the profiler adds its own cost)."""
+    return min(step_ms / profile["profiled_step_ms"], 1.0) if profile.get("profiled_step_ms") else 1.0
+
+
+def _overhead_ms(profile: dict, step_ms: float) -> float:
+    """The part of the step that does not grow with the batch.
+
+    With t(batch) = fixed + batch x per_sample, t(b) and t(b/2) give fixed = 2 t(b/2) - t(b),
+    as a share of t(b), applied to the timed windows' step. It holds the optimizer's step,
+    whose cost follows the weights, not the batch (the evidence shows it on its own row).
+    """
+    scaling = profile.get("batch_scaling") or {}
+    full, half = scaling.get("step_ms"), scaling.get("half_batch_step_ms")
+    if not full or half is None:
+        return 0.0  # a batch of one cannot be halved: no overhead is claimed
+    fixed = min(max(2 * half - full, 0.0), full)
+    return fixed / full * step_ms
+
+
+def _capacity(results: Results, gpu: bool, memory_cap_mb: float | None) -> tuple[float, str]:
+    if memory_cap_mb is not None:
+        return float(memory_cap_mb), "memory_cap_mb"
+    if gpu:
+        gib = results.record["environment"].get("gpu_memory_gib")
+        if gib:
+            return 1024.0 * gib, "the GPU's memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20, "this machine's RAM"
+
+
+@takes_run_options
+def advise(model="mlp", data=None, loss_fn=None, *, progress: bool = True, **settings) -> Advice:
+    """Profile a short baseline of this training job and name its bottleneck, with the evidence.
+
+    Runs the baseline alone in a fresh process (one block, no control arm: ``blocks``,
+    ``control``, ``loader_arms`` and ``isolate`` are fixed): the usual warm-up and timed
+    windows, then ``profile_steps`` more steps under torch.profiler (0, the default, means 5). The
+    step is split into data, launch, compute and communication; memory is the bottleneck when
+    the peak reaches 80% of the capacity. Returns an :class:`Advice`: ``.bottleneck``,
+    ``.evidence`` (the figures), ``.recommended`` (a techniques mapping for ``wb.ablate``,
+    best first, each with a reason in ``.recommendations``), ``.not_recommended`` and
+    ``.plot()``. ``trace_dir`` writes the profiler trace (Perfetto, chrome://tracing).
+
+    Every other keyword is a run setting, as for ``ablate``:
+    {run_options}
+    """
+    fixed = {"blocks": 1, "control": False, "loader_arms": False, "isolate": False}
+    for name, value in fixed.items():
+        if name in settings and settings[name] != value:
+            raise ValueError(f"advise: {name} is fixed at {value!r} (one block of the baseline alone)")
+    settings = {**settings, **fixed, "profile_steps": settings.get("profile_steps") or PROFILE_STEPS}
+    results = ablate(model, data, loss_fn, techniques={}, out=False, progress=progress, **settings)
+    run = RunConfig(**{k: v for k, v in settings.items() if k in RunConfig.__dataclass_fields__})
+    ctx = technique_context(run, model, resolve_data(data, model, run.seed))
+    available = {t.name: t.unavailable_reason(ctx, t.configure({})) for t in all_techniques()}
+    facts = facts_from(results, results.record["config"]["device"].split(":")[0], run.memory_cap_mb)
+    facts = replace(facts, has_conv=_has_conv(ctx.model))
+    return build_advice(facts, available, results)
+
+
+def _has_conv(model) -> bool:
+    import torch
+
+    return model is not None and any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
