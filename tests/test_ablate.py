@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import is_workbench_process
+from helpers import is_workbench_process, judged_on_a_quiet_machine
 from torch import nn
 
 import workbench as wb
@@ -86,25 +86,28 @@ def test_warmup_is_excluded_from_the_clock():
     assert row.startup_s >= 0.5, "the first (slow) step belongs to startup_s"
 
 
-def _aa_interval():
-    res = wb.ablate(
+def _aa_run():
+    return wb.ablate(
         model="mlp", techniques={}, steps=150, warmup=5, blocks=3, control=True, out=False, **QUIET
     )
-    control = res.table.set_index("arm").loc["baseline (control)"]
-    return control.speedup_low, control.speedup, control.speedup_high
 
 
 @pytest.mark.timing
 def test_running_the_baseline_twice_gives_one_inside_its_interval():
-    """The A/A check, on a short budget. A 95% interval misses by chance 1 time in 20, so one miss
-    is retried; two misses in a row (1 in 400 by chance) mean the timing or the interval is biased."""
-    low, point, high = _aa_interval()
-    if not low <= 1.0 <= high:
-        low, point, high = _aa_interval()
-    assert low <= 1.0 <= high, (low, point, high)
-    # Arms side by side in one process share its luck, so the interval is narrow: processes here differ
-    # by 10-15% (up to 2x), and an interval that wide would contain any answer.
-    assert 0.85 < low and high < 1.15, f"an interval this wide would contain anything: {(low, high)}"
+    """The A/A check, on a short budget: the control arm's interval contains 1, and it is narrow."""
+
+    def problem(res) -> str:
+        control = res.table.set_index("arm").loc["baseline (control)"]
+        low, high = control.speedup_low, control.speedup_high
+        if not low <= 1.0 <= high:
+            return f"the control's interval [{low:.3f}, {high:.3f}] misses 1"
+        # Arms side by side in one process share its luck, so the interval is narrow: processes here
+        # differ by 10-15% (up to 2x), and an interval that wide would contain any answer.
+        if not (0.85 < low and high < 1.15):
+            return f"an interval this wide would contain anything: [{low:.3f}, {high:.3f}]"
+        return ""
+
+    judged_on_a_quiet_machine(_aa_run, problem)
 
 
 # --- isolation ---------------------------------------------------------------------------
