@@ -51,6 +51,7 @@ LAYER_OF = {
     "workbench.results": 6,
     "workbench.ablation": 7,
     "workbench.advisor": 7,
+    "workbench.tuner": 7,
     "workbench.widgets": 8,
     "workbench.cli": 8,
     "workbench.__main__": 8,

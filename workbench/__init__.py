@@ -32,6 +32,7 @@ _EXPORTS = {
     "list_datasets": "workbench.data",
     "JpegFolder": "workbench.jpeg_folder",
     "panel": "workbench.widgets",
+    "tune": "workbench.tuner",
 }
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "panel",
     "plan",
     "register_technique",
+    "tune",
 ]
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from workbench.models import list_models
     from workbench.results import Results, load_results
     from workbench.techniques import Technique, describe, list_techniques, register_technique
+    from workbench.tuner import tune
     from workbench.widgets import panel
 
 

@@ -63,7 +63,14 @@ from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
 from workbench.results import SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
-from workbench.techniques import Context, Technique, conflict_reason, parse_techniques, technique_context
+from workbench.techniques import (
+    Context,
+    Technique,
+    conflict_reason,
+    parse_techniques,
+    settings_of,
+    technique_context,
+)
 from workbench.telemetry import Sampler, competing_load, usable_cores
 from workbench.template import WarmTemplate, start_template
 from workbench.worker import WINDOW_TARGET_S, BlockSpec
@@ -95,6 +102,7 @@ class Arm:
             "own_process": self.own_process,
             "techniques": described,
             "technique_names": [t.name for t, _ in self.techniques],
+            "settings": {t.name: settings_of(c) for t, c in self.techniques},  # Results.best hands it back
             # Only the input pipeline differs from the baseline (dataloader, dali).
             "input_pipeline": bool(self.techniques) and all(t.input_pipeline for t, _ in self.techniques),
             "unavailable": self.unavailable,
@@ -159,6 +167,23 @@ def plan_arms(
                 name = "+".join(t.name for t, _ in chosen)
                 arms.append(Arm(name, "treatment", chosen, conflict_reason(chosen)))
     return arms
+
+
+def plan_combinations(
+    ctx: Context, combinations: Mapping[str, list[tuple[Technique, Any]]], control: bool
+) -> tuple[list[Arm], list[Arm]]:
+    """The baseline (and control) and one arm per named combination; those that cannot run here
+    (a technique unavailable, or two that conflict) come second, with the reason."""
+    arms = plan_arms("one-at-a-time", [], control)
+    unavailable = []
+    for name, pairs in combinations.items():
+        for technique, config in pairs:
+            technique.validate(ctx, config)
+        reason = next(
+            (f"{t.name}: {why}" for t, c in pairs if (why := t.unavailable_reason(ctx, c))), None
+        ) or conflict_reason(pairs)
+        (unavailable if reason else arms).append(Arm(name, "treatment", list(pairs), reason))
+    return arms, unavailable
 
 
 def loader_twins(arms: list[Arm]) -> list[Arm]:
@@ -247,7 +272,13 @@ def prepare(
     loss_fn: Callable | None,
     techniques: Mapping[str, Any] | None,
     run: RunConfig,
+    combinations: Mapping[str, list[tuple[Technique, Any]]] | None = None,
 ) -> Prepared:
+    """Validate an ablation and plan its arms (``plan`` shows them, ``ablate`` runs them).
+
+    ``combinations``: arms chosen elsewhere (the tuner's candidates, by name) instead of those
+    ``run.mode`` makes from ``techniques``; each is checked like any technique here.
+    """
     # Cheap checks first: building a dataset or a model takes time bad input should not cost.
     device = resolve_device(run.device)
     if device.type == "cuda" and run.world_size > torch.cuda.device_count():
@@ -275,7 +306,13 @@ def prepare(
         else:
             runnable.append((technique, config))
             runnable_names.append(name)
-    arms = plan_arms(run.mode, runnable, run.control, runnable_names if run.mode == "one-at-a-time" else None)
+    if combinations is not None:
+        arms, unavailable = plan_combinations(ctx, combinations, run.control)
+        chosen = [pair for pairs in combinations.values() for pair in pairs]
+    else:
+        arms = plan_arms(
+            run.mode, runnable, run.control, runnable_names if run.mode == "one-at-a-time" else None
+        )
     loader_arms = run.loader_arms
     if loader_arms is None:  # auto: when an input-pipeline technique is ablated on a Dataset
         loader_arms = source.is_dataset and any(t.input_pipeline for t, _ in runnable)
@@ -284,21 +321,26 @@ def prepare(
     elif loader_arms:
         arms += loader_twins(arms)
     arms = assign_processes(arms, ctx, run.isolate) + unavailable
+    config = {
+        "model": label,
+        "data": source.label,
+        "loss_fn": model_label(loss_fn) if loss_fn else "cross_entropy",
+        "techniques": _described(chosen),
+        **run.to_json(),
+        "device": str(device),
+    }
+    return Prepared(run, model, source, loss_fn, arms, config)
+
+
+def _described(chosen: list[tuple[Technique, Any]]) -> dict[str, str]:
+    """Each technique's settings in words; a swept one's values joined by '; '."""
     described: dict[str, str] = {}
     for technique, config in chosen:
         text = technique.describe(config)
         described[technique.name] = (
             f"{described[technique.name]}; {text}" if technique.name in described else text
         )
-    config = {
-        "model": label,
-        "data": source.label,
-        "loss_fn": model_label(loss_fn) if loss_fn else "cross_entropy",
-        "techniques": described,
-        **run.to_json(),
-        "device": str(device),
-    }
-    return Prepared(run, model, source, loss_fn, arms, config)
+    return described
 
 
 def _slug(text: str) -> str:

@@ -1,4 +1,4 @@
-"""The ``workbench`` command: ``list``, ``env``, ``ablate`` and ``show``.
+"""The ``workbench`` command: ``list``, ``env``, ``ablate``, ``advise``, ``tune`` and ``show``.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -90,16 +90,19 @@ def _techniques(args: argparse.Namespace, preset: dict) -> dict | None:
     return chosen
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> None:
+def add_run_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
     """A flag per run setting, read from RunConfig's fields: name, help, type and choices.
 
     A flag left out is None, so the preset's value, or else RunConfig's default, applies.
+    ``leave_out``: settings the command decides itself (the tuner's blocks).
     """
     from dataclasses import fields
 
     from workbench.config import RunConfig
 
     for item in fields(RunConfig):
+        if item.name in leave_out:
+            continue
         rules = item.metadata["option"]
         flag = "--" + item.name.replace("_", "-")
         names = [flag, *("--" + alias.replace("_", "-") for alias in rules.aliases)]
@@ -134,7 +137,7 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
 
     settings = {}
     for name, rules in run_options().items():
-        value = getattr(args, name)
+        value = getattr(args, name, None)  # None: not given, or a setting the command decides
         if value is not None:
             settings[name] = rules.choices[value] if rules.choices is not None else value
     return settings
@@ -190,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     ablate.add_argument("--dry-run", action="store_true", help="print the plan and stop")
 
     _add_advise_command(commands)
+    _add_tune_command(commands)
 
     show = commands.add_parser("show", help="print a saved results table")
     show.add_argument("path", help="a results folder or its results.json")
@@ -206,6 +210,37 @@ def _add_advise_command(commands) -> None:
     advise.add_argument("--json", metavar="FILE", help="also write the advice as JSON")
     advise.add_argument("--plot", metavar="PNG", help="also save the figure: the step's parts, memory")
     advise.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_tune_command(commands) -> None:
+    tune = commands.add_parser(
+        "tune", help="search, within a time budget, for the fastest combination whose loss still matches"
+    )
+    tune.add_argument("--budget", required=True, type=parse_budget, metavar="TIME",
+                      help="the search's wall-clock budget: 600, 90s, 10m or 1h")  # fmt: skip
+    tune.add_argument("--model", default="mlp", help="mlp | resnet-mini | gpt-mini")
+    tune.add_argument("--data", help="as for ablate (default: the model's own)")
+    tune.add_argument("-t", "--technique", action="append", metavar="NAME[:key=value,...]",
+                      help="search these (key=a|b tries each value) instead of the advisor's ranking")  # fmt: skip
+    tune.add_argument("--techniques", dest="techniques_json", metavar="JSON", help="the same, as JSON")
+    tune.add_argument("--max-candidates", type=int, default=24, help="combinations screened at most")
+    add_run_flags(tune, leave_out=("blocks", "mode", "loader_arms", "profile_steps", "trace_dir"))
+    tune.add_argument("--out", help="the search's folder (default: a new one under ./workbench-results)")
+    tune.add_argument("--overwrite", action="store_true", help="discard an earlier search in --out")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def parse_budget(text: str) -> float:
+    """``600`` or ``600s`` -> 600.0; ``10m`` -> 600.0; ``1h`` -> 3600.0."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        seconds = float(number) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a time like 600, 90s, 10m or 1h; got {text!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"a positive time like 600, 90s, 10m or 1h; got {text!r}")
+    return seconds
 
 
 def format_plan(table) -> str:
@@ -285,6 +320,27 @@ def _run_advise(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_tune(args: argparse.Namespace) -> int:
+    import workbench as wb
+
+    techniques = _techniques(args, {}) if (args.technique or args.techniques_json) else None
+    results = wb.tune(
+        args.model, args.data, budget_s=args.budget, techniques=techniques,
+        max_candidates=args.max_candidates, out=args.out, overwrite=args.overwrite,
+        progress=not args.no_progress, **run_settings(args),
+    )  # fmt: skip
+    print()
+    print(results.tuning.drop(columns=["techniques"]).to_string(index=False))
+    from workbench.tuner import tune_verdict
+
+    print()
+    print(tune_verdict(results.record["tune"]))
+    if results.best:
+        print(f"\nResults.best: {json.dumps(results.best)}")
+    print(f"\nSaved tune.json, tune.csv, tune.png and each round (round-N/) in {results.path}")
+    return 0
+
+
 EXIT_CODES = {0: "every arm ran", 1: "some arms failed (their rows say why)", 2: "bad input: nothing ran"}
 
 
@@ -332,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "advise":
             return _run_advise(args)
+        if args.command == "tune":
+            return _run_tune(args)
         return _run_ablate(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"workbench: error: {error}", file=sys.stderr)

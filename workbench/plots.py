@@ -406,3 +406,70 @@ def _plot_memory_limit(axes, facts, limited: bool) -> None:
         f"peak {_mib(facts.peak_mib)} of {facts.capacity_mib:,.0f} MiB ({share:.2g}%)\n{facts.capacity_source}",
         fontsize=9,
     )
+
+
+def plot_tune(results, path=None) -> ResultsFigure:
+    """The tuner's search: every candidate measured, its speedup and interval in each round it
+    reached (later rounds, with more blocks, darker), the winner marked, 1 (the baseline) drawn."""
+    tune = results.record["tune"]
+    measured = [c for c in tune["candidates"] if c["history"]]
+    # Those that went furthest on top, then by their last speedup.
+    measured.sort(key=lambda c: (len(c["history"]), c["speedup"] or 0.0))
+    rounds = tune["rounds"]
+    shades = [_blue(0.35 + 0.65 * (r + 1) / len(rounds)) for r in range(len(rounds))]
+    figure = ResultsFigure(figsize=(10, 1.8 + 0.36 * max(len(measured), 2)), layout="constrained")
+    axes = figure.subplots()
+    best = (tune.get("best") or {}).get("name")
+    lows, highs, shown = [1.0], [1.0], set()
+    for y, candidate in enumerate(measured):
+        for step, entry in enumerate(candidate["history"]):
+            if entry["speedup"] is None:
+                continue
+            offset = (step - (len(candidate["history"]) - 1) / 2) * 0.2
+            low, high = entry["speedup_low"], entry["speedup_high"]
+            index = entry["round"]
+            label = None
+            if index not in shown:
+                shown.add(index)
+                blocks = rounds[index]["blocks"]
+                label = f"round {index + 1}: {blocks} block{'s' * (blocks != 1)}"
+            axes.errorbar(entry["speedup"], y + offset, xerr=[[entry["speedup"] - low], [high - entry["speedup"]]],
+                          fmt="o", color=shades[index], markersize=5, capsize=2, linewidth=1.2, label=label)  # fmt: skip
+            lows.append(low)
+            highs.append(high)
+    labels = []
+    for candidate in measured:
+        label = candidate["name"]
+        if candidate["name"] == best:
+            label = f"best: {label}"
+        elif candidate["dropped_in_round"]:
+            label += f"  (out after round {candidate['dropped_in_round']})"
+        labels.append(label)
+    axes.set_yticks(range(len(measured)), labels, fontsize=8)
+    for tick, candidate in zip(axes.get_yticklabels(), measured, strict=True):
+        if candidate["name"] == best:
+            tick.set_fontweight("bold")
+        elif candidate["dropped"]:
+            tick.set_color("#666666")
+    axes.axvline(1.0, color="black", linewidth=1, linestyle="--")
+    axes.set_xscale("log")
+    _readable_log_ticks(axes, lows, highs)
+    axes.set_xlabel("speedup over the baseline (95% interval; log scale; dashed: the baseline)")
+    axes.set_ylim(-0.6, len(measured) - 0.4)
+    figure.legend(loc="outside lower center", ncol=max(len(shown), 1), fontsize=8, frameon=False)
+    title = f"best: {best}" if best else "no combination was measurably faster than the baseline"
+    axes.set_title(
+        f"{title}\n{len(measured)} candidates measured in {len(rounds)} rounds, "
+        f"{tune['spent_s']:.0f} s of a {tune['budget_s']:.0f} s budget",
+        fontsize=10,
+    )
+    if path is not None:
+        figure.savefig(path, dpi=110)
+    return figure
+
+
+def _blue(darkness: float) -> tuple:
+    """A blue from light (0) to dark (1)."""
+    from matplotlib import colormaps
+
+    return colormaps["Blues"](darkness)

@@ -386,6 +386,44 @@ class Results:
         return table
 
     @property
+    def best(self) -> dict[str, dict]:
+        """The winning techniques mapping, ready for ``wb.ablate(techniques=...)``: the tuner's
+        winner (``wb.tune``), or in an ablation the arm with the highest speedup among those whose
+        whole interval lies above 1 and whose loss matches the baseline's. ``{}`` (the baseline:
+        switch nothing on) when nothing was measurably faster."""
+        if "tune" in self.record:
+            return dict((self.record["tune"].get("best") or {}).get("techniques") or {})
+        roles = {arm["name"]: arm for arm in self.record["arms"]}
+        table = self.table
+        winners = table[
+            table.arm.map(lambda name: roles.get(name, {}).get("role") == "treatment")
+            & (table.kind == "train")
+            & (table.status == "ok")
+            & (table.speedup_low > 1.0)
+            & ((table.loss_vs_baseline - 1.0).abs() <= LOSS_DRIFT)
+        ]
+        if winners.empty:
+            return {}
+        arm = roles[winners.sort_values("speedup", ascending=False).arm.iloc[0]]
+        return dict(arm.get("settings") or dict.fromkeys(arm["technique_names"], True))
+
+    @property
+    def tuning(self):
+        """The tuner's candidates (``wb.tune``): how far each got, its last figures, why it left."""
+        import pandas as pd
+
+        columns = ["name", "rounds", "blocks", "speedup", "speedup_low", "speedup_high",
+                   "loss_vs_baseline", "dropped_in_round", "dropped", "techniques"]  # fmt: skip
+        tune = self.record.get("tune")
+        if tune is None:
+            raise ValueError("Results.tuning: these results come from an ablation, not from wb.tune")
+        rows = [{**entry, "techniques": json.dumps(entry["techniques"])} for entry in tune["candidates"]]
+        table = pd.DataFrame(rows, columns=columns)
+        for column in ("speedup", "speedup_low", "speedup_high", "loss_vs_baseline"):
+            table[column] = table[column].astype(float)
+        return table
+
+    @property
     def config(self) -> dict:
         return self.record["config"]
 

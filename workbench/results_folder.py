@@ -97,17 +97,35 @@ class ResultsFolder:
             self._write_manifest()
         return self.path / name
 
+    def nest(self, name: str) -> Path:
+        """A folder inside this one that a run of its own writes, with its own manifest and lock
+        (the tuner's rounds). It is entered here as ``name/``, and its own manifest says which of
+        its files workbench wrote: those count as this folder's, and ``clear`` removes them."""
+        entry = name.strip("/") + "/"
+        if entry not in self._owned:
+            self._owned.add(entry)
+            self._write_manifest()
+        return self.path / entry[:-1]
+
+    def _nested(self) -> list[str]:
+        return sorted(entry[:-1] for entry in self._owned if entry.endswith("/"))
+
     def foreign_files(self, limit: int | None = None) -> list[str]:
         """Files in the folder that workbench did not write (relative paths, sorted), or the
         first ``limit`` found (a user who points ``out`` at a big folder waits for no full scan)."""
         if not self.path.is_dir():
             return []
         foreign = []
+        nested = self._nested()
+        for inner in nested:  # a nested run's folder answers for its own files
+            foreign += [f"{inner}/{name}" for name in ResultsFolder(self.path / inner).foreign_files(limit)]
         for path in self.path.rglob("*"):
             if not (path.is_file() or path.is_symlink()):
                 continue
             name = path.relative_to(self.path).as_posix()
             if name in (MANIFEST, LOCK) or name in self._owned or self._is_own_temporary(name):
+                continue
+            if any(name.startswith(inner + "/") for inner in nested):
                 continue
             foreign.append(name)
             if limit is not None and len(foreign) >= limit:
@@ -123,6 +141,13 @@ class ResultsFolder:
                 f"overwrite: out={str(self.path)!r} holds files that workbench did not write, so it deletes "
                 f"nothing there: {shown}. Move them away, or choose another out"
             )
+        for inner in self._nested():
+            folder = ResultsFolder(self.path / inner)
+            folder.clear()
+            for leftover in (MANIFEST, LOCK):
+                (folder.path / leftover).unlink(missing_ok=True)
+            if folder.path.is_dir() and not any(folder.path.iterdir()):
+                folder.path.rmdir()
         directories = set()
         for path in self.path.rglob("*"):
             name = path.relative_to(self.path).as_posix()

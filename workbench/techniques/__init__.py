@@ -8,6 +8,7 @@ that is the order in which techniques are applied when several are combined.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import pkgutil
@@ -116,6 +117,20 @@ def _distinct(technique: Technique, configs: list[Any]) -> list[Any]:
     return kept
 
 
+def settings_of(config: Any) -> dict[str, Any]:
+    """A config's settings as a dict that ``techniques=`` accepts again and JSON can hold; a value
+    JSON cannot (a checkpointing predicate) is shown by its repr, which does not round-trip."""
+
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (list, tuple)) and all(plain(v) == v for v in value):
+            return list(value)
+        return repr(value)
+
+    return {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
 def conflict_reason(techniques: list[tuple[Technique, Any]]) -> str | None:
     """Why these techniques, with these settings, cannot all run in one arm (naming both), or None."""
     for index, (first, first_config) in enumerate(techniques):
@@ -198,6 +213,7 @@ __all__ = [
     "get_technique",
     "list_techniques",
     "parse_techniques",
+    "settings_of",
     "register_technique",
     "unregister_technique",
 ]

@@ -53,6 +53,7 @@ class Amp(Technique):
     name = "amp"
     summary = "autocast matmuls/convs to bfloat16 or float16 (float16 with a GradScaler)"
     order = 40
+    tune_space = {"dtype": ("bfloat16", "float16")}  # fp16 needs loss scaling; bf16 does not
     Config = AmpConfig
 
     def check(self, ctx: Context, config: AmpConfig) -> str | None:

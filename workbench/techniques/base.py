@@ -129,6 +129,9 @@ class Technique:
     own_process_reason: ClassVar[str | None] = None
     # Why only one arm per process may use it (its caches are per process); None: no limit.
     one_per_process: ClassVar[str | None] = None
+    # The main settings wb.tune tries besides the ones it was given (setting -> values): few, and
+    # each one that changes speed for a reason the method card explains.
+    tune_space: ClassVar[Mapping[str, tuple]] = {}
 
     def configure(self, value: Any) -> Any:
         """Turn what a user wrote (True, a dict, or a Config) into a validated Config."""

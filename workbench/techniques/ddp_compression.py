@@ -82,6 +82,7 @@ class DdpCompression(Technique):
     name = "ddp_compression"
     summary = "DDP gradient-compression hooks (fp16, bf16, PowerSGD), bucket size, no_sync under grad_accum"
     order = DDP_ORDER - 5  # it configures the DDP wrapper, which is applied at DDP_ORDER
+    tune_space = {"hook": ("fp16", "powersgd")}  # half the bytes, or a low-rank sketch of them
     Config = DdpCompressionConfig
     requires = ("ranks",)
 

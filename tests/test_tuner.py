@@ -1,0 +1,240 @@
+"""The tuner: successive halving under a budget finds the known winner, keeps loss parity, resumes."""
+
+import json
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.cli import parse_budget
+from workbench.results import Results
+from workbench.results_folder import ResultsFolder
+from workbench.techniques import Technique, get_technique, register_technique, unregister_technique
+from workbench.tuner import candidates_from, pool_from_advice, pool_from_techniques
+
+QUIET = {"progress": False}
+
+
+# --- the candidates (fast) ---------------------------------------------------------------------
+
+
+def test_candidates_are_every_combination_of_one_setting_per_technique_smallest_first():
+    pool = pool_from_techniques({"amp": {"dtype": ["bfloat16", "float16"]}, "grad_accum": {"steps": 2}})
+    names = [c.name for c in candidates_from(pool, limit=100)]
+    assert names == [
+        "amp[dtype=bfloat16]",
+        "amp[dtype=float16]",
+        "grad_accum",
+        "amp[dtype=bfloat16]+grad_accum",
+        "amp[dtype=float16]+grad_accum",
+    ]
+    assert len(candidates_from(pool, limit=3)) == 3
+
+
+def test_the_advisors_techniques_come_with_their_main_settings():
+    pool = dict(
+        (t.name, configs) for t, configs in pool_from_advice({"amp": {"dtype": "bfloat16"}, "compile": {}})
+    )
+    assert [c.dtype for c in pool["amp"]] == ["bfloat16", "float16"]  # the advisor's first
+    assert len(pool["compile"]) == 1  # nothing in its tune_space
+    assert get_technique("grad_accum").tune_space == {"steps": (2, 4)}
+
+
+def test_a_budget_reads_as_seconds_minutes_or_hours():
+    assert parse_budget("600") == parse_budget("10m") == 600.0
+    assert parse_budget("90s") == 90.0 and parse_budget("1h") == 3600.0
+    for bad in ("", "m", "5x", "-3m", "0"):
+        with pytest.raises(Exception, match="600, 90s, 10m or 1h"):
+            parse_budget(bad)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"budget_s": 0}, "budget_s must be a positive number"),
+        ({"budget_s": "10m"}, "budget_s must be a positive number"),
+        ({"budget_s": 60, "blocks": 3}, "blocks is decided by the tuner"),
+        ({"budget_s": 60, "techniques": ["amp"], "advice": object()}, "not both"),
+        ({"budget_s": 60, "max_candidates": 0}, "max_candidates must be"),
+        ({"budget_s": 60, "stepz": 3}, "stepz"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        wb.tune("mlp", **arguments, out=False, **QUIET)
+
+
+def test_best_of_an_ablation_is_the_fastest_arm_measurably_faster_with_matching_loss():
+    def row(arm, speedup, low, loss=1.0, status="ok"):
+        return {"arm": arm, "kind": "train", "status": status, "speedup": speedup, "speedup_low": low,
+                "speedup_high": speedup * 1.05, "loss_vs_baseline": loss, "blocks": 3}  # fmt: skip
+
+    arms = [
+        {"name": "baseline", "role": "baseline", "technique_names": []},
+        {
+            "name": "amp",
+            "role": "treatment",
+            "technique_names": ["amp"],
+            "settings": {"amp": {"dtype": "bfloat16"}},
+        },
+        {"name": "compile", "role": "treatment", "technique_names": ["compile"]},
+        {"name": "grad_accum", "role": "treatment", "technique_names": ["grad_accum"]},
+    ]
+    table = [
+        row("baseline", 1, 1),
+        row("amp", 1.3, 1.2),
+        row("compile", 1.6, 1.5, loss=1.4),
+        row("grad_accum", 2, 0.9),
+    ]
+    record = {"arms": arms, "table": table, "config": {}, "environment": {}}
+    # compile is faster but its loss drifted; grad_accum's interval reaches below 1.
+    assert Results(record).best == {"amp": {"dtype": "bfloat16"}}
+    record["table"] = [row("baseline", 1, 1), row("amp", 1.01, 0.97)]
+    assert Results(record).best == {}
+
+
+def test_a_nested_results_folder_is_cleared_with_its_parent_and_guards_the_users_files(tmp_path):
+    parent = ResultsFolder(tmp_path)
+    parent.file("tune.json").write_text("{}")
+    inner = ResultsFolder(parent.nest("round-0"))
+    inner.file("results.json").write_text("{}")
+    assert parent.foreign_files() == []  # the round's own manifest answers for its files
+    (tmp_path / "round-0" / "notes.txt").write_text("mine")
+    assert ResultsFolder(tmp_path).foreign_files() == ["round-0/notes.txt"]
+    with pytest.raises(ValueError, match="round-0/notes.txt"):
+        ResultsFolder(tmp_path).clear()
+    (tmp_path / "round-0" / "notes.txt").unlink()
+    ResultsFolder(tmp_path).clear()
+    assert not (tmp_path / "round-0").exists() and not (tmp_path / "tune.json").exists()
+
+
+# --- searches with a known answer (slow) --------------------------------------------------------
+
+
+class PausingNet(nn.Module):
+    """A small MLP whose forward pauses ``pause_s``: the test techniques change the pause."""
+
+    def __init__(self):
+        super().__init__()
+        self.pause_s = 0.004
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        if self.pause_s:
+            time.sleep(self.pause_s)
+        return self.layers(x)
+
+
+def batches():
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 16, generator=generator), torch.randint(0, 4, (16,), generator=generator))
+            for _ in range(8)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NoSettings:
+    pass
+
+
+class NoPause(Technique):
+    """Test-only: removes the model's pause, so its arms are several times faster."""
+
+    name, summary, order, Config = "no_pause", "test-only: a known large speedup", 97, NoSettings
+
+    def apply(self, setup, config):
+        setup.model.pause_s = 0.0
+        return "no pause"
+
+
+class LongerPause(Technique):
+    """Test-only: a pause of its own before each forward: a known slowdown, with or without no_pause."""
+
+    name, summary, order, Config = "longer_pause", "test-only: a known slowdown", 96, NoSettings
+
+    def apply(self, setup, config):
+        def pause(inputs):
+            time.sleep(0.004)
+            return inputs
+
+        setup.input_transforms.append(pause)
+        return "4 ms more per step"
+
+
+class BigSteps(Technique):
+    """Test-only: no pause, but a learning rate 50x larger: fast, and its loss drifts away."""
+
+    name, summary, order, Config = "big_steps", "test-only: fast but the loss drifts", 95, NoSettings
+
+    def apply(self, setup, config):
+        setup.model.pause_s = 0.0
+        make = setup.make_optimizer
+
+        def bigger(parameters):
+            optimizer = make(parameters)
+            for group in optimizer.param_groups:
+                group["lr"] *= 50
+            return optimizer
+
+        setup.make_optimizer = bigger
+        return "50x the learning rate"
+
+
+@pytest.fixture
+def known_techniques():
+    for technique in (NoPause(), LongerPause(), BigSteps()):
+        register_technique(technique)
+    yield {"no_pause": True, "longer_pause": True, "big_steps": True}
+    for name in ("no_pause", "longer_pause", "big_steps"):
+        unregister_technique(name)
+
+
+RUN = {"steps": 20, "warmup": 2, "batch_size": 16, "control": False}
+
+
+@pytest.mark.slow
+def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes(known_techniques, tmp_path):
+    out = tmp_path / "search"
+    res = wb.tune(PausingNet, batches(), budget_s=45, techniques=known_techniques, out=out, **RUN, **QUIET)
+    assert res.best == {"no_pause": {}}
+    tune = res.record["tune"]
+    assert tune["best"]["speedup_low"] > 1.5  # the pause is most of the step
+    by_name = {c["name"]: c for c in tune["candidates"]}
+    assert by_name["big_steps"]["dropped"].startswith("loss parity")  # fast, but not the same training
+    assert by_name["longer_pause"]["dropped"] and by_name["longer_pause"]["dropped_in_round"] == 1
+    assert "no_pause+longer_pause" in by_name  # combinations were screened too
+    assert tune["spent_s"] <= 45 * 1.15, tune["spent_s"]
+    assert set(res.tuning.name) == set(by_name)
+    # Saved like an ablation, with the search beside it.
+    for name in ("results.json", "tune.json", "tune.csv", "tune.png", "plot.png", "round-0/results.json"):
+        assert (out / name).exists(), name
+    assert wb.load_results(out).best == {"no_pause": {}}
+    # The same call again resumes: the rounds are read back, nothing measured is run again.
+    rounds_before = json.loads((out / "tune.json").read_text())["rounds"]
+    units = sorted(p.name for p in (out / "round-0" / "units").iterdir())
+    again = wb.tune(PausingNet, batches(), budget_s=45, techniques=known_techniques, out=out, **RUN, **QUIET)
+    assert again.best == {"no_pause": {}}
+    assert json.loads((out / "tune.json").read_text())["rounds"][: len(rounds_before)] == rounds_before
+    assert sorted(p.name for p in (out / "round-0" / "units").iterdir()) == units
+    with pytest.raises(ValueError, match="holds a different search"):
+        wb.tune(PausingNet, batches(), budget_s=90, techniques=known_techniques, out=out, **RUN, **QUIET)
+
+
+@pytest.mark.slow
+def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_work(known_techniques):
+    with pytest.raises(ValueError, match=r"budget_s=1 is too small.*Pass budget_s=\d+ or more"):
+        wb.tune(PausingNet, batches(), budget_s=1, techniques=known_techniques, out=False, **RUN, **QUIET)
+
+
+@pytest.mark.slow
+def test_the_tuner_starts_from_the_advisors_ranking(tmp_path):
+    advice = wb.advise("mlp", batch_size=8, steps=20, warmup=2, device="cpu", progress=False)
+    res = wb.tune("mlp", advice=advice, budget_s=40, batch_size=8, steps=20, warmup=2, device="cpu",
+                  out=tmp_path / "s", **QUIET)  # fmt: skip
+    tune = res.record["tune"]
+    searched = {name for c in tune["candidates"] for name in c["techniques"]}
+    assert searched == set(advice.recommended)
+    assert tune["advice"]["bottleneck"] == advice.bottleneck
+    assert res.best == {} or set(res.best) <= searched

@@ -1,0 +1,726 @@
+"""The tuner: under a time budget, the fastest combination of techniques whose loss still matches.
+
+``tune(model, data, budget_s=600, ...)`` searches combinations of techniques and their main
+settings (each technique's ``tune_space``) the way a careful experimenter spends a fixed amount
+of machine time, by **successive halving** (Jamieson and Talwalkar, "Non-stochastic best arm
+identification and hyperparameter optimization", AISTATS 2016; the inner loop of Li et al.'s
+Hyperband):
+
+1. **Calibrate.** The advisor (``wb.advise``) profiles the baseline and ranks what could help;
+   its run also says what one process and one arm cost here. With ``techniques=`` given, a
+   plain one-block baseline does the costing instead.
+2. **Screen.** Every candidate combination (conflicts and unavailable ones left out, with the
+   reason) runs beside the baseline and its control in one block: a cheap, noisy first look.
+3. **Halve.** Each following round keeps the better half, and measures it with more blocks
+   (fresh processes). A candidate leaves early when its loss drifts from the baseline's by more
+   than ``LOSS_DRIFT`` (convergence parity), when it fails, or when its whole speedup interval
+   lies below the leader's.
+4. **Decide.** The last round compares the two finalists over the most blocks; the better is
+   ``best`` (``Results.best``: a techniques mapping for ``wb.ablate``), the other the runner-up.
+   A winner whose interval contains 1 is not called faster than the baseline.
+
+Each round is an ordinary ablation in ``out/round-N`` (arms side by side in one process, block
+by block), so its figures are as honest as any ablation's, and a rerun with the same ``out``
+resumes: finished blocks are read back, decisions are re-derived from them, and the search goes
+on with what is left of the budget. ``out/results.json`` holds the last round's results with
+the search record (``record["tune"]``); ``out/tune.csv`` lists every candidate, how far it got
+and why it left; ``out/plot.png`` shows the candidates' speedups round by round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workbench.ablation import _run_in_folder, _slug, prepare
+from workbench.config import RunConfig, takes_run_options
+from workbench.results import LOSS_DRIFT, Results
+from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
+from workbench.techniques import Technique, all_techniques, get_technique, parse_techniques, settings_of
+
+# Settings the tuner decides for each round itself; the advisor's own run fixes some more.
+DECIDED_BY_TUNE = ("blocks", "mode", "loader_arms", "profile_steps", "trace_dir")
+MAX_CANDIDATES = 24
+RESERVE = 0.8  # the final round plans for this share of what is left: costs are estimates
+
+
+@dataclass
+class Candidate:
+    """One combination in the search, and what became of it."""
+
+    name: str
+    pairs: list[tuple[Technique, Any]]
+    rank: int  # its place in the pool's order (the advisor's ranking, then size)
+    rounds: list[dict] = field(default_factory=list)  # per round measured: speedup, interval, loss
+    dropped: str = ""  # why it left the search ('' while in it)
+    dropped_in: int | None = None
+
+    @property
+    def techniques(self) -> dict[str, dict]:
+        return {technique.name: settings_of(config) for technique, config in self.pairs}
+
+    def drop(self, round_index: int, why: str) -> None:
+        self.dropped, self.dropped_in = why, round_index
+
+
+@dataclass
+class Costs:
+    """What a round costs here, in seconds: once per round (its warm template's start, saving),
+    per process (its start and exit), and per arm in a process: the arm's own time (by name; an
+    arm not yet measured costs the baseline's) plus what the block spends on each arm besides."""
+
+    run_s: float
+    process_s: float
+    default_arm_s: float
+    per_arm_s: float = 0.0
+    arm_s: dict[str, float] = field(default_factory=dict)
+
+    def block_s(self, names: list[str]) -> float:
+        return self.process_s + sum(self.arm_s.get(n, self.default_arm_s) + self.per_arm_s for n in names)
+
+    def round_s(self, names: list[str], blocks: int) -> float:
+        return self.run_s + blocks * self.block_s(names)
+
+    def blocks_within(self, names: list[str], seconds: float) -> int:
+        """The most blocks of these arms a round can run in ``seconds``."""
+        return max(int((seconds - self.run_s) // self.block_s(names)), 0)
+
+    def learn(
+        self, results: Results, began: float, starts: list[float], last_unit: float, ended: float
+    ) -> None:
+        """Learn from a finished round. ``starts``: when each of its processes started; the round's
+        own cost is before the first and after the last answer (saving, the plot)."""
+        per_arm: dict[str, list[float]] = {}
+        for unit in results.record["units"]:
+            if unit["status"] == "ok":
+                per_arm.setdefault(unit["arm"], []).append(_arm_seconds(unit["result"]))
+        self.arm_s.update({name: float(np.median(values)) for name, values in per_arm.items()})
+        if not starts:
+            return
+        self.run_s = (starts[0] - began) + (ended - last_unit)
+        blocks = [b for b in results.record.get("blocks", []) if b.get("wall_s")]
+        inside = []  # per block: its wall time beyond its arms' own, per arm
+        for block in blocks:
+            own = sum(self.arm_s.get(name, self.default_arm_s) for name in block["arms"])
+            inside.append(max(block["wall_s"] - own, 0.0) / max(len(block["arms"]), 1))
+        if inside:
+            self.per_arm_s = float(np.median(inside))
+        block_wall = float(np.median([b["wall_s"] for b in blocks])) if blocks else 0.0
+        # A run's first process pays for warming the template's caches: it counts as the round's
+        # cost, and the others' time beyond their block's work is the per-process cost.
+        first = (starts[1] if len(starts) > 1 else last_unit) - starts[0]
+        self.run_s += max(first - block_wall - self.process_s, 0.0)
+        if len(starts) > 1:
+            self.process_s = max((last_unit - starts[1]) / (len(starts) - 1) - block_wall, 0.0)
+
+
+def _arm_seconds(result: dict) -> float:
+    """One arm's time in one block: its start-up, then every step it took (warm-up included)."""
+    steps = len(result.get("losses", [])) or len(result.get("step_s", []))
+    return float(result.get("startup_s") or 0.0) + steps * float(np.median(result["step_s"]))
+
+
+# --- the candidates ----------------------------------------------------------------------------
+
+
+def pool_from_advice(recommended: Mapping[str, dict]) -> list[tuple[Technique, list[Any]]]:
+    """The advisor's techniques, best first, each with its recommended settings and the main
+    alternatives of its ``tune_space``."""
+    pool = []
+    for name, settings in recommended.items():
+        technique = get_technique(name)
+        variants = [dict(settings)]
+        for key, values in technique.tune_space.items():
+            variants += [{**settings, key: value} for value in values if value != settings.get(key)]
+        configs, seen = [], set()
+        for variant in variants:
+            config = technique.configure(variant)
+            key = tuple(repr(getattr(config, f)) for f in technique.settings_that_matter(config))
+            if key not in seen:
+                seen.add(key)
+                configs.append(config)
+        pool.append((technique, configs))
+    return pool
+
+
+def pool_from_techniques(techniques: Mapping[str, Any] | list[str]) -> list[tuple[Technique, list[Any]]]:
+    """The user's techniques, in their order; a list of values sweeps a setting, as for ablate."""
+    grouped: dict[str, tuple[Technique, list[Any]]] = {}
+    for technique, config in parse_techniques(techniques):
+        grouped.setdefault(technique.name, (technique, []))[1].append(config)
+    order = list(techniques) if not isinstance(techniques, Mapping) else list(techniques.keys())
+    return sorted(grouped.values(), key=lambda item: order.index(item[0].name))
+
+
+def candidates_from(pool: list[tuple[Technique, list[Any]]], limit: int) -> list[Candidate]:
+    """Every combination of at most one setting per technique, smallest and best-ranked first."""
+    options = [[None, *range(len(configs))] for _, configs in pool]
+    combos = [c for c in itertools.product(*options) if any(i is not None for i in c)]
+    # Fewer techniques first (each one's effect is seen before they are mixed), then the
+    # advisor's order, then each technique's own settings in order.
+    combos.sort(key=lambda c: (sum(i is not None for i in c), [i is None for i in c], [i or 0 for i in c]))
+    registry = [technique.name for technique in all_techniques()]
+    found = []
+    for rank, combo in enumerate(combos[:limit]):
+        pairs, parts = [], []
+        for (technique, configs), index in zip(pool, combo, strict=True):
+            if index is None:
+                continue
+            config = configs[index]
+            pairs.append((technique, config))
+            parts.append(technique.name + _swept(technique, configs, config))
+        # The techniques in the order they are applied, as parse_techniques gives them back on resume.
+        pairs.sort(key=lambda pair: registry.index(pair[0].name))
+        found.append(Candidate("+".join(parts), pairs, rank))
+    return found
+
+
+def _swept(technique: Technique, configs: list[Any], config: Any) -> str:
+    """``[dtype=float16]`` when the pool holds this technique with several settings, else ''."""
+    if len(configs) < 2:
+        return ""
+    differ = [
+        name
+        for name in technique.settings_that_matter(config)
+        if len({repr(getattr(c, name)) for c in configs}) > 1
+    ]
+    return "[" + ",".join(f"{name}={getattr(config, name)}" for name in differ) + "]"
+
+
+# --- the search --------------------------------------------------------------------------------
+
+
+@takes_run_options
+def tune(
+    model: Any = "mlp",
+    data: Any = None,
+    loss_fn: Callable | None = None,
+    *,
+    budget_s: float,
+    techniques: Mapping[str, Any] | list[str] | None = None,
+    advice: Any = None,
+    max_candidates: int = MAX_CANDIDATES,
+    out: str | Path | None | bool = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    on_event: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+    **settings: Any,
+) -> Results:
+    """Search, within ``budget_s`` seconds, for the fastest combination whose loss still matches.
+
+    budget_s        the wall-clock time the whole search may take, calibration included
+    techniques      what to search (as for ``ablate``; a list of values sweeps a setting); None:
+                    the advisor's recommendations with each one's main settings
+    advice          an Advice from ``wb.advise`` for this same job, to skip the advisor's run
+    max_candidates  combinations screened at most (the best-ranked, fewest techniques first)
+    out             the search's folder (rounds in ``round-N``; rerun with the same out to
+                    resume); None: a new folder under ./workbench-results; False: keep nothing
+
+    Returns the last round's Results with the search in ``record["tune"]``; ``.best`` is the
+    winner's techniques mapping ({} when no candidate beat the baseline measurably),
+    ``.tuning`` the candidates table. See the module docstring for the method. The run
+    settings are ``ablate``'s, except those the tuner decides (blocks, mode, loader_arms,
+    profile_steps, trace_dir):
+
+    {run_options}
+    """
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
+        raise ValueError(f"tune: budget_s must be a positive number of seconds (e.g. 600); got {budget_s!r}")
+    if not (isinstance(max_candidates, int) and max_candidates >= 1):
+        raise ValueError(f"tune: max_candidates must be a whole number of at least 1; got {max_candidates!r}")
+    for name in DECIDED_BY_TUNE:
+        if name in settings:
+            raise ValueError(f"tune: {name} is decided by the tuner, round by round; leave it out")
+    run = RunConfig.from_options(
+        "tune", settings, also=("model", "data", "loss_fn", "budget_s", "techniques", "advice",
+                                "max_candidates", "out", "overwrite", "progress", "on_event", "stop"),
+    )  # fmt: skip
+    if techniques is not None and advice is not None:
+        raise ValueError("tune: pass techniques (what to search) or advice (the advisor's ranking), not both")
+    prepare(model, data, loss_fn, {}, run)  # bad model, data or settings: refused before anything runs
+    search = _Search(model, data, loss_fn, run, settings, float(budget_s), progress, on_event, stop)
+    temporary = tempfile.TemporaryDirectory(prefix="workbench-tune-") if out is False else None
+    folder_path = Path(temporary.name if temporary else out or _default_out(model, run))
+    search.open(folder_path, overwrite, techniques, advice, max_candidates)
+    try:
+        results = search.run()
+    finally:
+        search.close()
+        if temporary is not None:
+            temporary.cleanup()
+    if temporary is not None:
+        results.path = None
+    return results
+
+
+def _default_out(model: Any, run: RunConfig) -> Path:
+    from workbench.models import inspect_model
+
+    label = inspect_model(model)[1]
+    return Path("workbench-results") / f"{datetime.now():%Y%m%d-%H%M%S}-tune-{_slug(label)}"
+
+
+class _Search:
+    """One search's state: the candidates, the rounds run, the costs learned, the clock."""
+
+    def __init__(self, model, data, loss_fn, run, settings, budget_s, progress, on_event, stop):
+        self.model, self.data, self.loss_fn, self.run_config = model, data, loss_fn, run
+        self.settings = settings  # as the user gave them: the rounds' ablations take them again
+        self.budget_s, self.progress, self.stop = budget_s, progress, stop
+        self.on_event = on_event or (lambda event: None)
+        self.folder: ResultsFolder | None = None
+        self.state: dict = {}
+        self.candidates: list[Candidate] = []
+        self.excluded: list[dict] = []  # combinations that cannot run here, with the reason
+        self.costs: Costs | None = None
+        self.started = time.monotonic()
+        self.spent_before = 0.0  # what earlier runs of this search spent (resuming)
+
+    # --- the folder and its state -------------------------------------------------------------
+
+    def open(self, path: Path, overwrite: bool, techniques, advice, max_candidates: int) -> None:
+        folder = ResultsFolder(path)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"out={str(path)!r} is a file; out names a folder for the search")
+        folder.lock()
+        self.folder = folder
+        try:
+            fingerprint = self._fingerprint(techniques, advice, max_candidates)
+            state_file = path / "tune.json"
+            if overwrite:
+                folder.clear()
+            if state_file.exists():
+                state = json.loads(state_file.read_text())
+                if state.get("digest") != fingerprint["digest"]:
+                    old, new = state.get("settings", {}), fingerprint["settings"]
+                    differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                    raise ValueError(
+                        f"out={str(path)!r} holds a different search (differs in: {', '.join(differing)}); "
+                        "choose another out, or pass overwrite=True to discard it"
+                    )
+                self._restore(state)
+                return
+            foreign = folder.foreign_files(limit=5)
+            if foreign:
+                raise ValueError(
+                    f"out={str(path)!r} already holds files that are not workbench results "
+                    f"({', '.join(foreign)}); choose a new or empty folder"
+                )
+            self.state = {**fingerprint, "rounds": [], "spent_s": 0.0}
+            self._calibrate(techniques, advice, max_candidates)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.folder is not None:
+            self.folder.unlock()
+
+    def _fingerprint(self, techniques, advice, max_candidates) -> dict:
+        from workbench.data import resolve_data
+        from workbench.models import inspect_model
+
+        source = resolve_data(self.data, self.model, self.run_config.seed)
+        settings = {
+            "model": inspect_model(self.model)[1],
+            "data": source.label,
+            "run": self.run_config.to_json(),
+            "budget_s": self.budget_s,
+            "pool": "the advisor" if techniques is None else repr(pool_from_techniques(techniques)),
+            "advice": None if advice is None else advice.recommended,
+            "max_candidates": max_candidates,
+        }
+        text = json.dumps(settings, sort_keys=True, default=str)
+        return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16], "settings": json.loads(text)}
+
+    def _save_state(self) -> None:
+        self.state["spent_s"] = self.spent_s
+        self.state["candidates"] = [
+            {"name": c.name, "techniques": c.techniques, "rank": c.rank} for c in self.candidates
+        ]
+        self.state["excluded"] = self.excluded
+        self.state["costs"] = dataclasses.asdict(self.costs)
+        write_json_atomic(self.folder.file("tune.json"), self.state)
+
+    def _restore(self, state: dict) -> None:
+        self.state = state
+        self.spent_before = float(state.get("spent_s", 0.0))
+        self.candidates = [
+            Candidate(c["name"], parse_techniques(c["techniques"]), c["rank"]) for c in state["candidates"]
+        ]
+        self.excluded = state.get("excluded", [])
+        self.costs = Costs(**state["costs"])
+        self._say(
+            f"resuming the search in {self.folder.path}: {self.spent_before:.0f} s of the budget spent before"
+        )
+
+    @property
+    def spent_s(self) -> float:
+        return self.spent_before + time.monotonic() - self.started
+
+    @property
+    def left_s(self) -> float:
+        return self.budget_s - self.spent_s
+
+    def _say(self, text: str) -> None:
+        if self.progress:
+            print(f"tune: {text}", flush=True)
+
+    # --- calibration ------------------------------------------------------------------------------
+
+    def _calibrate(self, techniques, advice, max_candidates: int) -> None:
+        """The candidates, and what a process and an arm cost here, from one measured run."""
+        from workbench.ablation import ablate
+        from workbench.advisor import advise
+
+        run_settings = {k: v for k, v in self.settings.items() if k not in ("control", "isolate")}
+        began = time.monotonic()
+        if techniques is None:
+            if advice is None:
+                self._say("calibrating: the advisor profiles the baseline and ranks what could help")
+                advice = advise(self.model, self.data, self.loss_fn, progress=self.progress, **run_settings)
+            pool = pool_from_advice(advice.recommended)
+            self.state["advice"] = advice.to_json()
+            if not pool:
+                raise ValueError(
+                    f"tune: the advisor found nothing available here that attacks this job's {advice.bottleneck} "
+                    "bottleneck; pass techniques= to search anyway"
+                )
+        else:
+            pool = pool_from_techniques(techniques)
+            if not pool:
+                raise ValueError("tune: techniques names nothing to search (every one is switched off)")
+        calibration = advice.results if advice is not None else None
+        if calibration is None or techniques is not None:
+            self._say("calibrating: one block of the baseline alone, to learn what a process costs here")
+            calibration = ablate(self.model, self.data, self.loss_fn, techniques={}, out=False,
+                                 progress=self.progress, **{**run_settings, "blocks": 1, "control": False})  # fmt: skip
+        wall = time.monotonic() - began
+        unit = next(u for u in calibration.record["units"] if u["arm"] == "baseline")
+        if unit["status"] != "ok":
+            raise RuntimeError(f"tune: the baseline did not run ({unit['status']}): {unit['reason']}")
+        arm = _arm_seconds(unit["result"])
+        # One process of one arm cannot tell the round's start from the process's: all of the rest
+        # is charged to the round, a conservative guess that the first round's figures replace. An
+        # Advice passed in ran earlier (wall is ~0 here): its arm's cost stands in for the rest.
+        overhead = wall - arm if wall > arm else arm
+        self.costs = Costs(run_s=overhead, process_s=0.0, default_arm_s=arm)
+        self.state["calibration"] = {"wall_s": wall, "arm_s": arm, "overhead_s": overhead}
+        self._choose_candidates(pool, max_candidates)
+
+    def _choose_candidates(self, pool, max_candidates: int) -> None:
+        from workbench.ablation import plan_combinations
+        from workbench.data import resolve_data
+        from workbench.techniques import technique_context
+
+        ctx = technique_context(
+            self.run_config, self.model, resolve_data(self.data, self.model, self.run_config.seed)
+        )
+        everything = candidates_from(pool, limit=10_000)
+        runnable, unavailable = plan_combinations(ctx, {c.name: c.pairs for c in everything}, control=False)
+        reasons = {arm.name: arm.unavailable for arm in unavailable}
+        self.excluded = [{"name": c.name, "why": reasons[c.name]} for c in everything if c.name in reasons]
+        kept = [c for c in everything if c.name not in reasons]
+        for c in kept[max_candidates:]:
+            self.excluded.append({"name": c.name, "why": f"beyond max_candidates={max_candidates}"})
+        self.candidates = kept[:max_candidates]
+        if not self.candidates:
+            shown = "; ".join(f"{e['name']}: {e['why']}" for e in self.excluded[:5])
+            raise ValueError(f"tune: no combination can run here ({shown})")
+        self._check_budget()
+        self._save_state()
+
+    def _arms_of(self, names: list[str]) -> list[str]:
+        return ["baseline", *(["baseline (control)"] if self.run_config.control else []), *names]
+
+    def _check_budget(self) -> None:
+        """Refuse a budget that cannot hold the least search: two candidates screened, then compared."""
+        pair = [c.name for c in self.candidates[:2]]
+        least = (
+            self.state["calibration"]["wall_s"]
+            + self.costs.round_s(self._arms_of(pair), 1)
+            + self.costs.round_s(self._arms_of(pair), 2)
+        )
+        if self.budget_s < least:
+            raise ValueError(
+                f"tune: budget_s={self.budget_s:g} is too small to tune this job: measuring its baseline once took "
+                f"{self.state['calibration']['wall_s']:.1f} s here, and the least search (two candidates screened "
+                f"beside the baseline, then compared over 2 blocks) needs about {math.ceil(least)} s. Pass "
+                f"budget_s={math.ceil(least * 1.2)} or more, or fewer steps"
+            )
+
+    # --- rounds -----------------------------------------------------------------------------------
+
+    def run(self) -> Results:
+        alive = [c for c in self.candidates]
+        results, index = None, 0
+        stopped = ""
+        while alive:
+            planned = self._plan_round(index, alive)
+            if planned is None:
+                stopped = "the budget ran out before another round could run"
+                break
+            names, blocks = planned
+            round_alive = [c for c in alive if c.name in names]
+            for candidate in alive:
+                if candidate.name not in names:
+                    candidate.drop(index, "not screened: the budget held only the better-ranked candidates")
+            outcome = self._run_round(index, round_alive, blocks)
+            if outcome is None:
+                stopped = "stopped before the round measured anything"
+                break
+            results, complete = outcome
+            final = len(round_alive) <= 2
+            alive = self._judge(index, round_alive, results, final)
+            if not complete:
+                done = len(
+                    {u["block"] for u in results.record["units"] if u["status"] in ("ok", "interrupted")}
+                )
+                why = (
+                    "the run was stopped"
+                    if self.stop is not None and self.stop.is_set()
+                    else "the budget ran out"
+                )
+                stopped = f"{why} during round {index + 1}, after {done} of {blocks} blocks"
+                break
+            if final:
+                break
+            index += 1
+        return self._finish(results, index, stopped)
+
+    def _plan_round(self, index: int, alive: list[Candidate]) -> tuple[list[str], int] | None:
+        """The candidates and blocks of round ``index``, or None when the budget holds no round."""
+        recorded = self.state["rounds"]
+        if index < len(recorded):  # resuming: the round as it was planned
+            return recorded[index]["candidates"], recorded[index]["blocks"]
+        names = [c.name for c in alive]
+        # Halving from n candidates to the two finalists takes log2(n) rounds: each gets an equal
+        # share of what is left, so the fewer candidates of later rounds get more blocks each.
+        rounds_left = max(1, math.ceil(math.log2(len(names)))) if len(names) > 1 else 1
+        share = self.left_s / rounds_left
+        if len(names) <= 2:  # the final, or a search of two: all that is left
+            blocks = self.costs.blocks_within(self._arms_of(names), RESERVE * self.left_s)
+        elif index == 0:  # screening: one block each, as many of the best-ranked as a share holds
+            while len(names) > 3 and self.costs.round_s(self._arms_of(names), 1) > share:
+                names.pop()
+            blocks = 1
+        else:
+            blocks = self.costs.blocks_within(self._arms_of(names), share)
+        if blocks < 1 or self.costs.round_s(self._arms_of(names), blocks) > self.left_s:
+            return None
+        recorded.append({"round": index, "candidates": names, "blocks": blocks, "final": len(names) <= 2})
+        self._save_state()
+        return names, blocks
+
+    def _run_round(self, index: int, alive: list[Candidate], blocks: int) -> tuple[Results, bool] | None:
+        estimate = self.costs.round_s(self._arms_of([c.name for c in alive]), blocks)
+        self._say(
+            f"round {index + 1}: {len(alive)} candidate{'s' * (len(alive) != 1)} x {blocks} block"
+            f"{'s' * (blocks != 1)} (about {estimate:.0f} s of {self.left_s:.0f} s left)"
+        )
+        self.on_event({"type": "tune_round", "round": index, "candidates": [c.name for c in alive],
+                       "blocks": blocks, "estimate_s": estimate, "left_s": self.left_s})  # fmt: skip
+        run = RunConfig(**{**self.run_config.to_json(), "blocks": blocks, "mode": "one-at-a-time",
+                           "loader_arms": False, "profile_steps": 0, "trace_dir": None})  # fmt: skip
+        prepared = prepare(self.model, self.data, self.loss_fn, {}, run, {c.name: c.pairs for c in alive})
+        deadline = threading.Event()
+        timer = threading.Timer(max(self.left_s, 0.0), deadline.set)
+        relay = threading.Thread(target=self._relay_stop, args=(deadline,), daemon=True)
+        timer.start()
+        relay.start()
+        starts: list[float] = []
+        last_unit = [0.0]
+
+        def watch(event: dict) -> None:
+            if event["type"] == "start":
+                starts.append(time.monotonic())
+            elif event["type"] == "unit":
+                last_unit[0] = time.monotonic()
+            self.on_event(event)
+
+        began = time.monotonic()
+        sub = f"round-{index}"
+        where = self.folder.nest(sub)  # an ablation's folder of its own, inside the search's
+        try:
+            results = _run_in_folder(prepared, where, False, False, self.progress, watch, deadline, None)
+        finally:
+            timer.cancel()
+            deadline.set()  # ends the relay thread
+        self.costs.learn(results, began, starts, last_unit[0] or time.monotonic(), time.monotonic())
+        ran = len({u["block"] for u in results.record["units"] if u["status"] == "ok"})
+        self.state["rounds"][index]["folder"] = sub
+        self._save_state()
+        if not ran:
+            return None
+        return results, results.complete
+
+    def _relay_stop(self, deadline: threading.Event) -> None:
+        while not deadline.wait(0.2):
+            if self.stop is not None and self.stop.is_set():
+                deadline.set()
+
+    def _judge(self, index: int, alive: list[Candidate], results: Results, final: bool) -> list[Candidate]:
+        """Record each candidate's figures; drop failures, loss drift and the clearly slower; halve."""
+        table = results.table.set_index("arm")
+        standing = []
+        for candidate in alive:
+            if candidate.name not in table.index:
+                candidate.drop(index, "not measured")
+                continue
+            row = table.loc[candidate.name]
+            figures = {
+                "round": index,
+                "blocks": int(row.blocks) if row.blocks == row.blocks else 0,
+                "status": row.status,
+                "speedup": row.speedup,
+                "speedup_low": row.speedup_low,
+                "speedup_high": row.speedup_high,
+                "loss_vs_baseline": row.loss_vs_baseline,
+            }
+            candidate.rounds.append(figures)
+            # A round the deadline cut short still measured its finished blocks, side by side.
+            if row.status not in ("ok", "interrupted") or not math.isfinite(row.speedup):
+                candidate.drop(index, f"{row.status}: {row.reason or row.notes or 'no measurement'}")
+            elif abs(row.loss_vs_baseline - 1.0) > LOSS_DRIFT:
+                candidate.drop(
+                    index,
+                    f"loss parity: its final loss is {row.loss_vs_baseline - 1:+.0%} off the baseline's",
+                )
+            else:
+                standing.append(candidate)
+        standing.sort(key=lambda c: -c.rounds[-1]["speedup"])
+        if not standing:
+            return []
+        leader = standing[0].rounds[-1]
+        kept = [standing[0]]
+        for candidate in standing[1:]:
+            mine = candidate.rounds[-1]
+            if mine["speedup_high"] < leader["speedup_low"]:
+                candidate.drop(
+                    index,
+                    f"clearly slower than {standing[0].name}: x{mine['speedup']:.2f} "
+                    f"[{mine['speedup_low']:.2f}, {mine['speedup_high']:.2f}] against x{leader['speedup']:.2f} "
+                    f"[{leader['speedup_low']:.2f}, {leader['speedup_high']:.2f}]",
+                )
+            else:
+                kept.append(candidate)
+        if final:
+            return kept
+        half = max(2, math.ceil(len(standing) / 2))
+        for position, candidate in enumerate(kept[half:], start=half + 1):
+            candidate.drop(
+                index,
+                f"in the lower half of round {index + 1}: x{candidate.rounds[-1]['speedup']:.2f}, "
+                f"{position} of {len(standing)}",
+            )
+        return kept[:half]
+
+    # --- the answer -------------------------------------------------------------------------------
+
+    def _finish(self, results: Results | None, index: int, stopped: str) -> Results:
+        if results is None:
+            raise RuntimeError(
+                f"tune: no round finished ({stopped}); the calibration is saved in {self.folder.path}"
+            )
+        measured = [c for c in self.candidates if c.rounds]
+        final_round = max(c.rounds[-1]["round"] for c in measured)
+        finalists = sorted(
+            (c for c in measured if c.rounds[-1]["round"] == final_round and not c.dropped),
+            key=lambda c: -c.rounds[-1]["speedup"],
+        )
+        best = finalists[0] if finalists else None
+        # The runner-up: the finalist beside the winner, or else the candidate that went furthest
+        # (its figures are from its last round, with that round's blocks).
+        others = sorted(
+            (c for c in measured if c is not best and c.rounds[-1]["speedup"] is not None),
+            key=lambda c: (-len(c.rounds), -c.rounds[-1]["speedup"]),
+        )
+        runner_up = others[0] if others else None
+        faster = best is not None and best.rounds[-1]["speedup_low"] > 1.0
+        if best is not None:
+            best.dropped = "" if faster else "the winner, but not measurably faster than the baseline"
+        record = {
+            "budget_s": self.budget_s,
+            "spent_s": self.spent_s,
+            "stopped": stopped,
+            "rounds": self.state["rounds"],
+            "calibration": self.state["calibration"],
+            "advice": self.state.get("advice"),
+            "best": _summary(best) if faster else None,
+            "fastest": _summary(best),
+            "runner_up": _summary(runner_up),
+            "candidates": [_summary(c) for c in self.candidates],
+            "excluded": self.excluded,
+        }
+        results.record["tune"] = json_values(record)
+        results.path = self.folder.path
+        self._save_state()
+        results.save(self.folder)
+        results.tuning.to_csv(self.folder.file("tune.csv"), index=False)
+        from workbench.plots import plot_tune
+
+        plot_tune(results, self.folder.file("tune.png"))
+        self._say(tune_verdict(record))
+        self.on_event({"type": "tune_done", "best": record["best"], "out": str(self.folder.path)})
+        return results
+
+
+def _summary(candidate: Candidate | None) -> dict | None:
+    if candidate is None:
+        return None
+    last = candidate.rounds[-1] if candidate.rounds else {}
+    return {
+        "name": candidate.name,
+        "techniques": candidate.techniques,
+        "rounds": len(candidate.rounds),
+        "history": candidate.rounds,
+        "speedup": last.get("speedup"),
+        "speedup_low": last.get("speedup_low"),
+        "speedup_high": last.get("speedup_high"),
+        "loss_vs_baseline": last.get("loss_vs_baseline"),
+        "blocks": last.get("blocks"),
+        "dropped": candidate.dropped,
+        "dropped_in_round": None if candidate.dropped_in is None else candidate.dropped_in + 1,
+    }
+
+
+def tune_verdict(record: dict) -> str:
+    """One paragraph: the winner with its interval and loss parity, the runner-up, the spend."""
+    fastest, runner = record.get("fastest"), record.get("runner_up")
+    spent = f"{record['spent_s']:.0f} s of a {record['budget_s']:.0f} s budget"
+    if fastest is None:
+        return f"no candidate was measured to the end ({spent})"
+
+    def figures(entry: dict) -> str:
+        return (
+            f"x{entry['speedup']:.2f} [{entry['speedup_low']:.2f}, {entry['speedup_high']:.2f}] over "
+            f"{entry['blocks']} block{'s' * (entry['blocks'] != 1)}, final loss {entry['loss_vs_baseline']:.3f}x "
+            "the baseline's"
+        )
+
+    if record.get("best"):
+        text = f"best: {fastest['name']}, {figures(fastest)}"
+    else:
+        text = (
+            f"no combination was measurably faster than the baseline; the fastest, {fastest['name']}, "
+            f"came out at {figures(fastest)}"
+        )
+    if runner is not None:
+        text += f"; runner-up: {runner['name']}, {figures(runner)}"
+    text += f" ({spent}"
+    text += f"; {record['stopped']})" if record.get("stopped") else ")"
+    return text
