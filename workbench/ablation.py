@@ -446,14 +446,7 @@ def _open_out(
                 f"({', '.join(foreign)}{', ...' if len(foreign) == 5 else ''}); choose a new or empty folder"
             )
         if plan_file.exists():
-            previous = json.loads(plan_file.read_text())
-            if previous.get("digest") != fingerprint["digest"]:
-                old, new = previous.get("settings", {}), fingerprint["settings"]
-                differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-                raise ValueError(
-                    f"out={str(folder.path)!r} holds a different ablation (differs in: {', '.join(differing)}); "
-                    "choose another out, or pass overwrite=True to discard it"
-                )
+            refuse_a_different_run(folder.path, json.loads(plan_file.read_text()), fingerprint, "ablation")
             jobs = [json.loads(p.read_text()) for p in sorted((folder.path / "units").glob("*.json"))]
             if retry_failed:
                 # A process in which an arm failed runs again whole: the arms of a block are only
@@ -465,6 +458,17 @@ def _open_out(
     except BaseException:
         folder.unlock()
         raise
+
+
+def refuse_a_different_run(path: Path, previous: dict, fingerprint: dict, what: str) -> None:
+    """Raise, naming the settings that differ, when ``path`` holds a run other than this one."""
+    if previous.get("digest") != fingerprint["digest"]:
+        old, new = previous.get("settings", {}), fingerprint["settings"]
+        differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise ValueError(
+            f"out={str(path)!r} holds a different {what} (differs in: {', '.join(differing)}); "
+            "choose another out, or pass overwrite=True to discard it"
+        )
 
 
 RETRIED = ("failed", "oom", "skipped")  # what retry_failed=True runs again when resuming

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.ablation import _run_in_folder, _slug, prepare
+from workbench.ablation import _run_in_folder, _slug, prepare, refuse_a_different_run
 from workbench.config import RunConfig, takes_run_options
 from workbench.results import LOSS_DRIFT, Results
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
@@ -305,13 +305,7 @@ class _Search:
                 folder.clear()
             if state_file.exists():
                 state = json.loads(state_file.read_text())
-                if state.get("digest") != fingerprint["digest"]:
-                    old, new = state.get("settings", {}), fingerprint["settings"]
-                    differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-                    raise ValueError(
-                        f"out={str(path)!r} holds a different search (differs in: {', '.join(differing)}); "
-                        "choose another out, or pass overwrite=True to discard it"
-                    )
+                refuse_a_different_run(path, state, fingerprint, "search")
                 self._restore(state)
                 return
             foreign = folder.foreign_files(limit=5)
