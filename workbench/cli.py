@@ -223,8 +223,10 @@ def _add_tune_command(commands) -> None:
     tune.add_argument("-t", "--technique", action="append", metavar="NAME[:key=value,...]",
                       help="search these (key=a|b tries each value) instead of the advisor's ranking")  # fmt: skip
     tune.add_argument("--techniques", dest="techniques_json", metavar="JSON", help="the same, as JSON")
-    tune.add_argument("--max-candidates", type=int, default=24, help="combinations screened at most")
-    add_run_flags(tune, leave_out=("blocks", "mode", "loader_arms", "profile_steps", "trace_dir"))
+    tune.add_argument("--max-candidates", type=int, help="combinations screened at most (default 24)")
+    from workbench.config import TUNER_DECIDES
+
+    add_run_flags(tune, leave_out=TUNER_DECIDES)
     tune.add_argument("--out", help="the search's folder (default: a new one under ./workbench-results)")
     tune.add_argument("--overwrite", action="store_true", help="discard an earlier search in --out")
     tune.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -324,10 +326,10 @@ def _run_tune(args: argparse.Namespace) -> int:
     import workbench as wb
 
     techniques = _techniques(args, {}) if (args.technique or args.techniques_json) else None
+    limit = {} if args.max_candidates is None else {"max_candidates": args.max_candidates}
     results = wb.tune(
-        args.model, args.data, budget_s=args.budget, techniques=techniques,
-        max_candidates=args.max_candidates, out=args.out, overwrite=args.overwrite,
-        progress=not args.no_progress, **run_settings(args),
+        args.model, args.data, budget_s=args.budget, techniques=techniques, out=args.out,
+        overwrite=args.overwrite, progress=not args.no_progress, **limit, **run_settings(args),
     )  # fmt: skip
     print()
     print(results.tuning.drop(columns=["techniques"]).to_string(index=False))

@@ -395,6 +395,10 @@ class RunConfig:
         return asdict(self)
 
 
+# The run settings wb.tune decides round by round (the CLI's tune command has no flag for them).
+TUNER_DECIDES = ("blocks", "mode", "loader_arms", "profile_steps", "trace_dir")
+
+
 def describe_run_options(indent: str = "    ") -> str:
     """RunConfig's settings as a docstring section: name, then help and default, wrapped."""
     width = max(len(name) for name in run_options()) + 2

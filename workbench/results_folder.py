@@ -119,6 +119,8 @@ class ResultsFolder:
         nested = self._nested()
         for inner in nested:  # a nested run's folder answers for its own files
             foreign += [f"{inner}/{name}" for name in ResultsFolder(self.path / inner).foreign_files(limit)]
+        if limit is not None and len(foreign) >= limit:
+            return sorted(foreign)[:limit]
         for path in self.path.rglob("*"):
             if not (path.is_file() or path.is_symlink()):
                 continue

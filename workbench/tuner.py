@@ -39,20 +39,18 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from workbench.ablation import _run_in_folder, _slug, prepare, refuse_a_different_run
-from workbench.config import RunConfig, takes_run_options
+from workbench.ablation import Prepared, _default_out, _run_in_folder, prepare, refuse_a_different_run
+from workbench.config import TUNER_DECIDES, RunConfig, takes_run_options
 from workbench.results import LOSS_DRIFT, Results
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.techniques import Technique, all_techniques, get_technique, parse_techniques, settings_of
 
 # Settings the tuner decides for each round itself; the advisor's own run fixes some more.
-DECIDED_BY_TUNE = ("blocks", "mode", "loader_arms", "profile_steps", "trace_dir")
 MAX_CANDIDATES = 24
 RESERVE = 0.8  # the final round plans for this share of what is left: costs are estimates
 
@@ -242,7 +240,7 @@ def tune(
         raise ValueError(f"tune: budget_s must be a positive number of seconds (e.g. 600); got {budget_s!r}")
     if not (isinstance(max_candidates, int) and max_candidates >= 1):
         raise ValueError(f"tune: max_candidates must be a whole number of at least 1; got {max_candidates!r}")
-    for name in DECIDED_BY_TUNE:
+    for name in TUNER_DECIDES:
         if name in settings:
             raise ValueError(f"tune: {name} is decided by the tuner, round by round; leave it out")
     run = RunConfig.from_options(
@@ -251,10 +249,14 @@ def tune(
     )  # fmt: skip
     if techniques is not None and advice is not None:
         raise ValueError("tune: pass techniques (what to search) or advice (the advisor's ranking), not both")
-    prepare(model, data, loss_fn, {}, run)  # bad model, data or settings: refused before anything runs
-    search = _Search(model, data, loss_fn, run, settings, float(budget_s), progress, on_event, stop)
+    checked = prepare(
+        model, data, loss_fn, {}, run
+    )  # bad model, data or settings: refused before anything runs
+    search = _Search(checked, data, settings, float(budget_s), progress, on_event, stop)
     temporary = tempfile.TemporaryDirectory(prefix="workbench-tune-") if out is False else None
-    folder_path = Path(temporary.name if temporary else out or _default_out(model, run))
+    folder_path = Path(
+        temporary.name if temporary else out or _default_out(f"tune-{checked.config['model']}")
+    )
     search.open(folder_path, overwrite, techniques, advice, max_candidates)
     try:
         results = search.run()
@@ -267,18 +269,14 @@ def tune(
     return results
 
 
-def _default_out(model: Any, run: RunConfig) -> Path:
-    from workbench.models import inspect_model
-
-    label = inspect_model(model)[1]
-    return Path("workbench-results") / f"{datetime.now():%Y%m%d-%H%M%S}-tune-{_slug(label)}"
-
-
 class _Search:
     """One search's state: the candidates, the rounds run, the costs learned, the clock."""
 
-    def __init__(self, model, data, loss_fn, run, settings, budget_s, progress, on_event, stop):
-        self.model, self.data, self.loss_fn, self.run_config = model, data, loss_fn, run
+    def __init__(self, checked: Prepared, data, settings, budget_s, progress, on_event, stop):
+        # The job as prepare() checked it (its data resolved once: checked.data), and the data as
+        # the user gave it, which each round's ablation resolves in its own processes.
+        self.checked, self.data = checked, data
+        self.model, self.loss_fn, self.run_config = checked.model, checked.loss_fn, checked.run
         self.settings = settings  # as the user gave them: the rounds' ablations take them again
         self.budget_s, self.progress, self.stop = budget_s, progress, stop
         self.on_event = on_event or (lambda event: None)
@@ -325,13 +323,9 @@ class _Search:
             self.folder.unlock()
 
     def _fingerprint(self, techniques, advice, max_candidates) -> dict:
-        from workbench.data import resolve_data
-        from workbench.models import inspect_model
-
-        source = resolve_data(self.data, self.model, self.run_config.seed)
         settings = {
-            "model": inspect_model(self.model)[1],
-            "data": source.label,
+            "model": self.checked.config["model"],
+            "data": self.checked.config["data"],
             "run": self.run_config.to_json(),
             "budget_s": self.budget_s,
             "pool": "the advisor" if techniques is None else repr(pool_from_techniques(techniques)),
@@ -418,12 +412,9 @@ class _Search:
 
     def _choose_candidates(self, pool, max_candidates: int) -> None:
         from workbench.ablation import plan_combinations
-        from workbench.data import resolve_data
         from workbench.techniques import technique_context
 
-        ctx = technique_context(
-            self.run_config, self.model, resolve_data(self.data, self.model, self.run_config.seed)
-        )
+        ctx = technique_context(self.run_config, self.model, self.checked.data)
         everything = candidates_from(pool, limit=10_000)
         runnable, unavailable = plan_combinations(ctx, {c.name: c.pairs for c in everything}, control=False)
         reasons = {arm.name: arm.unavailable for arm in unavailable}
