@@ -1,12 +1,22 @@
 """The rule the statistical timing tests use: they can fail on a quiet machine, and only there."""
 
+import pandas as pd
 import pytest
 from helpers import judged_on_a_quiet_machine
 
 
 class FakeResults:
-    def __init__(self, others_cores: float):
+    def __init__(self, others_cores: float, control: tuple[float, float, float] = (1.0, 0.98, 1.02)):
         self.load = {"others_cpu_cores_p90": others_cores, "cores": 2}
+        speedup, low, high = control
+        self.table = pd.DataFrame(
+            {
+                "arm": ["baseline", "baseline (control)"],
+                "speedup": [1.0, speedup],
+                "speedup_low": [1.0, low],
+                "speedup_high": [1.0, high],
+            }
+        )
 
 
 def test_two_misses_on_a_quiet_machine_fail():
@@ -17,6 +27,18 @@ def test_two_misses_on_a_quiet_machine_fail():
 def test_misses_on_a_busy_machine_skip_with_the_load_seen():
     with pytest.raises(pytest.skip.Exception, match=r"too busy.*1\.50 of 2 cores"):
         judged_on_a_quiet_machine(lambda: FakeResults(1.5), lambda res: "missed")
+
+
+def test_misses_while_the_control_itself_is_noisy_skip():
+    """No load visible, but the run's own A/A interval is +/-15% wide: it could not show anything."""
+    with pytest.raises(pytest.skip.Exception, match=r"control's own interval \[1\.05, 1\.35\]"):
+        judged_on_a_quiet_machine(lambda: FakeResults(0.0, control=(1.2, 1.05, 1.35)), lambda res: "missed")
+
+
+def test_a_control_that_misses_one_with_a_tight_interval_still_fails():
+    """A shifted but tight control is what contamination looks like: that must fail, not skip."""
+    with pytest.raises(pytest.fail.Exception, match="two misses on a quiet machine"):
+        judged_on_a_quiet_machine(lambda: FakeResults(0.0, control=(1.06, 1.03, 1.09)), lambda res: "missed")
 
 
 def test_a_pass_ends_the_retries():

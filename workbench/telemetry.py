@@ -437,7 +437,7 @@ class CompetingLoad:
         import psutil
 
         self._psutil = psutil
-        self._last = (time.monotonic(), self._machine_busy_s(), self._run_cpu_s())
+        self._last = (time.monotonic(), self._machine_busy_s(), self._run_cpu_s(), self._steal_s())
 
     def _machine_busy_s(self) -> float:
         times = self._psutil.cpu_times()
@@ -446,13 +446,19 @@ class CompetingLoad:
     def _run_cpu_s(self) -> float:
         return process_cpu_seconds(worker_processes(), reaped=True)
 
+    def _steal_s(self) -> float:
+        # In a virtual machine, the time the hypervisor gave this machine's CPUs to other guests:
+        # load that no process here shows. It is part of "busy" above, so of others_cpu_cores.
+        return float(getattr(self._psutil.cpu_times(), "steal", 0.0))
+
     def read(self) -> dict:
-        now, busy, run = time.monotonic(), self._machine_busy_s(), self._run_cpu_s()
-        last_now, last_busy, last_run = self._last
-        self._last = (now, busy, run)
+        now, busy, run, steal = time.monotonic(), self._machine_busy_s(), self._run_cpu_s(), self._steal_s()
+        last_now, last_busy, last_run, last_steal = self._last
+        self._last = (now, busy, run, steal)
         elapsed = max(now - last_now, 1e-6)
         reading = {
             "others_cpu_cores": max(0.0, (busy - last_busy) - (run - last_run)) / elapsed,
+            "steal_cpu_cores": max(0.0, steal - last_steal) / elapsed,
             "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan,
         }
         try:
@@ -474,10 +480,12 @@ def competing_load(samples: list[dict], cores: int) -> dict:
     if not others:
         return {}
     loads = [s["load_avg_1m"] for s in samples if math.isfinite(s.get("load_avg_1m", math.nan))]
+    steals = [s["steal_cpu_cores"] for s in samples if "steal_cpu_cores" in s]
     summary = {
         "others_cpu_cores_median": float(np.median(others)),
         "others_cpu_cores_p90": float(np.percentile(others, 90)),
         "load_avg_1m_median": float(np.median(loads)) if loads else math.nan,
+        "steal_cpu_cores_p90": float(np.percentile(steals, 90)) if steals else math.nan,
         "cores": cores,
         "warning": "",
     }
@@ -487,6 +495,11 @@ def competing_load(samples: list[dict], cores: int) -> dict:
             f"(median; {summary['others_cpu_cores_p90']:.2f} at the 90th percentile) while the arms ran: they slow "
             "the arms unevenly and widen every interval. Rerun on a quieter machine, or with more blocks"
         )
+        if summary["steal_cpu_cores_p90"] >= LOAD_WARN_CORES / 2:
+            summary["warning"] += (
+                f" (up to {summary['steal_cpu_cores_p90']:.2f} cores of it was steal time: other virtual "
+                "machines on the same host, which no process list here shows)"
+            )
     return summary
 
 
