@@ -55,6 +55,15 @@ def test_recommendations_are_ranked_by_their_ceiling_and_each_says_why():
     assert "On a CPU" in advice.caveats[0]
 
 
+def test_a_remedy_for_the_bottleneck_with_no_headroom_is_not_recommended():
+    # Launch-bound, but the optimizer's step is all of the overhead: compile, which takes only
+    # the model's forward and backward, has nothing left to win (its ceiling is x1.00).
+    advice = build_advice(_facts(data_ms=0.5, overhead_ms=7.6, matmul_ms=1.5, optimizer_ms=8.0), EVERYTHING)
+    assert advice.bottleneck == "launch"
+    assert "compile" not in advice.recommended
+    assert "too little to be worth measuring" in advice.not_recommended.set_index("technique").why["compile"]
+
+
 def test_memory_remedies_are_ranked_by_what_they_free_and_unavailable_ones_say_why():
     advice = build_advice(_facts(peak_mib=900.0), {**EVERYTHING, "checkpointing": "no repeated blocks"})
     assert advice.bottleneck == "memory"

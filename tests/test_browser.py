@@ -201,6 +201,15 @@ def test_quickstart_panel_runs_live_in_a_real_browser(jupyter_lab):
                 "[data-mime-type='application/vnd.jupyter.error']"
             )
             assert errors.count() == 0, [errors.nth(i).inner_text()[:500] for i in range(errors.count())]
+            # The second page: the advisor and the tuner, on the same job.
+            tab = page.get_by_role("tab", name="Advise & tune")
+            tab.scroll_into_view_if_needed()
+            tab.click()
+            tune_button = page.locator("button.workbench-tune")
+            tune_button.wait_for(state="visible", timeout=10_000)
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ARTIFACTS / "04-advise-and-tune.png"))
+            assert page.locator("button.workbench-advise").is_visible()
             (ARTIFACTS / "summary.json").write_text(json.dumps({"live_frames": len(frames)}))
         finally:
             page.screenshot(path=str(ARTIFACTS / "99-final.png"), full_page=True)

@@ -94,6 +94,10 @@ def test_best_of_an_ablation_is_the_fastest_arm_measurably_faster_with_matching_
     assert Results(record).best == {"amp": {"dtype": "bfloat16"}}
     record["table"] = [row("baseline", 1, 1), row("amp", 1.01, 0.97)]
     assert Results(record).best == {}
+    for tuner_only in ("tuning", "tuning_verdict", "plot_tuning"):
+        with pytest.raises(ValueError, match="come from an ablation, not from wb.tune"):
+            value = getattr(Results(record), tuner_only)
+            value() if callable(value) else value
 
 
 def test_a_nested_results_folder_is_cleared_with_its_parent_and_guards_the_users_files(tmp_path):
@@ -207,6 +211,8 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
     assert "no_pause+longer_pause" in by_name  # combinations were screened too
     assert tune["spent_s"] <= 45 * 1.15, tune["spent_s"]
     assert set(res.tuning.name) == set(by_name)
+    assert res.tuning_verdict.startswith("best: no_pause, x")
+    assert [len(axes.patches) + len(axes.lines) for axes in res.plot_tuning().axes][0] > 0
     # Saved like an ablation, with the search beside it.
     for name in ("results.json", "tune.json", "tune.csv", "tune.png", "plot.png", "round-0/results.json"):
         assert (out / name).exists(), name

@@ -299,3 +299,61 @@ def test_every_setting_control_shows_its_value():
     for name, control in panel.settings.items():
         if isinstance(control, w.Dropdown):
             assert control.label, f"{name}'s dropdown is blank"
+
+
+def test_the_advise_and_tune_page_builds_its_calls_from_the_job_above():
+    panel = wb.panel(model="mlp", techniques={"amp": True}, batch_size=8, blocks=3, steps=30)
+    assert [panel.tabs.get_title(i) for i in range(2)] == ["Ablate", "Advise & tune"]
+    advise_call = panel.advise_arguments()
+    assert advise_call["batch_size"] == 8 and advise_call["steps"] == 30
+    assert not {"techniques", "out", "blocks", "control", "loader_arms", "isolate"} & set(advise_call)
+    tune_call = panel.tune_arguments()
+    assert tune_call["techniques"] is None and tune_call["budget_s"] == 300.0  # the advisor's ranking
+    assert not {"blocks", "mode", "loader_arms"} & set(tune_call)
+    panel.search_space.value = "chosen"
+    assert list(panel.tune_arguments()["techniques"]) == ["amp"]
+    panel.rows["amp"].toggle.value = False
+    assert panel.tune() is False and "switch on the techniques to search" in html.unescape(panel.status.value)
+    # "Switch these on": the advice's (or the winner's) techniques become the Ablate page's toggles.
+    panel._adoptable = {"compile": {"mode": "max-autotune"}, "grad_accum": {"steps": 4}}
+    panel.rows["checkpointing"].toggle.value = True
+    panel.tabs.selected_index = 1
+    panel.adopt()
+    chosen = panel.arguments()["techniques"]
+    assert chosen["compile"]["mode"] == "max-autotune" and chosen["grad_accum"]["steps"] == 4
+    assert "checkpointing" not in chosen and panel.tabs.selected_index == 0
+
+
+def test_each_round_of_a_search_starts_the_live_lines_afresh():
+    live = LiveRun()
+    live({"type": "tune_round", "round": 0, "candidates": ["a", "b"], "blocks": 1})
+    live({"type": "progress", "arm": "a", "samples_per_s": 100.0, "block": 0})
+    live({"type": "tune_round", "round": 1, "candidates": ["a"], "blocks": 2})
+    live({"type": "progress", "arm": "a", "samples_per_s": 120.0, "block": 0})
+    snapshot = live.snapshot()
+    assert [point[1] for point in snapshot["throughput"]["a"]] == [120.0]  # no line across rounds
+    assert snapshot["current"].startswith("tuning, round 2: 1 candidate x 2 blocks")
+
+
+@pytest.mark.slow  # the advisor's run and a search, in fresh processes
+def test_advise_then_tune_from_the_panel():
+    panel = wb.panel(model="mlp", batch_size=8, steps=20, warmup=2, out=False)
+    panel.tabs.selected_index = 1
+    assert panel.advise() is True
+    advice = panel.wait(timeout=300)
+    assert isinstance(advice, wb.Advice), panel.status.value
+    assert f"the step is {advice.bottleneck}-bound" in panel.status.value
+    assert panel.final_image.value[:4] == b"\x89PNG" and advice.bottleneck in panel.table.value
+    assert not panel.adopt_button.disabled or not advice.recommended
+    # The search starts from that advice (not profiled again); Stop ends it like Ctrl-C.
+    assert panel.tune_arguments()["advice"] is advice
+    assert panel.tune() is True
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not panel.live.snapshot()["finished"]:
+        time.sleep(0.2)
+    assert panel.live.snapshot()["current"].startswith("tuning, round 1")
+    panel.stop()
+    panel.wait(timeout=120)
+    assert not panel.running and not panel.tune_button.disabled and panel.stop_button.disabled
+    assert panel.error is None, panel.error
+    assert "stopped" in panel.status.value.lower() or "no candidate" in panel.status.value

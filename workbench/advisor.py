@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -49,6 +50,9 @@ PARTS = ("data", "launch", "compute", "communication")
 BOTTLENECKS = (*PARTS, "memory")
 MEMORY_LIMIT = 0.8  # a peak at 80% of the capacity or more: memory is the limit
 WORTH_TRYING = 1.10  # a remedy for another part is still recommended if it could give 10%
+# Even for the bottleneck's own part, a remedy whose ceiling is this close to 1 has nothing to
+# win (its part of the step is nearly empty): it is said why, not recommended.
+NO_HEADROOM = 1.02
 PROFILE_STEPS = 5
 
 CPU_CAVEAT = (
@@ -352,7 +356,12 @@ def build_advice(facts: Facts, available: dict[str, str | None], results: Result
     """The verdict, the ranked recommendations and the reasons against the rest."""
     verdict = diagnose(facts)
     found = suggestions(facts, available)
-    chosen = [s for s in found if s.part == verdict or (s.part != "memory" and s.at_most >= WORTH_TRYING)]
+    chosen = [
+        s
+        for s in found
+        if (s.part == verdict and (s.part == "memory" or s.at_most >= NO_HEADROOM))
+        or (s.part != "memory" and s.at_most >= WORTH_TRYING)
+    ]
     key = (lambda s: -np.nan_to_num(s.saves_mib)) if verdict == "memory" else (lambda s: -s.at_most)
     chosen.sort(key=lambda s: (s.part != verdict, key(s)))
     seen: set[str] = set()  # a technique that attacks two parts is listed once, for its best
@@ -387,7 +396,9 @@ def build_advice(facts: Facts, available: dict[str, str | None], results: Result
             columns=["technique", "settings", "part", "at_most", "saves_mb", "why"],
         ),
         not_recommended=pd.DataFrame(sorted(rejected.items()), columns=["technique", "why"]),
-        caveats=[CPU_CAVEAT] if facts.device != "cuda" else [],
+        # The run's own warnings (a busy machine) first: they say how far to trust every figure.
+        caveats=(results.warnings() if results is not None else [])
+        + ([CPU_CAVEAT] if facts.device != "cuda" else []),
         facts=facts,
         results=results,
     )
@@ -400,6 +411,8 @@ def _why_not(suggestion: Suggestion, facts: Facts, verdict: str) -> str:
             f"{_pct(facts.memory_share)}); it would cost time"
             + (f": about {_pct(1 / suggestion.at_most - 1)} per step" if suggestion.at_most < 1 else "")
         )
+    if suggestion.part == verdict:  # the right part, but the share it can act on is nearly empty
+        return f"{suggestion.why}: at most x{suggestion.at_most:.2f}, too little to be worth measuring"
     return f"{suggestion.why}: at most x{suggestion.at_most:.2f}, and the bottleneck is {verdict}"
 
 
@@ -472,8 +485,21 @@ def _capacity(results: Results, gpu: bool, memory_cap_mb: float | None) -> tuple
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20, "this machine's RAM"
 
 
+# The run settings the advisor decides: one block of the baseline alone.
+ADVISOR_FIXES = {"blocks": 1, "control": False, "loader_arms": False, "isolate": False}
+
+
 @takes_run_options
-def advise(model="mlp", data=None, loss_fn=None, *, progress: bool = True, **settings) -> Advice:
+def advise(
+    model="mlp",
+    data=None,
+    loss_fn=None,
+    *,
+    progress: bool = True,
+    on_event: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+    **settings,
+) -> Advice:
     """Profile a short baseline of this training job and name its bottleneck, with the evidence.
 
     Runs the baseline alone in a fresh process (one block, no control arm: ``blocks``,
@@ -484,16 +510,28 @@ def advise(model="mlp", data=None, loss_fn=None, *, progress: bool = True, **set
     ``.evidence`` (the figures), ``.recommended`` (a techniques mapping for ``wb.ablate``,
     best first, each with a reason in ``.recommendations``), ``.not_recommended`` and
     ``.plot()``. ``trace_dir`` writes the profiler trace (Perfetto, chrome://tracing).
+    ``on_event`` and ``stop`` are ablate's: its events as the run goes, and a way to end it.
 
     Every other keyword is a run setting, as for ``ablate``:
     {run_options}
     """
-    fixed = {"blocks": 1, "control": False, "loader_arms": False, "isolate": False}
-    for name, value in fixed.items():
+    for name, value in ADVISOR_FIXES.items():
         if name in settings and settings[name] != value:
             raise ValueError(f"advise: {name} is fixed at {value!r} (one block of the baseline alone)")
-    settings = {**settings, **fixed, "profile_steps": settings.get("profile_steps") or PROFILE_STEPS}
-    results = ablate(model, data, loss_fn, techniques={}, out=False, progress=progress, **settings)
+    settings = {**settings, **ADVISOR_FIXES, "profile_steps": settings.get("profile_steps") or PROFILE_STEPS}
+    results = ablate(
+        model,
+        data,
+        loss_fn,
+        techniques={},
+        out=False,
+        progress=progress,
+        on_event=on_event,
+        stop=stop,
+        **settings,
+    )
+    if not results.complete:
+        raise RuntimeError("advise: the baseline's run was stopped before it finished; nothing to advise on")
     run = RunConfig(**{k: v for k, v in settings.items() if k in RunConfig.__dataclass_fields__})
     ctx = technique_context(run, model, resolve_data(data, model, run.seed))
     available = {t.name: t.unavailable_reason(ctx, t.configure({})) for t in all_techniques()}

@@ -333,10 +333,9 @@ def _run_tune(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print()
     print(results.tuning.drop(columns=["techniques"]).to_string(index=False))
-    from workbench.tuner import tune_verdict
 
     print()
-    print(tune_verdict(results.record["tune"]))
+    print(results.tuning_verdict)
     if results.best:
         print(f"\nResults.best: {json.dumps(results.best)}")
     print(f"\nSaved tune.json, tune.csv, tune.png and each round (round-N/) in {results.path}")

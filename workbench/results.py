@@ -16,7 +16,7 @@ import numpy as np
 
 from workbench import stats
 from workbench.mfu import achieved_tflops, mfu_percent, peak_tflops
-from workbench.plots import plot_results
+from workbench.plots import plot_results, plot_tune
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.telemetry import PHASES
 
@@ -505,6 +505,20 @@ class Results:
     def plot(self):
         return plot_results(self)
 
+    def plot_tuning(self, path=None):
+        """The tuner's search (``wb.tune``): each candidate's speedup and interval round by round,
+        the winner marked; also saved as tune.png in the search's folder."""
+        if "tune" not in self.record:
+            raise ValueError("Results.plot_tuning: these results come from an ablation, not from wb.tune")
+        return plot_tune(self, path)
+
+    @property
+    def tuning_verdict(self) -> str:
+        """The tuner's verdict in one paragraph: the winner with its interval and loss, the runner-up."""
+        if "tune" not in self.record:
+            raise ValueError("Results.tuning_verdict: these results come from an ablation, not from wb.tune")
+        return tune_verdict(self.record["tune"])
+
     def save(self, path: str | os.PathLike | ResultsFolder) -> Path:
         """Write results.json, table.csv, losses.csv, telemetry.csv and plot.png into the folder
         ``path``; each is entered in the folder's manifest (see workbench.results_folder)."""
@@ -648,3 +662,31 @@ def _malformed(record: dict) -> str | None:
         if not isinstance(unit, dict) or "arm" not in unit:
             return f"unit {index} is not a measured arm"
     return None
+
+
+def tune_verdict(record: dict) -> str:
+    """One paragraph: the winner with its interval and loss parity, the runner-up, the spend."""
+    fastest, runner = record.get("fastest"), record.get("runner_up")
+    spent = f"{record['spent_s']:.0f} s of a {record['budget_s']:.0f} s budget"
+    if fastest is None:
+        return f"no candidate was measured to the end ({spent})"
+
+    def figures(entry: dict) -> str:
+        return (
+            f"x{entry['speedup']:.2f} [{entry['speedup_low']:.2f}, {entry['speedup_high']:.2f}] over "
+            f"{entry['blocks']} block{'s' * (entry['blocks'] != 1)}, final loss {entry['loss_vs_baseline']:.3f}x "
+            "the baseline's"
+        )
+
+    if record.get("best"):
+        text = f"best: {fastest['name']}, {figures(fastest)}"
+    else:
+        text = (
+            f"no combination was measurably faster than the baseline; the fastest, {fastest['name']}, "
+            f"came out at {figures(fastest)}"
+        )
+    if runner is not None:
+        text += f"; runner-up: {runner['name']}, {figures(runner)}"
+    text += f" ({spent}"
+    text += f"; {record['stopped']})" if record.get("stopped") else ")"
+    return text

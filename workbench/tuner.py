@@ -656,10 +656,8 @@ class _Search:
         self._save_state()
         results.save(self.folder)
         results.tuning.to_csv(self.folder.file("tune.csv"), index=False)
-        from workbench.plots import plot_tune
-
-        plot_tune(results, self.folder.file("tune.png"))
-        self._say(tune_verdict(record))
+        results.plot_tuning(self.folder.file("tune.png"))
+        self._say(results.tuning_verdict)
         self.on_event({"type": "tune_done", "best": record["best"], "out": str(self.folder.path)})
         return results
 
@@ -681,31 +679,3 @@ def _summary(candidate: Candidate | None) -> dict | None:
         "dropped": candidate.dropped,
         "dropped_in_round": None if candidate.dropped_in is None else candidate.dropped_in + 1,
     }
-
-
-def tune_verdict(record: dict) -> str:
-    """One paragraph: the winner with its interval and loss parity, the runner-up, the spend."""
-    fastest, runner = record.get("fastest"), record.get("runner_up")
-    spent = f"{record['spent_s']:.0f} s of a {record['budget_s']:.0f} s budget"
-    if fastest is None:
-        return f"no candidate was measured to the end ({spent})"
-
-    def figures(entry: dict) -> str:
-        return (
-            f"x{entry['speedup']:.2f} [{entry['speedup_low']:.2f}, {entry['speedup_high']:.2f}] over "
-            f"{entry['blocks']} block{'s' * (entry['blocks'] != 1)}, final loss {entry['loss_vs_baseline']:.3f}x "
-            "the baseline's"
-        )
-
-    if record.get("best"):
-        text = f"best: {fastest['name']}, {figures(fastest)}"
-    else:
-        text = (
-            f"no combination was measurably faster than the baseline; the fastest, {fastest['name']}, "
-            f"came out at {figures(fastest)}"
-        )
-    if runner is not None:
-        text += f"; runner-up: {runner['name']}, {figures(runner)}"
-    text += f" ({spent}"
-    text += f"; {record['stopped']})" if record.get("stopped") else ")"
-    return text

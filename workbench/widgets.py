@@ -4,7 +4,9 @@
 ipywidgets panel generated from the technique registry: one toggle per technique, with a
 control per field of its Config dataclass (a dropdown where the field lists its choices),
 disabled with its reason when it cannot run here. A technique added later appears
-without any change to this module.
+without any change to this module. A second page, "Advise & tune", runs ``wb.advise`` and
+``wb.tune`` on the job the panel's settings describe, and can switch the advice's
+recommendations, or the tuner's winner, on in the first page.
 
 The ablation runs in a background thread, so the kernel stays responsive; its events
 (``ablate(on_event=...)``) are gathered by a LiveRun, and a second thread redraws the live
@@ -21,18 +23,29 @@ import threading
 import time
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as w
 
 from workbench.ablation import ablate, plan, plan_arguments
-from workbench.config import Option, RunConfig, run_options, unknown_name_error
+from workbench.advisor import ADVISOR_FIXES, Advice, advise
+from workbench.config import TUNER_DECIDES, Option, RunConfig, run_options, unknown_name_error
 from workbench.data import BUILTIN_DATA, data_label, resolve_data
 from workbench.models import BUILTIN_MODELS, model_label
 from workbench.plots import plot_live
 from workbench.techniques import Technique, all_techniques, technique_context
+from workbench.tuner import tune
 
 REDRAW_S = 1.0
+TUNE_BUDGETS = [
+    ("1 min", 60),
+    ("2 min", 120),
+    ("5 min", 300),
+    ("10 min", 600),
+    ("30 min", 1800),
+    ("1 hour", 3600),
+]
 # ablate's keywords that the panel takes and hands on untouched (it sets progress, on_event
 # and stop itself; every run setting gets a control).
 PANEL_PASSES_ON = ("overwrite", "retry_failed")
@@ -52,6 +65,7 @@ class LiveRun:
         self.throughput: dict[str, list[tuple[float, float, int]]] = {}
         self.telemetry: list[dict] = []
         self.current = ""
+        self.stage = ""  # the tuner's round, shown before what runs now
         self.state = "idle"  # idle, running, done, stopped, failed
         self.version = 0  # bumped by every event, so the redraw thread knows when to redraw
 
@@ -82,6 +96,15 @@ class LiveRun:
                 self.telemetry.append(event)
             elif kind in ("done", "stopped"):
                 self.state = kind
+            elif kind == "tune_round":
+                # Each round is a new ablation of other arms: its throughput lines start afresh
+                # (block numbers restart at 0, and a line must never join two rounds' points).
+                self.throughput, self.finished, self.processes_done = {}, [], 0
+                count = len(event["candidates"])
+                self.stage = (
+                    f"tuning, round {event['round'] + 1}: {count} candidate{'s' * (count != 1)} x "
+                    f"{event['blocks']} block{'s' * (event['blocks'] != 1)}"
+                )
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -93,7 +116,7 @@ class LiveRun:
                 "finished": list(self.finished),
                 "throughput": {arm: list(points) for arm, points in self.throughput.items()},
                 "telemetry": list(self.telemetry),
-                "current": self.current,
+                "current": f"{self.stage}; {self.current}" if self.stage else self.current,
                 "state": self.state,
             }
 
@@ -187,6 +210,15 @@ class TechniqueRow(w.HBox):
         else:
             self.note.value = f"<span style='color:#666'>{html.escape(self.summary)}</span>"
 
+    def set_setting(self, setting: Any) -> None:
+        """Switch the technique on with ``setting`` (True, a dict) or off (False), as ablate reads it."""
+        enabled = setting is not None and setting is not False
+        config = self.technique.configure(setting) if enabled else self.technique.Config()
+        self.toggle.value = enabled
+        for name, (_, widget) in self.fields.items():
+            value = getattr(config, name)
+            widget.value = ("" if value is None else str(value)) if isinstance(widget, w.Text) else value
+
     def setting(self) -> Any:
         """False when off; otherwise the dict of options (validated later, by the API)."""
         if not self.toggle.value:
@@ -234,7 +266,8 @@ def _setting_value(rules: Option, control: w.Widget) -> Any:
 
 
 class AblationPanel(w.VBox):
-    """Run settings, technique toggles, Run/Stop, live plots and the final results.
+    """Run settings, then two pages: technique toggles with Run/Stop, and Advise/Tune; live
+    plots and the final results below them.
 
     Each run setting (RunConfig's fields) gets a control, built from its declared type, choices
     and help: the main ones in the first row, the others under "More settings".
@@ -265,18 +298,24 @@ class AblationPanel(w.VBox):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._sources: dict[tuple, Any] = {}  # resolved data per (model, data, seed) choice
+        self._advice: tuple[Advice | None, dict | None] = (None, None)  # the last advice, and for what job
+        self._adoptable: dict = {}  # what "Switch these on" would set: advice's or the tuner's winner
 
         self._make_setting_controls(model, data, out, options)
         chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
         self.rows = {t.name: TechniqueRow(t, chosen.get(t.name, False)) for t in all_techniques()}
         self._make_run_controls_and_outputs()
         technique_box = w.VBox([w.HTML("<b>Techniques</b> (applied top to bottom)"), *self.rows.values()])
+        ablate_page = w.VBox([technique_box, w.HBox([self.run_button, self.stop_button])])
+        # The same Stop button shows on both pages: one widget, two views of it.
+        self.tabs = w.Tab([ablate_page, self._make_tuning_page()])
+        self.tabs.set_title(0, "Ablate")
+        self.tabs.set_title(1, "Advise & tune")
         super().__init__(
             [
                 w.HTML("<h3 style='margin:4px 0'>workbench: controlled ablation</h3>"),
                 self._settings_box(rules),
-                technique_box,
-                w.HBox([self.run_button, self.stop_button]),
+                self.tabs,
                 self.status,
                 self.live_image,
                 self.final_image,
@@ -347,6 +386,54 @@ class AblationPanel(w.VBox):
         self.table = w.HTML()
         self.table.add_class("workbench-results")
 
+    def _make_tuning_page(self) -> w.Widget:
+        """The advisor's verdict on the job set above, and the tuner's budgeted search."""
+        wide = {"style": {"description_width": "initial"}}
+        self.budget = w.Dropdown(
+            options=TUNE_BUDGETS, value=300, description="budget", layout=w.Layout(width="160px"), **wide
+        )
+        self.search_space = w.Dropdown(
+            options=[
+                ("the advisor's ranking", "advisor"),
+                ("the techniques switched on in Ablate", "chosen"),
+            ],
+            value="advisor",
+            description="search",
+            layout=w.Layout(width="360px"),
+            **wide,
+        )
+        self.advise_button = w.Button(description="Advise", button_style="info", icon="stethoscope")
+        self.tune_button = w.Button(description="Tune", button_style="success", icon="sliders")
+        self.adopt_button = w.Button(
+            description="Switch these on in Ablate",
+            icon="check",
+            disabled=True,
+            layout=w.Layout(width="auto"),
+            tooltip="the advisor's recommendations, or the tuner's winner, as the Ablate page's toggles",
+        )
+        for button, name in (
+            (self.advise_button, "advise"),
+            (self.tune_button, "tune"),
+            (self.adopt_button, "adopt"),
+        ):
+            button.add_class(f"workbench-{name}")
+        self.advise_button.on_click(lambda _: self.advise())
+        self.tune_button.on_click(lambda _: self.tune())
+        self.adopt_button.on_click(lambda _: self.adopt())
+        explanation = w.HTML(
+            "<b>Advise</b> profiles a short baseline of the job above and names its bottleneck, with the "
+            "figures. <b>Tune</b> searches combinations of techniques and their settings for the fastest "
+            "whose loss still matches, within the budget: every candidate screened in one block, the better "
+            "half kept each round with more blocks."
+        )
+        return w.VBox(
+            [
+                explanation,
+                w.HBox([self.budget, self.search_space], layout=w.Layout(flex_flow="row wrap")),
+                w.HBox([self.advise_button, self.tune_button, self.stop_button, self.adopt_button]),
+            ]
+        )
+
     def _settings_box(self, rules: dict[str, Option]) -> w.Widget:
         """Model, data and the main settings on top, wrapping on narrow pages; the rest folded."""
         wrap = w.Layout(flex_flow="row wrap")
@@ -399,6 +486,29 @@ class AblationPanel(w.VBox):
             **self.ablate_kwargs,
         }
 
+    def advise_arguments(self) -> dict:
+        """What Advise passes to ``wb.advise``: the job and its settings, less what the advisor fixes."""
+        arguments = self.arguments()
+        for name in ("techniques", "out", *PANEL_PASSES_ON, *ADVISOR_FIXES):
+            arguments.pop(name, None)
+        return arguments
+
+    def tune_arguments(self) -> dict:
+        """What Tune passes to ``wb.tune`` (ValueError when there is nothing to search)."""
+        arguments = self.arguments()
+        chosen = arguments.pop("techniques")
+        for name in ("retry_failed", *TUNER_DECIDES):
+            arguments.pop(name, None)
+        if self.search_space.value == "chosen" and not chosen:
+            raise ValueError(
+                "tune: switch on the techniques to search on the Ablate page, or search the advisor's ranking"
+            )
+        arguments["techniques"] = chosen if self.search_space.value == "chosen" else None
+        advice, advised = self._advice
+        if arguments["techniques"] is None and advice is not None and advised == self.advise_arguments():
+            arguments["advice"] = advice  # the same job was just profiled: no need to profile it again
+        return {**arguments, "budget_s": float(self.budget.value)}
+
     # ----- run / stop --------------------------------------------------------------------
 
     @property
@@ -407,33 +517,91 @@ class AblationPanel(w.VBox):
 
     def run(self) -> bool:
         """Start the ablation in the background. Refused (False) while one is in flight or input is bad."""
-        if self.running:
-            self.status.value = _error_html("A run is already in progress: wait for it, or press Stop first.")
-            return False
         arguments = self.arguments()
         try:  # the same validation, and the same one-line messages, as the API
             plan(**plan_arguments(arguments))
         except ValueError as error:
             self.status.value = _error_html(str(error))
             return False
-        self.error, self.results = None, None
+        return self._start(
+            lambda: ablate(**arguments, progress=False, on_event=self.live, stop=self._stop),
+            "Starting: each block is a fresh process that runs every arm side by side, so it takes a few "
+            "seconds to start.",
+        )
+
+    def advise(self) -> bool:
+        """Profile the job's baseline in the background (``wb.advise``); False if refused."""
+        try:
+            self.run_config()
+            arguments = self.advise_arguments()
+        except ValueError as error:
+            self.status.value = _error_html(str(error))
+            return False
+
+        def advise_and_remember():
+            advice = advise(**arguments, progress=False, on_event=self.live, stop=self._stop)
+            self._advice = (advice, arguments)
+            return advice
+
+        return self._start(advise_and_remember, "Advising: profiling a short baseline in a fresh process.")
+
+    def tune(self) -> bool:
+        """Search for the fastest combination in the background (``wb.tune``); False if refused."""
+        try:
+            self.run_config()
+            arguments = self.tune_arguments()
+        except ValueError as error:
+            self.status.value = _error_html(str(error))
+            return False
+        return self._start(
+            lambda: tune(**arguments, progress=False, on_event=self.live, stop=self._stop),
+            f"Tuning within {_budget_label(arguments['budget_s'])}: "
+            + (
+                "searching the techniques switched on."
+                if arguments["techniques"]
+                else "searching the last advice's ranking."
+                if "advice" in arguments
+                else "advising first."
+            ),
+        )
+
+    def adopt(self) -> None:
+        """Set the Ablate page's toggles to the last advice's recommendations or the tuner's winner."""
+        if not self._adoptable:
+            return
+        for name, row in self.rows.items():
+            if not row.unavailable:
+                row.set_setting(self._adoptable.get(name, False))
+        self.tabs.selected_index = 0
+        self.status.value = (
+            "Switched on: " + html.escape(", ".join(self._adoptable)) + ". Press <b>Run ablation</b>."
+        )
+
+    def _start(self, job: Callable[[], Any], message: str) -> bool:
+        if self.running:
+            self.status.value = _error_html("A run is already in progress: wait for it, or press Stop first.")
+            return False
+        self.error, self.results, self._adoptable = None, None, {}
         self.live = LiveRun()
         self._stop = threading.Event()
         self.final_image.value, self.table.value = b"", ""
         self.final_image.layout.display = "none"
-        self.run_button.disabled, self.stop_button.disabled = True, False
-        self.status.value = (
-            "Starting: each block is a fresh process that runs every arm side by side, so it takes a few "
-            "seconds to start."
-        )
+        self._set_running(True)
+        self.status.value = message
         self._thread = threading.Thread(
-            target=self._run_in_background, args=(arguments,), daemon=True, name="workbench-panel-run"
+            target=self._run_job, args=(job,), daemon=True, name="workbench-panel-run"
         )
         self._thread.start()
         threading.Thread(
             target=self._redraw_while_running, daemon=True, name="workbench-panel-redraw"
         ).start()
         return True
+
+    def _set_running(self, running: bool) -> None:
+        for button in (self.run_button, self.advise_button, self.tune_button):
+            button.disabled = running
+        self.stop_button.disabled = not running
+        self.adopt_button.disabled = running or not self._adoptable
 
     def stop(self) -> None:
         """End the run like Ctrl-C: the run in flight is dropped, finished ones are kept."""
@@ -442,14 +610,15 @@ class AblationPanel(w.VBox):
             self.status.value = "Stopping: ending the process in flight; finished blocks are kept."
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until the run finishes (for scripts and tests); returns its Results."""
+        """Block until the run finishes (for scripts and tests); returns its Results (an Advice
+        after Advise)."""
         if self._thread is not None:
             self._thread.join(timeout)
         return self.results
 
-    def _run_in_background(self, arguments: dict) -> None:
+    def _run_job(self, job: Callable[[], Any]) -> None:
         try:
-            self.results = ablate(**arguments, progress=False, on_event=self.live, stop=self._stop)
+            self.results = job()
         except Exception as error:  # shown in the panel: a thread has nowhere else to report
             self.error = f"{type(error).__name__}: {error}"
             self.live.state = "failed"
@@ -458,21 +627,48 @@ class AblationPanel(w.VBox):
 
     def _finish(self) -> None:
         self._draw_live()
-        if self.results is not None:
-            self.final_image.value = self.results.plot()._repr_png_()
-            self.final_image.layout.display = None
-            self.table.value = self.results.table.drop(columns=["techniques", "notes"]).to_html(
-                index=False, float_format=lambda v: f"{v:.3g}", na_rep="-", classes="workbench-table"
-            )
-            where = f" Results: {self.results.path}" if self.results.path else ""
-            verb = "Done" if self.results.complete else "Stopped; finished blocks are kept"
-            self.status.value = f"<b>{verb}.</b>{html.escape(where)}" + "".join(
-                f"<br><span style='color:#c44e52'><b>Warning:</b> {html.escape(w)}</span>"
-                for w in self.results.warnings()
-            )
+        outcome = self.results
+        if isinstance(outcome, Advice):
+            self._show_advice(outcome)
+        elif outcome is not None and "tune" in outcome.record:
+            self._show_search(outcome)
+        elif outcome is not None:
+            self._show(outcome.plot(), self._table_html(outcome.table.drop(columns=["techniques", "notes"])))
+            where = f" Results: {outcome.path}" if outcome.path else ""
+            verb = "Done" if outcome.complete else "Stopped; finished blocks are kept"
+            self.status.value = f"<b>{verb}.</b>{html.escape(where)}" + _warnings_html(outcome.warnings())
         elif self.error:
             self.status.value = _error_html(self.error)
-        self.run_button.disabled, self.stop_button.disabled = False, True
+        self._set_running(False)
+
+    def _show_advice(self, advice: Advice) -> None:
+        self._adoptable = dict(advice.recommended)
+        self._show(advice.plot(), advice._repr_html_())
+        recommended = ", ".join(advice.recommended) or "nothing that runs here"
+        self.status.value = (
+            f"<b>Advice:</b> the step is {html.escape(advice.bottleneck)}-bound. Worth measuring: "
+            f"{html.escape(recommended)}."
+        )
+
+    def _show_search(self, results) -> None:
+        self._adoptable = dict(results.best)
+        self._show(results.plot_tuning(), self._table_html(results.tuning.drop(columns=["techniques"])))
+        where = f" Results: {results.path}" if results.path else ""
+        self.status.value = (
+            f"<b>{html.escape(results.tuning_verdict)}</b>{html.escape(where)}"
+            + _warnings_html(results.warnings())
+        )
+
+    def _show(self, figure, table_html: str) -> None:
+        self.final_image.value = figure._repr_png_()
+        self.final_image.layout.display = None
+        self.table.value = table_html
+
+    @staticmethod
+    def _table_html(table) -> str:
+        return table.to_html(
+            index=False, float_format=lambda v: f"{v:.3g}", na_rep="-", classes="workbench-table"
+        )
 
     def _redraw_while_running(self) -> None:
         drawn = -1
@@ -503,6 +699,16 @@ def _device_options(device: str) -> list[str]:
 def _short_label(data: Any) -> str:
     label = data_label(data)
     return label if len(label) <= 40 else "..." + label[-37:]
+
+
+def _warnings_html(warnings: list[str]) -> str:
+    return "".join(
+        f"<br><span style='color:#c44e52'><b>Warning:</b> {html.escape(w)}</span>" for w in warnings
+    )
+
+
+def _budget_label(seconds: float) -> str:
+    return next((label for label, value in TUNE_BUDGETS if value == seconds), f"{seconds:.0f} s")
 
 
 def _error_html(message: str) -> str:
