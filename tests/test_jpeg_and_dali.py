@@ -357,7 +357,7 @@ def test_a_list_of_values_sweeps_a_setting(folder):
             "dataloader: the sweep over num_workers is empty",
         ),
         ({"dataloader": {"num_workers": [1, 1]}}, "one-at-a-time", "repeats a value"),
-        ({"dataloader": {"num_workers": [1, 2]}}, "grid", "needs mode='one-at-a-time'; got mode='grid'"),
+        ({"dataloader": {"num_workers": [1, 2]}}, "leave-one-out", "leave-one-out cannot"),
     ],
 )
 def test_bad_sweeps_fail_clearly(techniques, mode, message):

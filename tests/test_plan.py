@@ -53,6 +53,27 @@ def test_grid_shows_every_combination_and_its_size():
     assert table.blocks.sum() == 8 * 3
 
 
+def test_a_grid_over_swept_settings_takes_one_value_of_each_technique_per_arm():
+    table = wb.plan(
+        model="resnet-mini",
+        techniques={"amp": {"dtype": ["bfloat16", "float16"]}, "channels_last": True},
+        mode="grid",
+        device="cpu",
+        control=False,
+    )
+    assert list(table.name) == [
+        "baseline",
+        "channels_last",
+        "amp[dtype=bfloat16]",
+        "amp[dtype=float16]",
+        "channels_last+amp[dtype=bfloat16]",
+        "channels_last+amp[dtype=float16]",
+    ]  # never both amp values in one arm
+    assert table.set_index("name").loc["channels_last+amp[dtype=float16]", "techniques"] == (
+        "channels_last, amp(dtype=float16)"
+    )
+
+
 def test_unavailable_techniques_stay_out_of_combinations():
     table = wb.plan(
         model="mlp",

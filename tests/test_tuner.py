@@ -217,6 +217,10 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
     for name in ("results.json", "tune.json", "tune.csv", "tune.png", "plot.png", "round-0/results.json"):
         assert (out / name).exists(), name
     assert wb.load_results(out).best == {"no_pause": {}}
+    # One warm template served the calibration and every round (each would import torch again).
+    assert json.loads((out / "round-0" / "results.json").read_text())["worker_start"].startswith(
+        "forked from a warm template lent by the caller"
+    )
     # The same call again resumes: the rounds are read back, nothing measured is run again.
     rounds_before = json.loads((out / "tune.json").read_text())["rounds"]
     units = sorted(p.name for p in (out / "round-0" / "units").iterdir())

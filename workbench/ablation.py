@@ -142,13 +142,13 @@ def plan_arms(
     arms = [Arm("baseline", "baseline")]
     if control:
         arms.append(Arm("baseline (control)", "control"))
-    if len({t.name for t, _ in techniques}) < len(techniques) and mode != "one-at-a-time":
+    if len({t.name for t, _ in techniques}) < len(techniques) and mode == "leave-one-out":
         raise ValueError(
-            f"a swept setting (a list of values) runs one arm per value, which needs mode='one-at-a-time'; "
-            f"got mode={mode!r}"
+            "a swept setting (a list of values) runs one arm per value, which leave-one-out cannot: it "
+            "needs every technique together once; use mode='one-at-a-time' or mode='grid'"
         )
+    names = names or sweep_names(techniques)
     if mode == "one-at-a-time":
-        names = names or sweep_names(techniques)
         arms += [Arm(name, "treatment", [pair]) for name, pair in zip(names, techniques, strict=True)]
     elif mode == "leave-one-out":
         reason = conflict_reason(techniques)
@@ -160,12 +160,17 @@ def plan_arms(
             for index, (technique, _) in enumerate(techniques):
                 rest = techniques[:index] + techniques[index + 1 :]
                 arms.append(Arm(f"all - {technique.name}", "treatment", rest))
-    else:  # grid
-        for size in range(1, len(techniques) + 1):
-            for combination in itertools.combinations(techniques, size):
-                chosen = list(combination)
-                name = "+".join(t.name for t, _ in chosen)
-                arms.append(Arm(name, "treatment", chosen, conflict_reason(chosen)))
+    else:  # grid: every combination of the techniques, each at one of its swept values
+        named = dict(zip(map(id, techniques), names, strict=True))
+        groups: dict[str, list[tuple[Technique, Any]]] = {}
+        for pair in techniques:
+            groups.setdefault(pair[0].name, []).append(pair)
+        for size in range(1, len(groups) + 1):
+            for chosen_groups in itertools.combinations(groups.values(), size):
+                for combination in itertools.product(*chosen_groups):
+                    chosen = list(combination)
+                    name = "+".join(named[id(pair)] for pair in chosen)
+                    arms.append(Arm(name, "treatment", chosen, conflict_reason(chosen)))
     return arms
 
 
@@ -575,8 +580,11 @@ def _run_in_folder(
     on_event: Callable[[dict], None] | None,
     stop: threading.Event | None,
     launcher: Torchrun | None,
+    template: WarmTemplate | None = None,
 ) -> Results:
-    """Run a prepared ablation into ``out`` (False: a temporary folder, removed afterwards)."""
+    """Run a prepared ablation into ``out`` (False: a temporary folder, removed afterwards).
+    ``template``: a warm template to fork the processes from, lent by a caller that runs several
+    ablations in a row (the tuner's rounds) and closes it itself; None: the run starts its own."""
     temporary = None
     if out is False:
         temporary = tempfile.TemporaryDirectory(prefix="workbench-")
@@ -598,6 +606,7 @@ def _run_in_folder(
             stop,
             kept=temporary is None,
             launcher=launcher,
+            lent_template=template,
         )
         results = runner.run(progress)
     finally:
@@ -696,6 +705,7 @@ class _Runner:
         stop: threading.Event | None,
         kept: bool = True,
         launcher: Torchrun | None = None,
+        lent_template: WarmTemplate | None = None,
     ):
         self.prepared, self.run_config = prepared, prepared.run
         self.files, self.folder = folder, folder.path  # every file written is entered in its manifest
@@ -704,6 +714,7 @@ class _Runner:
         self.units: list[dict] = []
         self.stopped = False
         self.template: WarmTemplate | None = None  # while the run goes on (workbench.template)
+        self.lent_template = lent_template  # a caller's template: used, never closed, by this run
         self.block_records: list[dict] = []
         self.done: set[tuple[int, str]] = set()
         self.failed: dict[str, str] = {}  # arm -> why: its later blocks are skipped, not rerun
@@ -826,6 +837,9 @@ class _Runner:
         if self.run_config.start == "spawn":
             self.record["worker_start"] = "plain spawn, as asked (start='spawn')"
             return None
+        if self.lent_template is not None and self.lent_template.alive():
+            self.record["worker_start"] = "forked from a warm template lent by the caller (the tuner's)"
+            return self.lent_template
         bar.show("importing torch once for the run's processes")
         template, how = start_template(self.folder / "logs" / "template.log")
         self.files.file("logs/template.log")
@@ -833,9 +847,9 @@ class _Runner:
         return template
 
     def _close_template(self) -> None:
-        if self.template is not None:
+        if self.template is not None and self.template is not self.lent_template:
             self.template.close()
-            self.template = None
+        self.template = None
 
     def _jobs(self, block: int) -> list[Job]:
         """Block ``block``'s processes, less an added lone baseline that no arm needs any more."""

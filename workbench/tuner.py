@@ -49,6 +49,7 @@ from workbench.config import TUNER_DECIDES, RunConfig, takes_run_options
 from workbench.results import LOSS_DRIFT, Results
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.techniques import Technique, all_techniques, get_technique, parse_techniques, settings_of
+from workbench.template import WarmTemplate, start_template
 
 # Settings the tuner decides for each round itself; the advisor's own run fixes some more.
 MAX_CANDIDATES = 24
@@ -285,6 +286,9 @@ class _Search:
         self.candidates: list[Candidate] = []
         self.excluded: list[dict] = []  # combinations that cannot run here, with the reason
         self.costs: Costs | None = None
+        # One warm template for the calibration and every round: each round's ablation would
+        # otherwise import torch again before its first block (about 3.5 s on a 2-core machine).
+        self.template: WarmTemplate | None = None
         self.started = time.monotonic()
         self.spent_before = 0.0  # what earlier runs of this search spent (resuming)
 
@@ -319,8 +323,19 @@ class _Search:
             raise
 
     def close(self) -> None:
+        if self.template is not None:
+            self.template.close()
+            self.template = None
         if self.folder is not None:
             self.folder.unlock()
+
+    def _warm_template(self) -> WarmTemplate | None:
+        """The search's template, started on first use (None: each round starts its own, or spawns)."""
+        if self.template is None and self.run_config.start != "spawn":
+            self.template, how = start_template(self.folder.path / "logs" / "template.log")
+            self.folder.file("logs/template.log")
+            self.state["worker_start"] = how
+        return self.template if self.template is not None and self.template.alive() else None
 
     def _fingerprint(self, techniques, advice, max_candidates) -> dict:
         settings = {
@@ -372,7 +387,6 @@ class _Search:
 
     def _calibrate(self, techniques, advice, max_candidates: int) -> None:
         """The candidates, and what a process and an arm cost here, from one measured run."""
-        from workbench.ablation import ablate
         from workbench.advisor import advise
 
         run_settings = {k: v for k, v in self.settings.items() if k not in ("control", "isolate")}
@@ -395,8 +409,13 @@ class _Search:
         calibration = advice.results if advice is not None else None
         if calibration is None or techniques is not None:
             self._say("calibrating: one block of the baseline alone, to learn what a process costs here")
-            calibration = ablate(self.model, self.data, self.loss_fn, techniques={}, out=False,
-                                 progress=self.progress, **{**run_settings, "blocks": 1, "control": False})  # fmt: skip
+            self._warm_template()  # part of the search's cost, but not of a round's: timed apart
+            began = time.monotonic()
+            alone = RunConfig(
+                **{**self.run_config.to_json(), "blocks": 1, "control": False, "isolate": False}
+            )
+            calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, {}, alone), False, False,
+                                         False, self.progress, None, None, None, self._warm_template())  # fmt: skip
         wall = time.monotonic() - began
         unit = next(u for u in calibration.record["units"] if u["arm"] == "baseline")
         if unit["status"] != "ok":
@@ -436,7 +455,7 @@ class _Search:
         """Refuse a budget that cannot hold the least search: two candidates screened, then compared."""
         pair = [c.name for c in self.candidates[:2]]
         least = (
-            self.state["calibration"]["wall_s"]
+            self.spent_s  # the calibration, and the template's start
             + self.costs.round_s(self._arms_of(pair), 1)
             + self.costs.round_s(self._arms_of(pair), 2)
         )
@@ -541,7 +560,9 @@ class _Search:
         sub = f"round-{index}"
         where = self.folder.nest(sub)  # an ablation's folder of its own, inside the search's
         try:
-            results = _run_in_folder(prepared, where, False, False, self.progress, watch, deadline, None)
+            results = _run_in_folder(
+                prepared, where, False, False, self.progress, watch, deadline, None, self._warm_template()
+            )
         finally:
             timer.cancel()
             deadline.set()  # ends the relay thread
