@@ -38,7 +38,12 @@ def test_the_advisors_techniques_come_with_their_main_settings():
     pool = dict(
         (t.name, configs) for t, configs in pool_from_advice({"amp": {"dtype": "bfloat16"}, "compile": {}})
     )
-    assert [c.dtype for c in pool["amp"]] == ["bfloat16", "float16"]  # the advisor's first
+    # the advisor's first, then each other value of its tune_space
+    assert [(c.dtype, c.level) for c in pool["amp"]] == [
+        ("bfloat16", "O1"),
+        ("float16", "O1"),
+        ("bfloat16", "O2"),
+    ]
     assert len(pool["compile"]) == 1  # nothing in its tune_space
     assert get_technique("grad_accum").tune_space == {"steps": (2, 4)}
 
@@ -248,3 +253,50 @@ def test_the_tuner_starts_from_the_advisors_ranking(tmp_path):
     assert searched == set(advice.recommended)
     assert tune["advice"]["bottleneck"] == advice.bottleneck
     assert res.best == {} or set(res.best) <= searched
+
+
+class TwoPausesNet(nn.Module):
+    """Two pauses per forward, one for each of the test techniques below to remove."""
+
+    def __init__(self):
+        super().__init__()
+        self.first_s, self.second_s = 0.004, 0.003
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        time.sleep(self.first_s + self.second_s)
+        return self.layers(x)
+
+
+class NoFirstPause(Technique):
+    name, summary, order, Config = "no_first_pause", "test-only: removes one pause", 97, NoSettings
+
+    def apply(self, setup, config):
+        setup.model.first_s = 0.0
+        return "no first pause"
+
+
+class NoSecondPause(Technique):
+    name, summary, order, Config = "no_second_pause", "test-only: removes the other pause", 98, NoSettings
+
+    def apply(self, setup, config):
+        setup.model.second_s = 0.0
+        return "no second pause"
+
+
+@pytest.mark.slow
+def test_after_screening_the_techniques_that_helped_alone_are_combined(tmp_path):
+    # Only the two singles fit the screening (max_candidates=2); each removes one pause, so each
+    # helps alone, and both together remove both: a combination the screening never measured.
+    for technique in (NoFirstPause(), NoSecondPause()):
+        register_technique(technique)
+    try:
+        res = wb.tune(TwoPausesNet, batches(), budget_s=40, techniques=["no_first_pause", "no_second_pause"],
+                      max_candidates=2, out=tmp_path / "s", **RUN, **QUIET)  # fmt: skip
+    finally:
+        for name in ("no_first_pause", "no_second_pause"):
+            unregister_technique(name)
+    by_name = {c["name"]: c for c in res.record["tune"]["candidates"]}
+    combined = by_name["no_first_pause+no_second_pause"]
+    assert combined["history"][0]["round"] == 1, "the combination joins after the screening round"
+    assert res.best == {"no_first_pause": {}, "no_second_pause": {}}, res.tuning_verdict

@@ -816,7 +816,7 @@ class _Runner:
             self.stopped = True
             results = self.save(complete=False)
             where = (
-                f"are saved in {self.folder}. Run the same ablation with the same out to resume."
+                f"are saved in {self.folder}. The same call again, with the same out, resumes."
                 if self.kept
                 else "are in the returned results only (out=False)."
             )

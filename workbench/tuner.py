@@ -11,11 +11,15 @@ Hyperband):
    plain one-block baseline does the costing instead.
 2. **Screen.** Every candidate combination (conflicts and unavailable ones left out, with the
    reason) runs beside the baseline and its control in one block: a cheap, noisy first look.
-3. **Halve.** Each following round keeps the better half, and measures it with more blocks
+3. **Combine.** Screening alone cannot find a combination it had no budget to screen, and a
+   technique slower than the leader may still add to it. So after screening, the combinations of
+   the techniques that were measurably faster than the baseline on their own (the union of the
+   best two, of the best three, ...) join the next round, whether they were screened or not.
+4. **Halve.** Each following round keeps the better half, and measures it with more blocks
    (fresh processes). A candidate leaves early when its loss drifts from the baseline's by more
    than ``LOSS_DRIFT`` (convergence parity), when it fails, or when its whole speedup interval
    lies below the leader's.
-4. **Decide.** The last round compares the two finalists over the most blocks; the better is
+5. **Decide.** The last round compares the two finalists over the most blocks; the better is
    ``best`` (``Results.best``: a techniques mapping for ``wb.ablate``), the other the runner-up.
    A winner whose interval contains 1 is not called faster than the baseline.
 
@@ -54,6 +58,9 @@ from workbench.template import WarmTemplate, start_template
 # Settings the tuner decides for each round itself; the advisor's own run fixes some more.
 MAX_CANDIDATES = 24
 RESERVE = 0.8  # the final round plans for this share of what is left: costs are estimates
+# After screening, at most this many combinations of the techniques that helped on their own
+# join the next round (the union of the best two, the best three...).
+GROWN_AFTER_SCREENING = 3
 
 
 @dataclass
@@ -284,6 +291,7 @@ class _Search:
         self.folder: ResultsFolder | None = None
         self.state: dict = {}
         self.candidates: list[Candidate] = []
+        self.reserve: list[Candidate] = []  # runnable beyond max_candidates: only combining adds them
         self.excluded: list[dict] = []  # combinations that cannot run here, with the reason
         self.costs: Costs | None = None
         # One warm template for the calibration and every round: each round's ablation would
@@ -355,6 +363,9 @@ class _Search:
         self.state["candidates"] = [
             {"name": c.name, "techniques": c.techniques, "rank": c.rank} for c in self.candidates
         ]
+        self.state["reserve"] = [
+            {"name": c.name, "techniques": c.techniques, "rank": c.rank} for c in self.reserve
+        ]
         self.state["excluded"] = self.excluded
         self.state["costs"] = dataclasses.asdict(self.costs)
         write_json_atomic(self.folder.file("tune.json"), self.state)
@@ -362,9 +373,10 @@ class _Search:
     def _restore(self, state: dict) -> None:
         self.state = state
         self.spent_before = float(state.get("spent_s", 0.0))
-        self.candidates = [
-            Candidate(c["name"], parse_techniques(c["techniques"]), c["rank"]) for c in state["candidates"]
-        ]
+        self.candidates, self.reserve = (
+            [Candidate(c["name"], parse_techniques(c["techniques"]), c["rank"]) for c in state.get(key, [])]
+            for key in ("candidates", "reserve")
+        )
         self.excluded = state.get("excluded", [])
         self.costs = Costs(**state["costs"])
         self._say(
@@ -441,7 +453,7 @@ class _Search:
         kept = [c for c in everything if c.name not in reasons]
         for c in kept[max_candidates:]:
             self.excluded.append({"name": c.name, "why": f"beyond max_candidates={max_candidates}"})
-        self.candidates = kept[:max_candidates]
+        self.candidates, self.reserve = kept[:max_candidates], kept[max_candidates:]
         if not self.candidates:
             shown = "; ".join(f"{e['name']}: {e['why']}" for e in self.excluded[:5])
             raise ValueError(f"tune: no combination can run here ({shown})")
@@ -488,8 +500,10 @@ class _Search:
                 stopped = "stopped before the round measured anything"
                 break
             results, complete = outcome
-            final = len(round_alive) <= 2
+            final = index > 0 and len(round_alive) <= 2  # the screening round never decides
             alive = self._judge(index, round_alive, results, final)
+            grown = self._combine(alive) if index == 0 and complete else []
+            alive += grown
             if not complete:
                 done = len(
                     {u["block"] for u in results.record["units"] if u["status"] in ("ok", "interrupted")}
@@ -501,7 +515,7 @@ class _Search:
                 )
                 stopped = f"{why} during round {index + 1}, after {done} of {blocks} blocks"
                 break
-            if final:
+            if final and not grown:
                 break
             index += 1
         return self._finish(results, index, stopped)
@@ -515,18 +529,19 @@ class _Search:
         # Halving from n candidates to the two finalists takes log2(n) rounds: each gets an equal
         # share of what is left, so the fewer candidates of later rounds get more blocks each.
         rounds_left = max(1, math.ceil(math.log2(len(names)))) if len(names) > 1 else 1
-        share = self.left_s / rounds_left
-        if len(names) <= 2:  # the final, or a search of two: all that is left
-            blocks = self.costs.blocks_within(self._arms_of(names), RESERVE * self.left_s)
-        elif index == 0:  # screening: one block each, as many of the best-ranked as a share holds
-            while len(names) > 3 and self.costs.round_s(self._arms_of(names), 1) > share:
+        share = self.left_s / (rounds_left + (index == 0))  # the screening leaves room for combining
+        if index == 0:  # screening: one block each, as many of the best-ranked as a share holds
+            while len(names) > 2 and self.costs.round_s(self._arms_of(names), 1) > share:
                 names.pop()
             blocks = 1
+        elif len(names) <= 2:  # the final: all that is left
+            blocks = self.costs.blocks_within(self._arms_of(names), RESERVE * self.left_s)
         else:
             blocks = self.costs.blocks_within(self._arms_of(names), share)
         if blocks < 1 or self.costs.round_s(self._arms_of(names), blocks) > self.left_s:
             return None
-        recorded.append({"round": index, "candidates": names, "blocks": blocks, "final": len(names) <= 2})
+        final = index > 0 and len(names) <= 2
+        recorded.append({"round": index, "candidates": names, "blocks": blocks, "final": final})
         self._save_state()
         return names, blocks
 
@@ -573,6 +588,41 @@ class _Search:
         if not ran:
             return None
         return results, results.complete
+
+    def _combine(self, alive: list[Candidate]) -> list[Candidate]:
+        """Combinations of the techniques that were measurably faster than the baseline on their
+        own, with their loss matching, not measured yet: the union of the best two, of the best
+        three, ... (a technique appears once: of amp's two settings, the faster)."""
+        helpful = sorted(
+            (c for c in self.candidates if c.rounds and _helped(c.rounds[-1])),
+            key=lambda c: -c.rounds[-1]["speedup"],
+        )
+        parts, used = [], set()
+        for candidate in helpful:
+            if used.isdisjoint(candidate.techniques):
+                parts.append(candidate)
+                used |= set(candidate.techniques)
+        known = {_settings_key(c.techniques): c for c in [*self.candidates, *self.reserve]}
+        grown = []
+        for size in range(2, len(parts) + 1):
+            union = {name: settings for part in parts[:size] for name, settings in part.techniques.items()}
+            candidate = known.get(_settings_key(union))  # None: it cannot run here (a conflict)
+            if candidate is None or candidate.rounds or candidate in alive:
+                continue
+            candidate.dropped, candidate.dropped_in = "", None  # it may have waited unscreened
+            if candidate in self.reserve:
+                self.reserve.remove(candidate)
+                self.candidates.append(candidate)
+                self.excluded = [e for e in self.excluded if e["name"] != candidate.name]
+            grown.append(candidate)
+            if len(grown) == GROWN_AFTER_SCREENING:
+                break
+        if grown:
+            self._say(
+                "combining what helped alone: " + ", ".join(c.name for c in grown) + " join the next round"
+            )
+            self._save_state()
+        return grown
 
     def _relay_stop(self, deadline: threading.Event) -> None:
         while not deadline.wait(0.2):
@@ -681,6 +731,19 @@ class _Search:
         self._say(results.tuning_verdict)
         self.on_event({"type": "tune_done", "best": record["best"], "out": str(self.folder.path)})
         return results
+
+
+def _helped(figures: dict) -> bool:
+    """Measured faster than the baseline (the whole interval above 1), with its loss matching."""
+    return (
+        figures["status"] in ("ok", "interrupted")
+        and figures["speedup_low"] > 1.0
+        and abs(figures["loss_vs_baseline"] - 1.0) <= LOSS_DRIFT
+    )
+
+
+def _settings_key(techniques: Mapping[str, dict]) -> str:
+    return json.dumps(techniques, sort_keys=True, default=str)
 
 
 def _summary(candidate: Candidate | None) -> dict | None:
