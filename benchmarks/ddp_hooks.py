@@ -1,6 +1,7 @@
 """DDP gradient-compression hooks: measured bytes, ratios, throughput, and a simulated-link crossover.
 
-Two ranks (gloo on CPU, NCCL on CUDA) train resnet-mini under DDP. Each hook is an arm of
+Two ranks (gloo on CPU, NCCL on CUDA) train resnet-mini under DDP. Each hook (16-bit casting,
+PowerSGD, batched PowerSGD, top-k sparsification at 1% density, int8 quantization) is an arm of
 one ablation, against the baseline (PyTorch's allreduce_hook). First over the real
 connection between the ranks (loopback here), then over simulated links of decreasing
 bandwidth: each bucket is delayed by latency + ring all-reduce bytes / bandwidth, a model
@@ -14,10 +15,8 @@ The goal: PowerSGD rank 1 compresses resnet-mini's gradients at least 100x, or a
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-HOOKS = ["fp16", "powersgd", "batched_powersgd"]
+HOOKS = ["fp16", "powersgd", "batched_powersgd", "topk", "int8"]
 
 
 def main() -> None:
@@ -30,8 +29,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
+    from record import table_rows, write_record
+
     import workbench as wb
-    from workbench.environment import machine_summary
 
     columns = [
         "arm",
@@ -44,8 +44,11 @@ def main() -> None:
         "noisy",
         "comm_mb_per_step",
         "compression_ratio",
+        "link_mb_per_step",
         "comm_ms",
         "comm_share",
+        "comm_exposed_ms",
+        "comm_hidden_share",
         "step_ms",
         "final_loss",
         "loss_vs_baseline",
@@ -71,7 +74,7 @@ def main() -> None:
             out=False,
         )
         print(res.summary())
-        runs[label] = json.loads(res.table[columns].to_json(orient="records"))
+        runs[label] = table_rows(res, columns)
 
     print("\nspeedup over the allreduce baseline [95% interval], by link:")
     for hook in HOOKS:
@@ -85,17 +88,8 @@ def main() -> None:
         ratio = next(r for r in runs["loopback"] if r["arm"] == arm)["compression_ratio"]
         print(f"  {hook:17s} ratio {ratio:7.1f}x | " + " | ".join(cells))
     if args.json:
-        report = {
-            "benchmark": "ddp-hooks",
-            "model": "resnet-mini",
-            "world_size": 2,
-            "latency_ms": args.latency_ms,
-            "steps": args.steps,
-            "blocks": args.blocks,
-            "runs": runs,
-            "machine": machine_summary(),
-        }
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_record(args.json, "ddp-hooks", model="resnet-mini", world_size=2, latency_ms=args.latency_ms,
+                     steps=args.steps, blocks=args.blocks, runs=runs)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ compared inside one set of processes; the tuner's own figures are reported besid
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -57,9 +56,10 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
+    from record import table_rows, write_record
+
     import workbench as wb
     from workbench.cli import PRESETS
-    from workbench.environment import machine_summary
 
     job = dict(PRESETS["quick"])
     job.pop("techniques")
@@ -109,27 +109,15 @@ def main() -> None:
     else:
         print(f"the tuner's pick is {'within' if within else 'OUTSIDE'} the grid best's noise band")
     if args.json:
-        report = {
-            "benchmark": "tune-vs-grid",
-            "job": {**job, "techniques": techniques},
-            "grid_s": grid_s,
-            "tune_budget_s": budget_s,
-            "tune_s": tune_s,
-            "grid_table": json.loads(
-                grid.table[["arm", "speedup", "speedup_low", "speedup_high", "loss_vs_baseline"]].to_json(
-                    orient="records"
-                )
-            ),
-            "grid_best": grid_best_row,
-            "tune": {
-                k: search.record["tune"][k]
-                for k in ("best", "fastest", "runner_up", "rounds", "spent_s", "stopped")
-            },
-            "grid_on_tune_pick": grid_on_tune_pick,
-            "within_noise_band": within,
-            "machine": machine_summary(),
+        columns = ["arm", "speedup", "speedup_low", "speedup_high", "loss_vs_baseline"]
+        tune = {
+            k: search.record["tune"][k]
+            for k in ("best", "fastest", "runner_up", "rounds", "spent_s", "stopped")
         }
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        write_record(args.json, "tune-vs-grid", job={**job, "techniques": techniques}, grid_s=grid_s,
+                     tune_budget_s=budget_s, tune_s=tune_s, grid_table=table_rows(grid, columns),
+                     grid_best=grid_best_row, tune=tune, grid_on_tune_pick=grid_on_tune_pick,
+                     within_noise_band=within)  # fmt: skip
     sys.exit(0 if within in (True, None) else 1)
 
 

@@ -1,7 +1,11 @@
 """Small builders shared by the tests (importable: tests/ is on sys.path via conftest)."""
 
+import os
+import traceback
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 from technique_settings import TECHNIQUE_SETTINGS
 
 from workbench.block import ArmSpec
@@ -137,3 +141,66 @@ def judged_on_a_quiet_machine(run_once, problem, attempts: int = 3):
         if len(quiet) == 2:
             pytest.fail("two misses on a quiet machine: " + "; ".join(quiet))
     pytest.skip("the machine was too busy or unsteady to judge this timing check: " + "; ".join(busy + quiet))
+
+
+def on_ranks(world_size: int, function, *args, timeout_s: float = 180.0) -> list:
+    """``function(rank, *args)`` in ``world_size`` fresh (spawned) processes, each with the
+    environment torchrun gives a rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT...), so that it can
+    join one process group; their return values (picklable), rank by rank. A rank that raises
+    ends the others and raises here with its traceback. ``function`` must be importable
+    (module-level): spawned processes import it by name."""
+    from workbench.distributed import free_port
+
+    context = mp.get_context("spawn")
+    answers = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(world_size, rank, port, answers, function, args))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    gathered: dict[int, object] = {}
+    failure = None
+    try:
+        while len(gathered) < world_size and failure is None:
+            rank, ok, value = answers.get(timeout=timeout_s)
+            if ok:
+                gathered[rank] = value
+            else:
+                failure = f"rank {rank} failed:\n{value}"
+    finally:
+        for process in processes:
+            process.join(timeout=5 if failure else 60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    if failure:
+        raise RuntimeError(failure)
+    return [gathered[rank] for rank in range(world_size)]
+
+
+def _rank_main(world_size, rank, port, answers, function, args) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)  # ranks share this machine's cores
+    try:
+        outcome = (rank, True, function(rank, *args))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        outcome = (rank, False, traceback.format_exc())
+    answers.put(outcome)
+    answers.close()
+    answers.join_thread()  # the answer is through the pipe before this process ends
+    if outcome[1] and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    # No interpreter teardown: torch's C++ threads sometimes abort it after the work is done.
+    os._exit(0)

@@ -27,6 +27,11 @@ TECHNIQUE_SETTINGS = {
         "data": "jpeg",
         "effect": "every batch the model sees was produced by DALI's PyTorch iterator, and no DataLoader was built",
     },
+    "prefetch": {
+        "config": {"depth": 2},
+        "models": ALL_MODELS,
+        "effect": "the step's batches come from the side-stream prefetcher, already on the device, depth steps ahead",
+    },
     "tf32": {
         "config": True,
         "models": ALL_MODELS,

@@ -36,8 +36,10 @@ LAYER_OF = {
     "workbench.techniques": 3,  # the registry and every technique module under it
     "workbench.raw_kernels": 3,
     "workbench.fused_ops": 3,
+    "workbench.mixed_precision": 3,
     "workbench.kernel_bench": 3,
     "workbench.distributed": 3,
+    "workbench.comm_hooks": 3,
     "workbench.loop": 4,
     "workbench.mfu": 4,
     "workbench.process_state": 5,

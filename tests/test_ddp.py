@@ -213,7 +213,9 @@ def test_bad_distributed_settings_fail_clearly():
     with pytest.raises(ValueError, match="link: bandwidth_gbps must be > 0.0"):
         wb.plan(world_size=2, link={"bandwidth_gbps": 0}, device="cpu")
     with pytest.raises(ValueError, match="ddp_compression: hook must be one of 'none' | 'fp16'"):
-        wb.plan(world_size=2, techniques={"ddp_compression": {"hook": "int8"}}, device="cpu")
+        wb.plan(world_size=2, techniques={"ddp_compression": {"hook": "fp8"}}, device="cpu")
+    with pytest.raises(ValueError, match=r"ddp_compression: density must be > 0.0 and <= 1.0; got 2"):
+        wb.plan(world_size=2, techniques={"ddp_compression": {"hook": "topk", "density": 2}}, device="cpu")
     with pytest.raises(ValueError, match=r"ddp_compression: start_iter must be >= 2; got 1 \(PowerSGD"):
         wb.plan(world_size=2, techniques={"ddp_compression": {"start_iter": 1}}, device="cpu")
     alone = wb.plan(techniques={"ddp_compression": True}, device="cpu").set_index("name")
@@ -222,6 +224,11 @@ def test_bad_distributed_settings_fail_clearly():
         "name"
     )
     assert "the bf16 hook needs NCCL" in bf16.loc["ddp_compression", "unavailable"]
+    one_node = wb.plan(world_size=2, techniques={"ddp_compression": {"hook": "hierarchical"}}, device="cpu")
+    assert (
+        "needs at least two nodes of ranks_per_node=2"
+        in one_node.set_index("name").loc["ddp_compression", "unavailable"]
+    )
 
 
 def test_the_simulated_link_delays_each_bucket_by_its_bytes():
@@ -266,3 +273,40 @@ def test_the_same_ablation_runs_under_torchrun_with_one_node_and_two_ranks(tmp_p
     assert record["config"]["world_size"] == 2
     assert all(len(u["result"]["per_rank"]) == 2 for u in record["units"])
     assert done.stdout.count("Saved results.json") == 1  # rank 0 alone reports
+
+
+def test_small_buckets_hide_communication_behind_backward_and_one_bucket_cannot():
+    # resnet-mini's gradients are 0.7 MB: 25 MB buckets make one, which is ready only when the
+    # gradient computation ends, so all of its communication is exposed; 0.1 MB buckets start
+    # while backward still computes. A slow simulated link makes the communication visible.
+    res = wb.ablate(
+        model="resnet-mini",
+        data="textures",
+        techniques={"ddp_compression": {"hook": "none", "bucket_cap_mb": [0.1, 25.0]}},
+        world_size=WORLD,
+        link={"bandwidth_gbps": 0.2, "latency_ms": 1.0},
+        steps=4,
+        warmup=2,
+        blocks=1,
+        batch_size=16,
+        device="cpu",
+        out=False,
+        progress=False,
+        control=False,
+    )
+    table = res.table.set_index("arm")
+    assert (table.status == "ok").all(), table[["status", "reason"]]
+    small, one = (
+        table.loc["ddp_compression[bucket_cap_mb=0.1]"],
+        table.loc["ddp_compression[bucket_cap_mb=25.0]"],
+    )
+    assert one.comm_hidden_share == 0.0 and one.comm_exposed_ms == pytest.approx(one.comm_ms)
+    assert small.comm_hidden_share > 0.0 and small.comm_exposed_ms < small.comm_ms
+    for row in (small, one):
+        # the link carried what a ring all-reduce of every gradient sends per rank: 2 (N-1)/N x the payload
+        assert row.link_mb_per_step == pytest.approx(2 * (WORLD - 1) / WORLD * row.comm_mb_per_step)
+    figure = res.plot()
+    labels = figure.legends[0].get_texts()
+    assert {"communication (exposed)", "communication hidden behind backward"} <= {
+        t.get_text() for t in labels
+    }

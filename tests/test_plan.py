@@ -24,7 +24,7 @@ def test_one_at_a_time():
     assert list(table.blocks) == [3, 3, 3, 3, 0]
     assert list(table.process) == ["block", "block", "block", "block", ""]
     assert "CUDA" in table.set_index("name").loc["tf32", "unavailable"]
-    assert table.set_index("name").loc["amp", "techniques"] == "amp(dtype=bfloat16)"
+    assert table.set_index("name").loc["amp", "techniques"] == "amp(dtype=bfloat16, level=O1)"
 
 
 def test_leave_one_out():
@@ -70,7 +70,7 @@ def test_a_grid_over_swept_settings_takes_one_value_of_each_technique_per_arm():
         "channels_last+amp[dtype=float16]",
     ]  # never both amp values in one arm
     assert table.set_index("name").loc["channels_last+amp[dtype=float16]", "techniques"] == (
-        "channels_last, amp(dtype=float16)"
+        "channels_last, amp(dtype=float16, level=O1)"
     )
 
 

@@ -395,6 +395,36 @@ def tf32_is_on_inside_the_window() -> None:
     )
 
 
+def prefetch_copies_batches_ahead() -> None:
+    _skip_if_unavailable("prefetch", "mlp", GPU_OR_CPU)
+    from workbench.techniques.prefetch import DevicePrefetcher
+
+    depth, steps = _config("prefetch").depth, 3
+    produced: list[torch.Tensor] = []
+    original_next = DevicePrefetcher.__next__
+
+    def next_recorded(self):
+        batch = original_next(self)
+        produced.append(batch[0])
+        return batch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DevicePrefetcher, "__next__", next_recorded)
+        with built_arm({"prefetch": TECHNIQUE_SETTINGS["prefetch"]["config"]}, "mlp", GPU_OR_CPU) as arm:
+            batches = arm.trainer.batches
+            inputs = _forward_inputs(arm.trainer.model)
+            run_steps(arm, steps)
+    assert isinstance(batches, DevicePrefetcher), (
+        f"the step takes its batches from a {type(batches).__name__}, not the side-stream prefetcher"
+    )
+    assert batches.copies == steps + depth, (
+        f"{batches.copies} copies in {steps} steps; {depth} should run ahead"
+    )
+    assert all(any(x is p for p in produced) for x in inputs), (
+        "the model was fed batches the prefetcher did not copy"
+    )
+
+
 def cuda_graphs_replays_the_step() -> None:
     _skip_if_unavailable("cuda_graphs", "mlp", GPU_OR_CPU)
     warmup_steps, steps = _config("cuda_graphs").warmup_steps, 4
@@ -459,6 +489,131 @@ def cupy_fusion_launches_fused_kernels() -> None:
     assert not missing, f"fused kernels never launched during a step: {missing} (launched: {dict(launched)})"
 
 
+# --- settings whose effect is not the technique's default one ---------------------------------------
+
+
+def amp_o2_casts_the_model_and_steps_float32_masters() -> None:
+    from workbench.mixed_precision import NORMS
+
+    with built_arm({"amp": {"level": "O2"}}, "resnet-mini") as arm:  # BatchNorm layers stay float32
+        model, optimizer = arm.trainer.model, arm.trainer.optimizer
+        outputs = []
+        model.register_forward_hook(lambda module, args, output: outputs.append(output.dtype))
+        run_steps(arm, 2)
+        norms = {
+            f"{name}.{p}"
+            for name, m in model.named_modules()
+            if isinstance(m, NORMS)
+            for p, _ in m.named_parameters()
+        }
+        dtypes = {name: p.dtype for name, p in model.named_parameters()}
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        model_parameters = list(model.parameters())
+    assert norms, "resnet-mini has no normalization layer"
+    wrong = {n: d for n, d in dtypes.items() if d != (torch.float32 if n in norms else torch.bfloat16)}
+    assert not wrong, f"under O2, weights are bfloat16 and norm layers float32; these are not: {wrong}"
+    assert outputs == [torch.bfloat16] * 2, (
+        f"the model's outputs were {outputs}, not bfloat16: it ran in float32"
+    )
+    assert masters and all(m.dtype == torch.float32 for m in masters), (
+        "the optimizer does not step float32 masters"
+    )
+    assert all(m is not p for m, p in zip(masters, model_parameters, strict=False)), (
+        "the masters are the weights"
+    )
+    for parameter, master in zip(model_parameters, masters, strict=True):  # copied back after the step
+        torch.testing.assert_close(parameter, master.detach().to(parameter.dtype), rtol=0, atol=0)
+
+
+def _ddp_answer(config: dict, world_size: int, **overrides) -> tuple[int, dict]:
+    """(bytes a plain all-reduce sends per step, the arm's measurements) for a ddp_compression arm
+    of the mlp on ``world_size`` ranks, in fresh rank processes."""
+    instance, _ = inspect_model("mlp")
+    plain = sum(p.numel() * p.element_size() for p in instance.parameters() if p.requires_grad)
+    spec = block_spec(
+        "mlp", {"ddp_compression": config}, steps=2, warmup=1, world_size=world_size, **overrides
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        answer = run_in_fresh_process(
+            spec, log_path=Path(folder) / "unit.log", timeout_s=300, world_size=world_size
+        )
+    return plain, arm_result(answer)
+
+
+def topk_sends_values_and_positions_of_a_few() -> None:
+    density = 0.05
+    plain, answer = _ddp_answer({"hook": "topk", "density": density}, 2)
+    sent = answer["comm_bytes_per_step"]
+    # float32 values and int32 positions of the density share: 2 x density x the float32 bytes
+    assert sent == pytest.approx(2 * density * plain, rel=0.02), (
+        f"topk at density {density} should send about {2 * density * plain:.0f} bytes a step; it sent {sent:.0f}"
+    )
+
+
+def int8_sends_a_quarter() -> None:
+    plain, answer = _ddp_answer({"hook": "int8"}, 2)
+    sent = answer["comm_bytes_per_step"]
+    assert sent == pytest.approx(plain / 4, rel=0.02), (
+        f"int8 should send about a quarter of {plain} bytes a step (and one scale per bucket); it sent {sent:.0f}"
+    )
+
+
+def hierarchical_sends_only_the_leaders_across_nodes() -> None:
+    from workbench.config import Link
+
+    fast = Link(bandwidth_gbps=1000.0, latency_ms=0.0)  # charged, hardly waited for
+    plain, answer = _ddp_answer({"hook": "hierarchical", "ranks_per_node": 2}, 4, link=fast)
+    crossed = answer["link_bytes_per_step"]
+    # Rank 0 leads node 0: it all-reduces with the other node's leader, 2 (2-1)/2 = 1x the payload;
+    # a flat ring of 4 ranks would send 2 (4-1)/4 = 1.5x across the link.
+    assert crossed == pytest.approx(plain, rel=0.01), (
+        f"rank 0 sent {crossed:.0f} bytes a step over the link; the leaders' all-reduce across 2 nodes is "
+        f"{plain}, a flat ring's {1.5 * plain:.0f}"
+    )
+
+
+def _gradient_storages(rank: int, spec) -> tuple[int, int]:
+    """In a rank process: build the arm as a block does, take two steps, and count the distinct
+    storages its gradients live in."""
+    from workbench.worker import _process_setup
+
+    rank_info, device, meter = _process_setup(spec)
+    arm = BlockArm(spec.arms[0], model=spec.model, data=spec.data, loss_fn=None, run=spec.run, device=device,
+                   rank=rank_info, meter=meter, shared=False)  # fmt: skip
+    arm.build()
+    seen: list[tuple[int, int]] = []  # per step, before the optimizer: (storages, gradients)
+
+    def count(optimizer, args, kwargs):
+        gradients = [p.grad for p in arm.trainer.model.parameters() if p.grad is not None]
+        seen.append((len({g.untyped_storage().data_ptr() for g in gradients}), len(gradients)))
+
+    arm.trainer.optimizer.register_step_pre_hook(count)
+    run_steps(arm, 2)
+    return seen[-1]  # the second step: after DDP rebuilt its buckets
+
+
+def gradients_live_in_the_buckets() -> None:
+    from helpers import on_ranks
+
+    spec = block_spec(
+        "mlp", {"ddp_compression": {"hook": "none", "gradient_as_bucket_view": True}}, world_size=2
+    )
+    storages, gradients = on_ranks(2, _gradient_storages, spec)[0]
+    assert storages < gradients, (
+        f"the {gradients} gradients live in {storages} storages of their own, not in DDP's buckets"
+    )
+
+
+# Settings with an effect of their own, beyond their technique's default one: "technique[setting]".
+SETTING_EFFECT_CHECKS: dict[str, Callable[[], None]] = {
+    "amp[level=O2]": amp_o2_casts_the_model_and_steps_float32_masters,
+    "ddp_compression[hook=topk]": topk_sends_values_and_positions_of_a_few,
+    "ddp_compression[hook=int8]": int8_sends_a_quarter,
+    "ddp_compression[hook=hierarchical]": hierarchical_sends_only_the_leaders_across_nodes,
+    "ddp_compression[gradient_as_bucket_view]": gradients_live_in_the_buckets,
+}
+
+
 EFFECT_CHECKS: dict[str, Callable[[], None]] = {
     "amp": amp_autocasts_the_forward,
     "channels_last": channels_last_makes_tensors_nhwc,
@@ -468,6 +623,7 @@ EFFECT_CHECKS: dict[str, Callable[[], None]] = {
     "dali": dali_feeds_the_model,
     "compile": compile_runs_a_compiled_model,
     "ddp_compression": ddp_compression_sends_fewer_bytes,
+    "prefetch": prefetch_copies_batches_ahead,
     "tf32": tf32_is_on_inside_the_window,
     "cuda_graphs": cuda_graphs_replays_the_step,
     "cupy_fusion": cupy_fusion_launches_fused_kernels,
@@ -526,3 +682,22 @@ def test_effect_check_fails_when_apply_does_nothing(name, monkeypatch):
     monkeypatch.setattr(get_technique(name), "apply", does_nothing)
     with pytest.raises(AssertionError):
         EFFECT_CHECKS[name]()
+
+
+def _setting_marks(key: str) -> list:
+    return [pytest.mark.slow] if key.startswith("ddp_compression") else []  # rank processes
+
+
+SETTING_CASES = [pytest.param(key, id=key, marks=_setting_marks(key)) for key in SETTING_EFFECT_CHECKS]
+
+
+@pytest.mark.parametrize("key", SETTING_CASES)
+def test_setting_has_its_effect(key):
+    SETTING_EFFECT_CHECKS[key]()
+
+
+@pytest.mark.parametrize("key", SETTING_CASES)
+def test_setting_effect_check_fails_when_apply_does_nothing(key, monkeypatch):
+    monkeypatch.setattr(get_technique(key.split("[")[0]), "apply", does_nothing)
+    with pytest.raises(AssertionError):
+        SETTING_EFFECT_CHECKS[key]()

@@ -9,7 +9,9 @@ bottleneck:
 ``data``
     waiting for the next batch (the step clock's data phase);
 ``communication``
-    gradient communication, as the DDP hooks measured it (data-parallel runs only);
+    gradient communication the step waits for: what is still in flight after backward's
+    computation ended, as the DDP hooks measured it (data-parallel runs only; the part hidden
+    behind backward costs nothing and is shown apart);
 ``compute``
     the rest of the step: the work that grows with the batch, and the optimizer's step (the
     profile says how much of it is matmul and convolution);
@@ -71,7 +73,7 @@ class Facts:
     device: str  # "cpu" or "cuda"
     step_ms: float
     data_ms: float
-    comm_ms: float
+    comm_ms: float  # communication the step waited for (exposed): the part of the step it takes
     overhead_ms: float  # step time that does not grow with the batch (launch)
     batch: int
     half_batch_ms: float  # median step at half the batch (the evidence for overhead_ms)
@@ -89,6 +91,7 @@ class Facts:
     capacity_source: str
     has_conv: bool
     world_size: int
+    comm_busy_ms: float = 0.0  # all of the communication, hidden behind backward or not
 
     @property
     def parts_ms(self) -> dict[str, float]:
@@ -183,8 +186,10 @@ def evidence(facts: Facts) -> pd.DataFrame:
         ("activations", facts.activation_mib, "MiB", "what autograd saved for backward"),
     ]
     if facts.world_size > 1:
-        rows.append(("gradient communication", 100 * shares["communication"], "% of step",
-                     "the hooks' busy time; part of it may hide behind backward"))  # fmt: skip
+        rows.append(("gradient communication", 100 * facts.comm_busy_ms / facts.step_ms, "% of step",
+                     "the hooks' busy time, hidden behind backward or not"))  # fmt: skip
+        rows.append(("communication exposed", 100 * shares["communication"], "% of step",
+                     "still in flight after backward's computation: the step waits for it"))  # fmt: skip
     return pd.DataFrame(rows, columns=["figure", "value", "unit", "meaning"])
 
 
@@ -276,7 +281,7 @@ def _for_comm(facts: Facts) -> Iterator[Suggestion]:
     share = facts.shares["communication"]
     if facts.world_size < 2:
         return
-    comm = f"gradient communication takes {_pct(share)} of the step"
+    comm = f"the step waits {_pct(share)} of its time for gradient communication"
     yield Suggestion("ddp_compression", {"hook": "powersgd"}, "communication", bound(share),
                      f"{comm}; PowerSGD sends a low-rank sketch, a small fraction of the bytes")  # fmt: skip
     yield Suggestion("ddp_compression", {"hook": "fp16"}, "communication", bound(share / 2),
@@ -433,7 +438,9 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
         device="cuda" if gpu else "cpu",
         step_ms=step_ms,
         data_ms=phases.get("data", 0.0),
-        comm_ms=result.get("comm_ms_per_step", 0.0) or 0.0,
+        # What the step waits for is the exposed part; without that figure, all of it.
+        comm_ms=_first_number(result.get("comm_exposed_ms_per_step"), result.get("comm_ms_per_step")),
+        comm_busy_ms=result.get("comm_ms_per_step", 0.0) or 0.0,
         overhead_ms=_overhead_ms(profile, step_ms),
         batch=int(profile.get("batch_scaling", {}).get("batch", 0)),
         half_batch_ms=profile.get("batch_scaling", {}).get("half_batch_step_ms", float("nan")),
@@ -453,6 +460,10 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
         has_conv=False,  # advise() reads it from the model
         world_size=int(result.get("world_size", 1)),
     )
+
+
+def _first_number(*values) -> float:
+    return next((float(v) for v in values if v is not None), 0.0)
 
 
 def _unprofiled(profile: dict, step_ms: float) -> float:

@@ -45,12 +45,14 @@ def check_int(
     return int(value)
 
 
-def check_number(owner: str, field: str, value: object, *, above: float) -> float:
-    """A finite Python float above ``above`` (NaN and infinity are mistakes, not settings)."""
+def check_number(owner: str, field: str, value: object, *, above: float, most: float | None = None) -> float:
+    """A finite Python float above ``above`` and at most ``most`` (NaN and infinity are mistakes,
+    not settings)."""
+    valid = f"> {above}" + (f" and <= {most}" if most is not None else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{owner}: {field} must be a finite number > {above}; got {value!r}")
-    if not value > above:
-        raise ValueError(f"{owner}: {field} must be > {above}; got {value!r}")
+        raise ValueError(f"{owner}: {field} must be a finite number {valid}; got {value!r}")
+    if not value > above or (most is not None and value > most):
+        raise ValueError(f"{owner}: {field} must be {valid}; got {value!r}")
     return float(value)
 
 

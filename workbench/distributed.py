@@ -8,21 +8,33 @@ so arms differ only in their techniques.
 Communication is measured, not computed from theory. DDP hands each gradient bucket to a
 communication hook; workbench always registers one (PyTorch's own ``allreduce_hook`` when no
 compression is asked for, the equivalent of DDP's built-in allreduce) and wraps it in a
-:class:`CommMeter`. While the hook runs, the meter counts the bytes of every tensor the hook
-passes to a collective (``dist.all_reduce``/``all_gather``/``broadcast``): the payload
-after compression. It also times each bucket from the hook call to the completion of its
-future.
+:class:`CommMeter`. While the hook runs, the meter counts the bytes this rank contributes to
+every collective the hook calls (``dist.all_reduce``/``all_gather``/``broadcast``/...): the
+payload after compression, and for a gather this rank's own part, not everyone's. It also times
+each bucket from the hook call (its gradients are ready) to the completion of its future.
+
+Exposed and hidden communication. DDP calls a bucket's hook as soon as the bucket's gradients
+are ready, and waits for every bucket at the end of backward. The last bucket of a backward pass
+is ready when the gradient computation ends, so communication before that moment ran while
+backward still computed (hidden), and communication after it is time the step waits (exposed).
+The meter marks the start of each forward (one per backward pass, micro-batches included) to
+group the buckets by pass.
 
 The simulated link is a labelled simulation. One machine cannot show a slow network, so when
 ``link`` is given, each bucket's future completes only after an extra delay of
-``latency + wire_bytes / bandwidth``, where ``wire_bytes`` is what a ring all-reduce moves
-per rank, 2 (N-1)/N times the payload. DDP waits for those futures at the end of backward,
-as it waits for a real slow network.
+``latency + wire_bytes / bandwidth``, where ``wire_bytes`` is what its collectives move per
+rank with ring algorithms: 2 (N-1)/N times the payload for an all-reduce, N-1 times each
+rank's part for an all-gather. DDP waits for those futures at the end of backward, as it waits
+for a real slow network. The hierarchical hook charges the link itself, for its inter-node
+traffic only (workbench.comm_hooks).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
+import inspect
 import json
 import os
 import socket
@@ -41,7 +53,7 @@ from workbench.config import Link
 # The model is wrapped in DDP after every technique that changes the model (order below this)
 # and before those that must see the wrapped model (compile, order 90).
 DDP_ORDER = 85
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
 
 
 def free_port() -> int:
@@ -94,7 +106,11 @@ class CommSettings:
     powersgd_rank: int = 1
     start_iter: int = 2
     warm_start: bool = True
+    density: float = 0.01  # topk: the share of entries sent
+    int8_scale: str = "bucket"  # int8: one scale per bucket or per tensor
+    ranks_per_node: int = 2  # hierarchical: ranks per simulated node
     bucket_cap_mb: float | None = None  # None: DDP's default, 25 MB
+    gradient_as_bucket_view: bool = False  # gradients live in DDP's buckets: no copy, less memory
     # Under grad_accum, communicate once per optimizer step. Off unless ddp_compression turns it
     # on: plain DDP all-reduces after every micro-batch, which is what the baseline measures.
     no_sync: bool = False
@@ -107,9 +123,9 @@ class CommMeter:
     Counting is process-wide while ``enabled``: a hook may issue collectives from a future's
     callback on another thread (PowerSGD all-reduces Q only after P arrives), and every
     Python-level collective in a training process comes from a hook (DDP's own all-reduce is
-    C++, and is replaced by a hook here anyway). The link delay of a bucket covers the bytes
-    issued since the previous bucket completed: per step, the delays add up to latency x
-    buckets + bytes / bandwidth, whatever the order in which buckets finish.
+    C++, and is replaced by a hook here anyway). The link delay of a bucket covers the wire
+    bytes issued since the previous bucket completed: per step, the delays add up to latency x
+    buckets + wire bytes / bandwidth, whatever the order in which buckets finish.
     """
 
     def __init__(self, world_size: int, link: Link | None = None):
@@ -118,13 +134,16 @@ class CommMeter:
         self.enabled = True
         self._lock = threading.Lock()
         self._issued = 0  # bytes handed to collectives, not yet attributed to a finished bucket
+        self._issued_wire = 0.0  # what those collectives move per rank, for the simulated link
         self.reset()
 
     def reset(self) -> None:
         with self._lock:
             self.payload_bytes = 0
+            self.wire_bytes_charged = 0.0  # what the simulated link was charged for
             self.buckets = 0
-            self.intervals: list[tuple[float, float]] = []
+            self.intervals: list[tuple[float, float]] = []  # per bucket: (ready, done)
+            self.pass_starts: list[float] = []  # when each forward began (one per backward pass)
 
     def install(self) -> None:
         """Wrap torch.distributed's collectives so that the bytes they are given are counted."""
@@ -132,22 +151,39 @@ class CommMeter:
             original = getattr(dist, name, None)
             if original is None or getattr(original, "_workbench_counted", False):
                 continue
-            setattr(dist, name, self._counting(original))
+            setattr(dist, name, self._counting(name, original))
 
-    def _counting(self, original: Callable) -> Callable:
-        def counted(tensor, *args, **kwargs):
+    def _counting(self, name: str, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
             if self.enabled:
-                tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
-                size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+                given = signature.bind(*args, **kwargs).arguments
+                contributed, wire = _bytes_of(name, given)
                 with self._lock:
-                    self._issued += size
-            return original(tensor, *args, **kwargs)
+                    self._issued += contributed
+                    self._issued_wire += wire
+            return original(*args, **kwargs)
 
         counted._workbench_counted = True
         return counted
 
+    def mark_pass(self) -> None:
+        """A forward begins: the buckets ready from now on belong to its backward pass."""
+        with self._lock:
+            self.pass_starts.append(time.perf_counter())
+
+    def link_delay(self, wire_bytes: float) -> None:
+        """Wait as the simulated link would for ``wire_bytes`` (a hook that charges it itself)."""
+        if self.link is not None:
+            time.sleep(self.link.delay_s(wire_bytes))
+            with self._lock:
+                self.wire_bytes_charged += wire_bytes
+
     def wrap(self, hook: Callable) -> Callable:
         """A DDP comm hook that runs ``hook`` and times its bucket until the result is ready."""
+        charges_link_itself = getattr(hook, "charges_link_itself", False)
 
         def measured(state, bucket):
             started = time.perf_counter()
@@ -155,8 +191,11 @@ class CommMeter:
             def done(fut):
                 with self._lock:
                     sent, self._issued = self._issued, 0
-                if self.link is not None:
-                    time.sleep(self.link.delay_s(self.wire_bytes(sent)))  # the simulated link
+                    wire, self._issued_wire = self._issued_wire, 0.0
+                if self.link is not None and not charges_link_itself:
+                    time.sleep(self.link.delay_s(wire))  # the simulated link
+                    with self._lock:
+                        self.wire_bytes_charged += wire
                 with self._lock:
                     self.payload_bytes += sent
                     self.buckets += 1
@@ -167,27 +206,77 @@ class CommMeter:
 
         return measured
 
-    def wire_bytes(self, payload: float) -> float:
-        """Bytes each rank sends for an all-reduce of ``payload`` bytes, with a ring algorithm."""
-        return 2 * (self.world_size - 1) / self.world_size * payload
-
     def busy_s(self) -> float:
         """Time during which at least one bucket was in flight (overlapping buckets count once)."""
         with self._lock:
             spans = sorted(self.intervals)
-        total, end = 0.0, float("-inf")
+        return _union_s(spans)
+
+    def exposed_s(self) -> float | None:
+        """Communication time after the gradient computation of its backward pass ended.
+
+        Per pass, the last bucket's hook call marks the end of the gradient computation (DDP
+        calls each hook when its bucket is ready); what is still in flight after it, the step
+        waits for. None when no pass was marked (a compiled model that skipped the marker).
+        """
+        with self._lock:
+            spans, marks = sorted(self.intervals), sorted(self.pass_starts)
+        if not spans or not marks:
+            return None if spans else 0.0
+        passes: dict[int, list[tuple[float, float]]] = {}
         for start, stop in spans:
-            if stop <= end:
-                continue
-            total += stop - max(start, end)
-            end = stop
-        return total
+            index = max(bisect.bisect_right(marks, start) - 1, 0)  # the last forward before it
+            passes.setdefault(index, []).append((start, stop))
+        exposed = 0.0
+        for buckets in passes.values():
+            ready = max(start for start, _ in buckets)  # the gradient computation is over
+            exposed += max(max(stop for _, stop in buckets) - ready, 0.0)
+        return exposed
 
 
-def comm_hook(settings: CommSettings, process_group=None) -> tuple[Callable, Any]:
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of sorted (start, stop) spans."""
+    total, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def _bytes_of(name: str, given: dict) -> tuple[int, float]:
+    """(bytes this rank contributes, bytes it sends with a ring algorithm) for one collective."""
+
+    def size(tensors) -> int:
+        tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    members = dist.get_world_size(given.get("group"))
+    share = (members - 1) / members
+    if name == "all_reduce":
+        payload = size(given["tensor"])
+        return payload, 2 * share * payload
+    if name in ("all_gather", "all_gather_into_tensor"):
+        payload = size(given.get("tensor", given.get("input_tensor")))
+        return payload, (members - 1) * payload
+    if name == "reduce_scatter":
+        payload = size(given["input_list"])
+        return payload, share * payload
+    if name == "broadcast" and given.get("src") != dist.get_rank():
+        return 0, 0.0  # receiving
+    payload = size(given["tensor"])  # reduce, and the broadcast's source
+    return payload, float(payload)
+
+
+def comm_hook(
+    settings: CommSettings, meter: CommMeter | None = None, process_group=None
+) -> tuple[Callable, Any]:
     """The (hook, state) pair DDP registers for ``settings.hook``."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    from workbench import comm_hooks
 
     if settings.hook == "none":
         return default_hooks.allreduce_hook, process_group
@@ -195,6 +284,13 @@ def comm_hook(settings: CommSettings, process_group=None) -> tuple[Callable, Any
         return default_hooks.fp16_compress_hook, process_group
     if settings.hook == "bf16":
         return default_hooks.bf16_compress_hook, process_group
+    if settings.hook == "topk":
+        return comm_hooks.topk_hook, comm_hooks.TopKState(settings.density, process_group)
+    if settings.hook == "int8":
+        return comm_hooks.int8_hook, comm_hooks.Int8State(settings.int8_scale, process_group)
+    if settings.hook == "hierarchical":
+        delay = meter.link_delay if meter is not None else None
+        return comm_hooks.hierarchical_hook, comm_hooks.HierarchicalState(settings.ranks_per_node, delay)
     state = powersgd.PowerSGDState(
         process_group=process_group,
         matrix_approximation_rank=settings.powersgd_rank,
@@ -239,14 +335,16 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, settings: CommSetting
     """Wrap ``model`` in DDP with the measured hook; return the wrapped model."""
     from torch.nn.parallel import DistributedDataParallel
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"gradient_as_bucket_view": settings.gradient_as_bucket_view}
     if settings.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = settings.bucket_cap_mb
     if device.type == "cuda":
         options["device_ids"] = [device.index if device.index is not None else torch.cuda.current_device()]
     wrapped = DistributedDataParallel(model, **options)
-    hook, state = comm_hook(settings)
+    hook, state = comm_hook(settings, meter)
     wrapped.register_comm_hook(state, meter.wrap(hook))
+    # Each forward starts a backward pass's buckets: the meter tells hidden from exposed by it.
+    wrapped.register_forward_pre_hook(lambda module, args: meter.mark_pass())
     return wrapped
 
 

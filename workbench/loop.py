@@ -1,6 +1,7 @@
 """The one train step, with named hook points that techniques fill.
 
-A step is: **batch** (fetch, move to the device, input transforms), **split** (into
+A step is: **batch** (fetch through the batch stages, move to the device, input
+transforms), **split** (into
 micro-batches), for each micro-batch **forward** (inside ``forward_context``) and
 **backward** (through the loss scaler), then the **optimizer step** (through the loss
 scaler). Techniques never branch the step: they set a hook point's field of the
@@ -204,6 +205,9 @@ class TrainSetup:
     make_optimizer: Callable[[Any], torch.optim.Optimizer]
     loader_options: dict[str, Any] = field(default_factory=dict)  # DataLoader keyword arguments
     # --- hook points of the step, in the order the step reaches them ---
+    # batch: stages the batch iterator goes through before the step takes from it (prefetch:
+    # copies to the device ahead, on a side stream), each ``Iterator -> Iterator``.
+    batch_stages: list[Callable[[Iterator], Iterator]] = field(default_factory=list)
     # batch: transforms applied to the inputs once they are on the device (channels_last).
     input_transforms: list[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
     # split: (inputs, targets) -> [(inputs, targets, share of the batch)]; ``parts`` says how
@@ -245,6 +249,8 @@ class Trainer:
     def __init__(self, setup: TrainSetup, batches: Iterator):
         self.setup = setup
         self.model = setup.model
+        for stage in setup.batch_stages:
+            batches = stage(batches)
         self.batches = batches
         self.optimizer = setup.make_optimizer(self.model.parameters())
         self.scaler = setup.make_loss_scaler()  # per arm: a GradScaler's scale is state

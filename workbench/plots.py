@@ -29,6 +29,9 @@ PHASE_COLORS = {
     "optimizer": "#55a868",
     "replay": "#8172b3",  # cuda_graphs: forward, backward and optimizer as one graph replay
 }
+# Data-parallel arms: the communication the step waited for after backward's computation, cut
+# out of the backward phase it happened in; the hidden part is hatched over the backward bar.
+EXPOSED_COMM_COLOR = "#c44e52"
 MEMORY_COLOR = "#937860"  # brown: no phase of the breakdown shares it
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
 
@@ -113,16 +116,36 @@ def _plot_step_breakdown(axes, table, y) -> None:
     Only the phases that occurred get a bar and a legend entry ("replay" only with cuda_graphs).
     """
     left = np.zeros(len(table))
+    exposed, hidden = _communication_ms(table)
     for phase, color in PHASE_COLORS.items():
         values = table[f"{phase}_ms"].fillna(0).to_numpy() if f"{phase}_ms" in table else np.zeros(len(table))
+        if phase == "backward" and exposed.any():
+            values = np.clip(values - exposed, 0, None)  # backward() returns after the wait
         if values.any():
             axes.barh(y, values, left=left, color=color, label=phase, height=0.6)
+            if phase == "backward" and hidden.any():
+                axes.barh(y, np.minimum(hidden, values), left=left, height=0.6, fill=False, hatch="///",
+                          edgecolor="#7a3e12", linewidth=0, label="communication hidden behind backward")  # fmt: skip
             left += values
+        if phase == "backward" and exposed.any():
+            axes.barh(
+                y, exposed, left=left, color=EXPOSED_COMM_COLOR, label="communication (exposed)", height=0.6
+            )
+            left += exposed
     other = np.clip(table.step_ms.fillna(0).to_numpy() - left, 0, None)
     if (other > 0.005 * np.maximum(table.step_ms.fillna(0).to_numpy(), 1e-9)).any():  # more than rounding
         axes.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
     axes.set_xlabel("ms per optimizer step")
     axes.set_title("Step breakdown")
+
+
+def _communication_ms(table) -> tuple[np.ndarray, np.ndarray]:
+    """Per arm: communication the step waited for, and communication hidden behind backward (ms)."""
+    if "comm_exposed_ms" not in table or not table.comm_exposed_ms.notna().any():
+        zeros = np.zeros(len(table))
+        return zeros, zeros
+    exposed = table.comm_exposed_ms.fillna(0).to_numpy(dtype=float)
+    return exposed, np.clip(table.comm_ms.fillna(0).to_numpy(dtype=float) - exposed, 0, None)
 
 
 def _plot_memory(axes, table, y) -> None:
@@ -193,6 +216,14 @@ def _readable_log_ticks(axis, lows, highs) -> None:
     ticks = [t for t in candidates if low / 1.15 <= t <= high * 1.15] or [1.0]
     if len(ticks) > 7:  # keep the coarse ones
         ticks = [t for t in ticks if t in (0.1, 0.25, 0.5, 0.8, 1.0, 1.25, 2, 4, 10, 20)]
+    # Labels need room: on a wide axis, 0.8, 1 and 1.25 sit too close to be read. Keep 1, then
+    # only ticks at least a ninth of the axis (in log terms) from every tick kept.
+    gap = math.log(max(high, 1.0) * 1.08 / (min(low, 1.0) / 1.08)) / 9
+    kept = [1.0] if 1.0 in ticks else []
+    for tick in sorted(ticks, key=lambda t: abs(math.log(t))):
+        if all(abs(math.log(tick / other)) >= gap for other in kept):
+            kept.append(tick)
+    ticks = sorted(kept) or ticks
     axis.xaxis.set_major_locator(FixedLocator(ticks))
     axis.xaxis.set_major_formatter(lambda value, _: f"{value:g}")
     axis.xaxis.set_minor_locator(NullLocator())

@@ -63,8 +63,11 @@ TABLE_COLUMNS = [
     "samples_per_s_per_rank",
     "comm_mb_per_step",
     "compression_ratio",
+    "link_mb_per_step",  # what the simulated link carried per rank (ring algorithms), with link=
     "comm_ms",
     "comm_share",
+    "comm_exposed_ms",  # communication the step waited for, after the gradients were computed
+    "comm_hidden_share",  # of comm_ms, the share that ran while backward still computed
     "blocks",
     "noisy",
     "notes",
@@ -357,6 +360,13 @@ def _communication(row: dict, results: list[dict], base_comm: float) -> None:
     row["compression_ratio"] = base_comm / comm_bytes if comm_bytes else math.nan
     row["comm_ms"] = _median([r["comm_ms_per_step"] for r in results])
     row["comm_share"] = row["comm_ms"] / row["step_ms"] if row["step_ms"] else math.nan
+    row["link_mb_per_step"] = _median([r.get("link_bytes_per_step") for r in results]) / 2**20
+    row["comm_exposed_ms"] = _median([r.get("comm_exposed_ms_per_step") for r in results])
+    row["comm_hidden_share"] = (
+        float(np.clip(1.0 - row["comm_exposed_ms"] / row["comm_ms"], 0.0, 1.0))  # medians of blocks
+        if row["comm_ms"] and row["comm_ms"] > 0
+        else math.nan
+    )
     per_rank = [r.get("per_rank") or [r] for r in results]
     row["samples_per_s_per_rank"] = _median(
         [float(np.mean([x["samples_per_s"] for x in ranks])) for ranks in per_rank]

@@ -372,9 +372,13 @@ _KEEP_ALIVE: list = []
 
 
 def _comm_record(meter: CommMeter, steps: int) -> dict:
+    exposed = meter.exposed_s()
     return {
         "comm_bytes_per_step": meter.payload_bytes / steps,
         "comm_ms_per_step": 1e3 * meter.busy_s() / steps,
+        # The part of it the step waited for, after the gradient computation ended (None: unknown).
+        "comm_exposed_ms_per_step": None if exposed is None else 1e3 * exposed / steps,
+        "link_bytes_per_step": meter.wire_bytes_charged / steps if meter.link is not None else None,
         "buckets_per_step": meter.buckets / steps,
     }
 
@@ -389,6 +393,8 @@ def _gather_ranks(result: dict, rank: Rank, device: torch.device) -> dict:
         "samples_per_s",
         "comm_bytes_per_step",
         "comm_ms_per_step",
+        "comm_exposed_ms_per_step",
+        "link_bytes_per_step",
         "buckets_per_step",
     )
     everyone = gather_to_rank0({key: result[key] for key in keys}, rank, device)

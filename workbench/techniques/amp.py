@@ -1,9 +1,15 @@
-"""amp: automatic mixed precision.
+"""amp: automatic mixed precision, at level O1 (autocast) or O2 (a 16-bit model with float32
+master weights).
 
 What it does
-    Runs the forward pass (and so the backward) under ``torch.autocast``: matmuls and
-    convolutions run in a 16-bit type, while precision-sensitive ops (reductions,
-    softmax, the loss) stay in float32, and the weights and optimizer state stay float32.
+    ``level="O1"`` (the default) runs the forward pass (and so the backward) under
+    ``torch.autocast``: matmuls and convolutions run in a 16-bit type, while
+    precision-sensitive ops (reductions, softmax, the loss) stay in float32, and the weights
+    and optimizer state stay float32. ``level="O2"``, the level NVIDIA's Apex named, casts the
+    model itself to the 16-bit type (BatchNorm, LayerNorm and GroupNorm stay float32), feeds it
+    16-bit inputs and computes the loss in float32; the optimizer steps float32 master copies of
+    the weights and copies them back after each step (workbench.mixed_precision). No cast
+    happens inside the step, and activations and gradients are all 16-bit.
 
 When it helps
     On GPUs with tensor cores, 16-bit matmuls are several times faster and move half the
@@ -16,13 +22,19 @@ When it hurts
     float16 has a narrow exponent range: small gradients underflow to zero. Loss scaling
     (multiply the loss, unscale the gradients, skip steps that overflowed) fixes that, as
     Micikevicius et al. showed in "Mixed Precision Training" (ICLR 2018); a GradScaler does it
-    for every float16 run here. bfloat16 keeps float32's range, so it needs no scaler but
-    has fewer mantissa bits. The Baidu AIAK-Training write-up lists AMP with loss scaling
-    among its compute optimizations.
+    for every float16 O1 run here, and a dynamic loss scaler with the same defaults for float16
+    O2. bfloat16 keeps float32's range, so it needs no scaler but has fewer mantissa bits. The
+    Baidu AIAK-Training write-up lists AMP (O1 and O2) with loss scaling among its compute
+    optimizations. O2 is faster than O1 where the casts cost (many small ops), and riskier:
+    operations autocast would have kept in float32 (softmax, sums) run in 16 bits, gradients
+    accumulate in 16 bits under grad_accum, and the master copies add 4 bytes per parameter
+    (weights then take 2 + 4 bytes instead of 4). Watch the loss parity.
 
 Settings
-    ``dtype``: ``"bfloat16"`` (default; no scaler) or ``"float16"`` (with a GradScaler).
-    The one that matters: bf16 wherever the hardware supports it.
+    ``dtype``: ``"bfloat16"`` (default; no scaler) or ``"float16"`` (with loss scaling).
+    ``level``: ``"O1"`` (default, autocast) or ``"O2"`` (a 16-bit model, float32 master weights;
+    not with cuda_graphs, whose capture would miss the master copies). On a CPU, O2 runs in
+    bfloat16.
 
 Watch
     ``final_loss`` / ``loss_vs_baseline``: a mixed-precision arm should stay close to the
@@ -36,34 +48,55 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.config import check_choice
+from workbench.mixed_precision import (
+    DynamicLossScaler,
+    MasterWeightOptimizer,
+    cast_keeping_norms_in_float32,
+    to_dtype,
+)
 from workbench.techniques.base import Context, Technique
 
 DTYPES = ("bfloat16", "float16")
+LEVELS = ("O1", "O2")
 
 
 @dataclass(frozen=True)
 class AmpConfig:
     dtype: str = field(default="bfloat16", metadata={"choices": DTYPES})
+    level: str = field(default="O1", metadata={"choices": LEVELS})
 
     def __post_init__(self) -> None:
         check_choice("amp", "dtype", self.dtype, DTYPES)
+        check_choice("amp", "level", self.level, LEVELS)
 
 
 class Amp(Technique):
     name = "amp"
-    summary = "autocast matmuls/convs to bfloat16 or float16 (float16 with a GradScaler)"
+    summary = "mixed precision: autocast (O1) or a 16-bit model with fp32 master weights (O2); bf16 or fp16"
     order = 40
-    tune_space = {"dtype": ("bfloat16", "float16")}  # fp16 needs loss scaling; bf16 does not
+    # fp16 needs loss scaling, bf16 does not; O2 casts the model instead of each op.
+    tune_space = {"dtype": ("bfloat16", "float16"), "level": ("O1", "O2")}
     Config = AmpConfig
 
     def check(self, ctx: Context, config: AmpConfig) -> str | None:
         if ctx.device.type == "cuda" and config.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
             return f"{torch.cuda.get_device_name(ctx.device)} has no bfloat16 support; use dtype='float16'"
+        if config.level == "O2" and config.dtype == "float16" and ctx.device.type == "cpu":
+            return "O2 on a CPU runs in bfloat16 (float16 kernels there are slow emulations): use dtype='bfloat16'"
         return None
+
+    def conflict_with(self, config: AmpConfig, other: Technique, other_config) -> str | None:
+        if config.level == "O2" and other.name == "cuda_graphs":
+            return (
+                "O2's master-weight copies happen outside the optimizer a CUDA graph captures; use level='O1'"
+            )
+        return super().conflict_with(config, other, other_config)
 
     def apply(self, setup, config: AmpConfig) -> str:
         dtype, device_type = getattr(torch, config.dtype), setup.device.type
         setup.autocast_dtype = dtype
+        if config.level == "O2":
+            return self._apply_o2(setup, dtype)
 
         def autocast() -> torch.autocast:
             # Read when each forward starts: cuda_graphs (applied later) turns the cast cache off.
@@ -77,6 +110,24 @@ class Amp(Technique):
             setup.make_loss_scaler = lambda: torch.amp.GradScaler(device_type)
         return f"autocast to {config.dtype}" + (
             " with loss scaling (GradScaler)" if setup.loss_scaling else ""
+        )
+
+    @staticmethod
+    def _apply_o2(setup, dtype: torch.dtype) -> str:
+        kept, cast_around = cast_keeping_norms_in_float32(setup.model, dtype)
+        setup.input_transforms.append(lambda inputs: to_dtype(inputs, dtype))
+        loss_fn, make_optimizer = setup.loss_fn, setup.make_optimizer
+        # The loss (softmax and its log over the logits) in float32, as autocast would run it.
+        setup.loss_fn = lambda outputs, targets: loss_fn(to_dtype(outputs, torch.float32), targets)
+        setup.make_optimizer = lambda parameters: MasterWeightOptimizer(parameters, make_optimizer)
+        if dtype == torch.float16:
+            setup.make_loss_scaler = DynamicLossScaler
+        name = str(dtype).removeprefix("torch.")
+        norms = f"{kept} norm layers kept in float32" + (
+            f", {cast_around} of them fed float32 (no mixed-input kernel here)" if cast_around else ""
+        )
+        return f"O2: the model in {name} ({norms}), float32 master weights" + (
+            ", dynamic loss scaling" if setup.loss_scaling else ""
         )
 
 

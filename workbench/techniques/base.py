@@ -189,8 +189,11 @@ class Technique:
         raise NotImplementedError
 
     def describe(self, config: Any) -> str:
-        """``amp(dtype=bfloat16)``: the technique with the options that differ from none."""
-        options = ", ".join(f"{f.name}={_short(getattr(config, f.name))}" for f in dataclasses.fields(config))
+        """``amp(dtype=bfloat16)``: the technique with the settings that matter to this config
+        (PowerSGD's rank is left out under the fp16 hook)."""
+        options = ", ".join(
+            f"{name}={_short(getattr(config, name))}" for name in self.settings_that_matter(config)
+        )
         return f"{self.name}({options})" if options else self.name
 
     def __repr__(self) -> str:
