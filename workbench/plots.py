@@ -214,10 +214,8 @@ def _readable_log_ticks(axis, lows, highs) -> None:
     low, high = min(finite), max(finite)
     candidates = [0.1, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 5, 10, 20]
     ticks = [t for t in candidates if low / 1.15 <= t <= high * 1.15] or [1.0]
-    if len(ticks) > 7:  # keep the coarse ones
-        ticks = [t for t in ticks if t in (0.1, 0.25, 0.5, 0.8, 1.0, 1.25, 2, 4, 10, 20)]
-    # Labels need room: on a wide axis, 0.8, 1 and 1.25 sit too close to be read. Keep 1, then
-    # only ticks at least a ninth of the axis (in log terms) from every tick kept.
+    # Labels need room: on a wide axis, 0.8, 1 and 1.25 sit too close to be read. Keep 1, then,
+    # nearest to 1 first, only ticks at least a ninth of the axis (in log terms) from every tick kept.
     gap = math.log(max(high, 1.0) * 1.08 / (min(low, 1.0) / 1.08)) / 9
     kept = [1.0] if 1.0 in ticks else []
     for tick in sorted(ticks, key=lambda t: abs(math.log(t))):
