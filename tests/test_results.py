@@ -204,7 +204,7 @@ def test_an_unavailable_value_is_one_thing_in_each_form(small_results, tmp_path)
 
     assert all(math.isfinite(f) for f in floats(small_results.record))  # never a NaN in the record
     table = small_results.table
-    text = ["arm", "kind", "process", "techniques", "status", "reason", "notes"]
+    text = ["arm", "kind", "process", "techniques", "status", "verdict", "reason", "notes"]
     assert table[text].map(lambda v: isinstance(v, str)).all().all()  # never None or NaN there
     numbers = table.drop(columns=text + ["noisy", "blocks"])
     assert all(dtype == np.float64 for dtype in numbers.dtypes)

@@ -27,6 +27,8 @@ _EXPORTS = {
     "Technique": "workbench.techniques",
     "Results": "workbench.results",
     "load_results": "workbench.results",
+    "compare": "workbench.compare",
+    "Comparison": "workbench.compare",
     "environment": "workbench.environment",
     "list_models": "workbench.models",
     "list_datasets": "workbench.data",
@@ -37,11 +39,13 @@ _EXPORTS = {
 
 __all__ = [
     "Advice",
+    "Comparison",
     "JpegFolder",
     "Results",
     "Technique",
     "ablate",
     "advise",
+    "compare",
     "describe",
     "environment",
     "list_datasets",
@@ -57,6 +61,7 @@ __all__ = [
 if TYPE_CHECKING:
     from workbench.ablation import ablate, plan
     from workbench.advisor import Advice, advise
+    from workbench.compare import Comparison, compare
     from workbench.data import list_datasets
     from workbench.environment import environment
     from workbench.jpeg_folder import JpegFolder

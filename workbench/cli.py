@@ -197,6 +197,11 @@ def _parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("show", help="print a saved results table")
     show.add_argument("path", help="a results folder or its results.json")
+    report = commands.add_parser(
+        "report", help="write a self-contained HTML report of saved results (opens offline)"
+    )
+    report.add_argument("path", help="a results folder or its results.json")
+    report.add_argument("--out", help="where to write it (default: report.html in the results folder)")
     return parser
 
 
@@ -298,8 +303,10 @@ def _run_ablate(args: argparse.Namespace) -> int:
     )
     if results.path is None:  # under torchrun, ranks other than 0 keep nothing: rank 0 reports
         return 0
+    from workbench.results_view import terminal_width, use_colour
+
     print()
-    print(results.summary())
+    print(results.summary(width=terminal_width(), colour=use_colour()))
     print(f"\nSaved results.json, table.csv, losses.csv, telemetry.csv and plot.png in {results.path}")
     return exit_code(results.table)
 
@@ -357,6 +364,18 @@ def exit_code(table) -> int:
     return 1
 
 
+def format_table(table) -> str:
+    """A DataFrame as aligned text that fits the terminal (80 columns at most): text wraps in
+    its column, left-aligned; numbers right-aligned."""
+    import pandas as pd
+
+    from workbench.results_view import terminal_width, text_table
+
+    numeric = [table[c].dtype.kind in "iuf" for c in table.columns]
+    rows = [["-" if pd.isna(v) else str(v) for v in row] for row in table.itertuples(index=False)]
+    return text_table([str(c) for c in table.columns], rows, numeric, terminal_width(), spaced=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -367,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
             from workbench.environment import format_optional_packages
 
             if args.models:
-                print(wb.list_models().to_string(index=False))
+                print(format_table(wb.list_models()))
                 print()
-                print(wb.list_datasets().to_string(index=False))
+                print(format_table(wb.list_datasets()))
             else:
                 table = wb.list_techniques(device=args.device, model=args.model)
-                print(table[["name", "available", "reason", "summary"]].to_string(index=False))
+                shown = table[["name", "available", "summary", "reason"]].assign(
+                    available=table.available.map({True: "yes", False: "no"})
+                )
+                print(format_table(shown.rename(columns={"name": "technique", "reason": "why not"})))
                 print()
                 print(format_optional_packages(optional.report()))
             return 0
@@ -384,8 +406,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "show":
             from workbench.results import load_results
+            from workbench.results_view import terminal_width, use_colour
 
-            print(load_results(args.path).summary())
+            print(load_results(args.path).summary(width=terminal_width(), colour=use_colour()))
+            return 0
+        if args.command == "report":
+            from workbench.results import load_results
+
+            written = load_results(args.path).to_html(args.out)
+            print(f"Wrote {written}")
             return 0
         if args.command == "advise":
             return _run_advise(args)

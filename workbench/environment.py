@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -150,7 +151,7 @@ def format_environment(env: dict) -> str:
         )
         lines.append(gpu_line(env))
     else:
-        lines.append("cuda      no CUDA device visible (GPU-only techniques are reported as unavailable)")
+        lines.append("cuda      no CUDA device visible (GPU-only techniques show as unavailable)")
     lines.append(format_optional_packages(env.get("optional_packages") or optional.report()))
     return "\n".join(lines)
 
@@ -160,5 +161,6 @@ def format_optional_packages(report: list[dict]) -> str:
     lines = ["optional packages:"]
     for entry in report:
         state = "installed" if entry["unavailable"] is None else f"unavailable. {entry['unavailable']}"
-        lines.append(f"  {entry['package']:<13} for {entry['for']}: {state}")
+        line = f"{entry['package']:<13} for {entry['for']}: {state}"
+        lines.append(textwrap.fill(line, 80, initial_indent="  ", subsequent_indent=" " * 16))
     return "\n".join(lines)

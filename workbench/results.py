@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from workbench import stats
 from workbench.mfu import achieved_tflops, mfu_percent, peak_tflops
 from workbench.plots import plot_results, plot_tune
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
+from workbench.results_view import LOSS_DRIFT, TERMINAL_WIDTH, results_html, results_text, verdicts
 from workbench.telemetry import PHASES
 
 SCHEMA = "workbench-results/2"  # 2: blocks (several arms per process) replaced one process per run
@@ -29,6 +31,9 @@ TABLE_COLUMNS = [
     "process",  # "block": side by side with the other arms; "own": a process of its own (see reason)
     "techniques",
     "status",
+    # faster / slower / within noise: the speedup's interval against the control arm's band
+    # (workbench.results_view); derived from the columns here, so never stored in the record.
+    "verdict",
     "reason",
     "samples_per_s",
     "samples_per_s_spread",
@@ -74,7 +79,6 @@ TABLE_COLUMNS = [
 ]
 SHORT_WINDOW_S = 0.5  # below this (all of an arm's windows in a block), timer noise weighs on each
 FINAL_LOSS_STEPS = 5  # final_loss averages the last few steps, so one noisy batch does not decide it
-LOSS_DRIFT = 0.10  # a final loss further than this from the baseline's is called out
 
 
 def _median(values: list[float]) -> float:
@@ -388,18 +392,31 @@ class Results:
         import pandas as pd
 
         table = pd.DataFrame(self.record["table"], columns=TABLE_COLUMNS)
-        text = ("arm", "kind", "process", "techniques", "status", "reason", "notes", "noisy", "blocks")
+        text = (
+            "arm",
+            "kind",
+            "process",
+            "techniques",
+            "status",
+            "verdict",
+            "reason",
+            "notes",
+            "noisy",
+            "blocks",
+        )
         numeric = [c for c in TABLE_COLUMNS if c not in text]
         table[numeric] = table[numeric].astype(float)
         table["blocks"] = table["blocks"].fillna(0).astype(int)
         table["noisy"] = table["noisy"].astype(bool)
+        table["verdict"] = verdicts(table, self.record.get("arms", []))
         return table
 
     @property
     def best(self) -> dict[str, dict]:
         """The winning techniques mapping, ready for ``wb.ablate(techniques=...)``: the tuner's
         winner (``wb.tune``), or in an ablation the arm with the highest speedup among those whose
-        whole interval lies above 1 and whose loss matches the baseline's. ``{}`` (the baseline:
+        verdict is "faster" (the whole interval above the control arm's band) and whose loss
+        matches the baseline's. ``{}`` (the baseline:
         switch nothing on) when nothing was measurably faster."""
         if "tune" in self.record:
             return dict((self.record["tune"].get("best") or {}).get("techniques") or {})
@@ -408,8 +425,7 @@ class Results:
         winners = table[
             table.arm.map(lambda name: roles.get(name, {}).get("role") == "treatment")
             & (table.kind == "train")
-            & (table.status == "ok")
-            & (table.speedup_low > 1.0)
+            & (table.verdict == "faster")
             & ((table.loss_vs_baseline - 1.0).abs() <= LOSS_DRIFT)
         ]
         if winners.empty:
@@ -565,52 +581,27 @@ class Results:
             found.append(self.load["warning"])
         return found
 
-    def summary(self) -> str:
-        """The table as text, with the columns people read first, and a legend."""
-        columns = [
-            "arm",
-            "status",
-            "samples_per_s",
-            "step_ms",
-            "peak_mem_mb",
-            "startup_s",
-            "final_loss",
-            "loss_vs_baseline",
-        ]
+    def summary(self, width: int | None = None, colour: bool = False) -> str:
+        """The reader's table as text within ``width`` columns (80 unless given): each arm's
+        verdict, speedup with its interval, throughput, step time, activations and loss parity;
+        then why an arm did not run, and each arm's notes. ``colour``: ANSI colours for the verdicts."""
+        width = width or TERMINAL_WIDTH
         table = self.table
-        if "mfu_pct" in table and table["mfu_pct"].notna().any():  # CUDA arms on a GPU with a known peak
-            columns.insert(columns.index("step_ms") + 1, "mfu_pct")
-        text_table = table[columns].copy()
-        text_table["samples_per_s"] = [f"{v:,.0f}" if math.isfinite(v) else "-" for v in table.samples_per_s]
-        text_table.insert(
-            3,
-            "speedup [95% interval]",
-            [
-                f"{row.speedup:.2f} [{row.speedup_low:.2f}, {row.speedup_high:.2f}]"
-                + (" *" if row.noisy else "")
-                if math.isfinite(row.speedup)
-                else "-"
-                for row in table.itertuples()
-            ],
+        text = "".join(textwrap.fill(f"WARNING: {warning}", width) + "\n\n" for warning in self.warnings())
+        text += results_text(table, self.record.get("arms", []), width, colour)
+        text += "\n" + textwrap.fill(
+            "activations: what autograd saved for backward (MiB). Every other column (peak memory, the "
+            "step's phases, utilization, communication) is in Results.table and table.csv.",
+            width,
         )
-        text = "".join(f"WARNING: {warning}\n\n" for warning in self.warnings())
-        text += text_table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
-        text += (
-            "\n\nspeedup: vs the baseline inside each block (one process running the arms side by side), then"
-            "\n  combined over blocks; an interval that contains 1.00 is no measurable change."
-            "\n* noisy: the interval reaches more than 10% from the speedup; more blocks or steps help."
-            "\npeak_mem_mb: most memory this arm's tensors held in a step (MiB). In table.csv and Results.table,"
-            "\n  also activation_mb (what autograd saved for backward) and peak_rss_mb (what the OS saw; an arm"
-            "\n  in a process of its own only: a shared process's memory cannot be split between its arms)."
-        )
-        if "mfu_pct" in columns:
-            text += "\nmfu_pct: model FLOPs per second over the GPU's dense peak for the dtype in use (workbench.mfu)."
-        problems = [f"  {row.arm}: {row.status}: {row.reason}" for row in table.itertuples() if row.reason]
-        flagged = [f"  {row.arm}: {row.notes}" for row in table.itertuples() if row.notes]
-        if problems:
-            text += "\n\nNot run or not ok:\n" + "\n".join(problems)
-        if flagged:
-            text += "\n\nNotes:\n" + "\n".join(flagged)
+        problems = [(row.arm, f"{row.status}: {row.reason}") for row in table.itertuples() if row.reason]
+        flagged = [(row.arm, row.notes) for row in table.itertuples() if row.notes]
+        for heading, entries in (("Not run or not ok", problems), ("Notes", flagged)):
+            if entries:
+                text += f"\n\n{heading}:\n" + "\n".join(
+                    textwrap.fill(f"{arm}: {words}", width, initial_indent="  ", subsequent_indent="    ")
+                    for arm, words in entries
+                )
         return text
 
     def __repr__(self) -> str:
@@ -618,7 +609,17 @@ class Results:
         return f"<workbench Results ({state}, {len(self.record['table'])} arms)>\n{self.summary()}"
 
     def _repr_html_(self) -> str:
-        return self.table.to_html(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
+        """In a notebook: the reader's table (verdicts, formatted figures) that fits the page,
+        every other column behind a "details" toggle."""
+        return results_html(self.table, self.record.get("arms", []), self.warnings())
+
+    def to_html(self, path: str | os.PathLike | None = None) -> Path:
+        """Write one self-contained HTML report (the plots embedded, the table and verdicts, the
+        warnings, the environment and the command that reproduces the run) to ``path``,
+        by default report.html in the results folder. It opens offline."""
+        from workbench.report import write_report
+
+        return write_report(self, path)
 
 
 def load_results(path: str | os.PathLike) -> Results:

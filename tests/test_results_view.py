@@ -1,0 +1,311 @@
+"""Results read at a glance: verdicts, the formatted table (notebook and terminal), the report
+and saved runs side by side. Built from synthetic records, so each figure is known."""
+
+import json
+import math
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import workbench as wb
+from workbench.config import RunConfig
+from workbench.results import TABLE_COLUMNS
+from workbench.results_view import plain_number, text_table
+
+SCIENTIFIC = re.compile(r"\d(\.\d+)?e[+-]?\d")
+
+
+def _visible(page: str) -> str:
+    """What a reader sees of an HTML page: no styles, no tags."""
+    return re.sub(r"<[^>]+>", " ", re.sub(r"<style>.*?</style>", "", page, flags=re.S))
+
+
+def _row(arm, status="ok", reason="", speedup=None, low=None, high=None, **figures):
+    row = dict.fromkeys(TABLE_COLUMNS)
+    row.update(arm=arm, kind="train", process="block", techniques=arm, status=status, reason=reason,
+               speedup=speedup, speedup_low=low, speedup_high=high, blocks=3, noisy=False, notes="")  # fmt: skip
+    if status == "ok":
+        row.update(samples_per_s=4640.2, step_ms=6.9, activation_mb=0.000123, loss_vs_baseline=1.0)
+    row.update(figures)
+    return row
+
+
+def _results(rows, roles=None, config=None, path=None):
+    roles = roles or {}
+    arms = [
+        {
+            "name": row["arm"],
+            "role": roles.get(row["arm"], "treatment"),
+            "kind": "train",
+            "process": "block",
+            "settings": {},
+            "techniques": row["arm"],
+        }  # fmt: skip
+        for row in rows
+    ]
+    record = {
+        "schema": "workbench-results/2",
+        "created": "2026-11-25T10:00:00",
+        "config": {
+            "model": "mlp",
+            "data": "digits",
+            "loss_fn": "cross_entropy",
+            "techniques": {},
+            **RunConfig().to_json(),
+            "device": "cpu",
+            "batch_size": 32,
+            **(config or {}),
+        },  # fmt: skip
+        "environment": {
+            "torch": "2.13.0+cpu",
+            "cpu": "test CPU",
+            "python": "3.11",
+            "logical_cores": 2,
+            "usable_cores": 2,
+        },  # fmt: skip
+        "arms": arms,
+        "units": [],
+        "blocks": [],
+        "complete": True,
+        "table": rows,
+    }
+    return wb.Results(record, path)
+
+
+ROLES = {"baseline": "baseline", "baseline (control)": "control"}
+
+
+def _typical(control=(0.97, 1.04)):
+    return _results(
+        [
+            _row("baseline", speedup=1.0, low=1.0, high=1.0),
+            _row("baseline (control)", speedup=sum(control) / 2, low=control[0], high=control[1]),
+            _row("amp", speedup=1.49, low=1.12, high=2.27, samples_per_s=6914.0),
+            _row("channels_last", speedup=1.03, low=1.01, high=1.06),
+            _row("checkpointing", speedup=0.7, low=0.65, high=0.75, loss_vs_baseline=1.3),
+            _row("tf32", status="unavailable", reason="needs a CUDA device; this run is on cpu"),
+            _row("compile", status="failed", reason="block 1: RuntimeError: the compiler crashed " * 4),
+        ],
+        ROLES,
+    )
+
+
+def test_the_verdict_is_the_interval_against_the_controls_band():
+    table = _typical().table
+    verdict = dict(zip(table.arm, table.verdict, strict=True))
+    assert verdict["baseline"] == "reference" and verdict["baseline (control)"] == "control"
+    assert verdict["amp"] == "faster" and verdict["checkpointing"] == "slower"
+    # Above 1, but not clear of the band where an arm that does nothing lands.
+    assert verdict["channels_last"] == "within noise"
+    assert verdict["tf32"] == "unavailable" and verdict["compile"] == "failed"
+    # A narrower control band: the same interval is now clear of it.
+    narrow = _typical(control=(0.995, 1.005)).table
+    assert narrow.set_index("arm").verdict["channels_last"] == "faster"
+
+
+def test_without_a_control_the_band_is_one_and_best_follows_the_verdict():
+    results = _results(
+        [_row("baseline", speedup=1.0, low=1.0, high=1.0), _row("amp", speedup=1.05, low=1.01, high=1.1)],
+        {"baseline": "baseline"},
+    )
+    assert list(results.table.verdict) == ["reference", "faster"]
+    typical = _typical()
+    typical.record["arms"][2]["settings"] = {"amp": {"dtype": "bfloat16"}}
+    assert typical.best == {"amp": {"dtype": "bfloat16"}}  # channels_last is within noise
+
+
+@pytest.mark.parametrize("value", [4640.2, 1e7, 123456.789, 0.000123, 1.5e-7, 48.213, 0.0])
+def test_numbers_are_never_in_scientific_notation(value):
+    text = plain_number(value)
+    assert not SCIENTIFIC.search(text) and "e" not in text
+    assert float(text.replace(",", "")) == pytest.approx(value, rel=0.01, abs=1e-9)
+
+
+def test_the_notebook_table_reads_at_a_glance():
+    page = _typical()._repr_html_()
+    reader = page.split("<details>")[0]
+    assert "1.49× [1.12, 2.27]" in reader and "4,640" in reader and "6,914" in reader
+    assert not SCIENTIFIC.search(_visible(page))  # the details table too
+    for word in ("faster", "slower", "within noise", "unavailable", "failed"):
+        assert f">{word}</span>" in reader
+    assert "needs a CUDA device; this run is on cpu" in reader  # the reason, beside its arm
+    assert "1.30× !" in reader  # a loss that drifted is marked
+    # Only the reader's columns up front; the raw names wait behind the toggle.
+    assert "samples_per_s_spread" not in reader and "samples_per_s_spread" in page
+    assert re.search(r"<details><summary>All \d+ columns", page)
+
+
+def test_the_terminal_table_fits_80_columns_and_aligns():
+    text = _typical().summary()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert not SCIENTIFIC.search(text)
+    header = lines[0]
+    assert header.startswith("arm") and "verdict" in header
+    amp = next(line for line in lines if line.startswith("amp "))
+    assert "faster" in amp and "1.49× [1.12, 2.27]" in amp and "6,914" in amp
+    # Right-aligned numbers: the throughput column ends where its heading ends.
+    heading_end = lines[1].index("samples/s") + len("samples/s") if "samples/s" in lines[1] else None
+    heading_end = heading_end or header.index("samples/s") + len("samples/s")
+    assert amp[:heading_end].endswith("6,914")
+    assert "compile: failed: block 1: RuntimeError" in text.replace("\n    ", " ")
+
+
+def test_long_text_wraps_in_its_column_left_aligned():
+    rows = [["dataloader[num_workers=2, pin_memory=True]", "a summary " * 12, "12.5"]]
+    text = text_table(["technique", "summary", "ms"], rows, [False, False, True], width=60)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 60
+    assert len(lines) > 3  # wrapped
+    summary_at = lines[0].index("summary")
+    assert all(line[summary_at - 2 : summary_at] == "  " for line in lines[2:] if len(line) > summary_at)
+    assert lines[2].startswith("dataloader")  # left-aligned, not right-aligned
+
+
+def _cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "workbench", *args], capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "COLUMNS": "200", **(env or {})},
+    )  # fmt: skip
+
+
+def test_workbench_list_fits_80_columns_left_aligned():
+    done = _cli("list")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    names = [line.split()[0] for line in lines[2:] if line and not line.startswith(" ")]
+    assert {"dataloader", "amp", "tf32"} <= set(names)  # each name starts its line: left-aligned
+    models = _cli("list", "--models")
+    assert models.returncode == 0 and max(len(line) for line in models.stdout.splitlines()) <= 80
+
+
+def test_workbench_show_prints_the_readers_table(tmp_path):
+    results = _typical()
+    results.save(tmp_path / "run")
+    done = _cli("show", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80
+    assert "within noise" in done.stdout and "1.49× [1.12, 2.27]" in done.stdout
+    assert "\033[" not in done.stdout  # no colour codes when the output is not a terminal
+
+
+def test_the_report_is_one_file_that_opens_offline(tmp_path):
+    results = _typical()
+    folder = results.save(tmp_path / "run")
+    results = wb.load_results(folder)
+    done = _cli("report", str(folder))
+    assert done.returncode == 0, done.stderr
+    report = folder / "report.html"
+    page = report.read_text()
+    assert "report.html" in json.loads((folder / ".workbench-manifest.json").read_text())["files"]
+    assert page.count('src="data:image/png;base64,') >= 1
+    # Nothing fetched: no remote sources, styles or scripts.
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+    assert "<script" not in page and "<link" not in page
+    assert "within noise" in page and "1.49× [1.12, 2.27]" in page
+    assert "2.13.0+cpu" in page and "test CPU" in page  # the environment
+    assert "workbench ablate --model mlp --data digits" in page  # the command
+    assert "the compiler crashed" in page  # a failed arm's reason
+    # Written again over its own report; never over a file workbench did not write.
+    assert results.to_html() == report
+    mine = tmp_path / "notes.html"
+    mine.write_text("<p>my notes</p>")
+    with pytest.raises(ValueError, match="not a workbench report"):
+        results.to_html(mine)
+    assert mine.read_text() == "<p>my notes</p>"
+
+
+def test_the_report_says_the_controls_failure_and_a_busy_machine(tmp_path):
+    results = _typical(control=(1.1, 1.3))
+    results.record["load"] = {"warning": "other processes used 0.80 of this machine's 2 cores"}
+    page = (results.to_html(tmp_path / "r.html")).read_text()
+    assert "the control arm (the baseline measured again) came out at" in page
+    assert "other processes used 0.80" in page
+
+
+def test_the_reproduce_command_plans_the_same_arms():
+    from workbench.ablation import prepare
+    from workbench.cli import _parser, _techniques, run_settings
+    from workbench.report import reproduce
+
+    techniques = {"amp": {"dtype": "float16"}, "grad_accum": {"steps": [2, 4]}, "checkpointing": True}
+    run = RunConfig(steps=12, warmup=2, blocks=2, batch_size=16, control=False, device="cpu")
+    prepared = prepare("mlp", "digits", None, techniques, run)
+    record = {"config": prepared.config, "arms": [arm.record() for arm in prepared.arms]}
+    command, python = reproduce(record)
+    words = shlex.split(command)
+    assert words[:2] == ["workbench", "ablate"]
+    args = _parser().parse_args(words[1:])
+    again = prepare(args.model, args.data, None, _techniques(args, {}), RunConfig(**run_settings(args)))
+    assert [arm.record() for arm in again.arms] == record["arms"]
+    assert again.config == prepared.config
+    # The Python form names the same techniques and settings.
+    assert (
+        "techniques={'checkpointing': True, 'amp': {'dtype': 'float16'}, 'grad_accum': {'steps': [2, 4]}}"
+        in python
+    )
+    assert "control=False" in python and "batch_size=16" in python
+    compile(python, "<reproduce>", "exec")
+
+
+def test_a_users_model_gets_the_python_call_only():
+    from workbench.report import reproduce
+
+    command, python = reproduce(
+        {"config": {"model": "make_model", "data": "MyDataset", "device": "cpu"}, "arms": []}
+    )
+    assert command is None
+    assert "model=make_model" in python and "# model: your own factory" in python
+
+
+def _run(amp, amp_low, amp_high, control=(0.98, 1.02), extra=None, config=None):
+    rows = [
+        _row("baseline", speedup=1.0, low=1.0, high=1.0),
+        _row("baseline (control)", speedup=1.0, low=control[0], high=control[1]),
+        _row("amp", speedup=amp, low=amp_low, high=amp_high),
+        *(extra or []),
+    ]
+    return _results(rows, ROLES, config)
+
+
+def test_compare_matches_arms_and_gives_the_ratio_with_its_interval(tmp_path):
+    before = _run(1.2, 1.1, 1.3)
+    after = _run(1.8, 1.65, 1.95, extra=[_row("compile", speedup=1.1, low=1.05, high=1.15)])
+    before.save(tmp_path / "before")
+    comparison = wb.compare(tmp_path / "before", after, names=["before", "after"])
+    table = comparison.table.set_index("arm")
+    assert list(table.index) == ["baseline", "baseline (control)", "amp", "compile"]
+    amp = table.loc["amp"]
+    assert amp["after / before ratio"] == pytest.approx(1.5)
+    # Log half-widths in quadrature: wider than either run's own interval, and around 1.5.
+    half = math.hypot(math.log(1.3 / 1.1) / 2, math.log(1.95 / 1.65) / 2)
+    assert amp["after / before low"] == pytest.approx(1.5 * math.exp(-half))
+    assert amp["after / before high"] == pytest.approx(1.5 * math.exp(half))
+    assert amp["after / before change"] == "better"
+    assert table.loc["compile", "before verdict"] == "absent"
+    assert table.loc["compile", "after / before change"] == "not compared"
+    assert table.loc["baseline", "after / before change"] == "reference"
+    text = repr(comparison)
+    assert max(len(line) for line in text.splitlines()) <= 80 and "1.50× [" in text
+    assert "better" in comparison._repr_html_()
+    figure = comparison.plot(tmp_path / "compare.png")
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert len(figure.axes[0].get_legend().get_texts()) == 2
+
+
+def test_compare_says_when_the_runs_differ_and_refuses_bad_input(tmp_path):
+    same = wb.compare(_run(1.2, 1.1, 1.3), _run(1.25, 1.12, 1.35))
+    assert same.table.set_index("arm").loc["amp", "run 2 / run 1 change"] == "within noise"
+    differ = wb.compare(_run(1.2, 1.1, 1.3), _run(1.2, 1.1, 1.3, config={"batch_size": 64}))
+    assert differ.differences == {"batch_size": [32, 64]}
+    assert "The runs differ in batch_size" in repr(differ)
+    with pytest.raises(ValueError, match="two runs or more"):
+        wb.compare(_run(1.2, 1.1, 1.3))
+    with pytest.raises(ValueError, match="one name per run"):
+        wb.compare(_run(1.2, 1.1, 1.3), _run(1.2, 1.1, 1.3), names=["a"])
+    with pytest.raises(FileNotFoundError, match="no results at"):
+        wb.compare(_run(1.2, 1.1, 1.3), tmp_path / "missing")

@@ -1,0 +1,243 @@
+"""Saved runs side by side: ``wb.compare(a, b, ...)``.
+
+Each run's speedups are against its own baseline, measured inside its own processes, so they
+can be set side by side even when the runs come from different days or machines; raw
+throughput cannot (fresh processes differ by 10-15% here). The comparison matches arms by
+name and gives, for each later run, the ratio of its speedup to the first run's, with an
+interval: each run's 95% interval is symmetric in log space, and for independent runs the
+half-widths combine in quadrature. That is a normal approximation; with few blocks per run
+it is a little wide rather than too narrow.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+from workbench.plots import ResultsFigure
+from workbench.plots import _readable_log_ticks as readable_log_ticks
+from workbench.results import Results, load_results
+from workbench.results_view import READER_CSS, badge, text_table, times
+
+# Settings whose difference changes what a speedup means; listed when the runs disagree.
+COMPARED_SETTINGS = (
+    "model",
+    "data",
+    "device",
+    "batch_size",
+    "steps",
+    "warmup",
+    "blocks",
+    "world_size",
+    "mode",
+)
+
+
+def compare(*runs: Results | str | os.PathLike, names: list[str] | None = None) -> Comparison:
+    """Set saved runs side by side: each is a Results or a results folder (or its results.json).
+
+    The first run is the reference: ``.table`` has one row per arm name found in any run, each
+    run's speedup with its interval and verdict, and for each later run the ratio of its
+    speedup to the first run's, with an interval and a change (better, worse, within noise).
+    ``.plot()`` draws them; in a notebook the comparison shows itself as a table.
+    """
+    if len(runs) < 2:
+        raise ValueError(f"compare needs two runs or more (Results or results folders); got {len(runs)}")
+    loaded = [run if isinstance(run, Results) else load_results(run) for run in runs]
+    if names is None:
+        names = _default_names(loaded)
+    elif len(names) != len(loaded):
+        raise ValueError(f"compare: {len(names)} names for {len(loaded)} runs; give one name per run")
+    if len(set(names)) != len(names):
+        raise ValueError(f"compare: the runs' names must differ; got {names}")
+    return Comparison(list(names), loaded)
+
+
+def _default_names(runs: list[Results]) -> list[str]:
+    """Each run's folder name, or "run N"; numbered where two would read the same."""
+    names = [run.path.name if run.path is not None else f"run {i + 1}" for i, run in enumerate(runs)]
+    if len(set(names)) < len(names):
+        names = [f"{name} ({i + 1})" for i, name in enumerate(names)]
+    return names
+
+
+def ratio_interval(first: tuple[float, float, float], later: tuple[float, float, float]):
+    """later / first, each (point, low, high): the point ratio and its approximate 95% interval."""
+    (a, a_low, a_high), (b, b_low, b_high) = first, later
+    if not all(math.isfinite(v) and v > 0 for v in (a, a_low, a_high, b, b_low, b_high)):
+        return math.nan, math.nan, math.nan
+    half = math.hypot(math.log(a_high / a_low) / 2, math.log(b_high / b_low) / 2)
+    ratio = b / a
+    return ratio, ratio * math.exp(-half), ratio * math.exp(half)
+
+
+def change_of(low: float, high: float) -> str:
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "not compared"
+    if low == high == 1.0:
+        return "reference"
+    return "better" if low > 1.0 else "worse" if high < 1.0 else "within noise"
+
+
+class Comparison:
+    """Runs side by side. ``table`` for code; ``plot()``; shows itself in a notebook."""
+
+    def __init__(self, names: list[str], runs: list[Results]):
+        self.names, self.runs = names, runs
+        self.table = self._build_table()
+
+    def _build_table(self):
+        import pandas as pd
+
+        tables = [run.table.set_index("arm") for run in self.runs]
+        arms = list(dict.fromkeys(arm for table in tables for arm in table.index))
+        rows = []
+        for arm in arms:
+            row: dict = {"arm": arm}
+            figures = []
+            for name, table in zip(self.names, tables, strict=True):
+                found = table.loc[arm] if arm in table.index else None
+                point = (
+                    (found.speedup, found.speedup_low, found.speedup_high)
+                    if found is not None and found.status == "ok"
+                    else (math.nan, math.nan, math.nan)
+                )
+                figures.append(point)
+                row[f"{name} speedup"], row[f"{name} low"], row[f"{name} high"] = point
+                row[f"{name} verdict"] = "absent" if found is None else found.verdict
+                row[f"{name} samples_per_s"] = math.nan if found is None else found.samples_per_s
+            for name, point in zip(self.names[1:], figures[1:], strict=True):
+                ratio, low, high = ratio_interval(figures[0], point)
+                key = f"{name} / {self.names[0]}"
+                row[f"{key} ratio"], row[f"{key} low"], row[f"{key} high"] = ratio, low, high
+                row[f"{key} change"] = change_of(low, high)
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    @property
+    def differences(self) -> dict[str, list]:
+        """The settings that differ between the runs (model, data, device, batch size...), each
+        with every run's value: what to keep in mind before reading a ratio as the code's doing."""
+        found = {}
+        for key in COMPARED_SETTINGS:
+            values = [run.config.get(key) for run in self.runs]
+            if any(value != values[0] for value in values[1:]):
+                found[key] = values
+        for key in ("torch", "cpu", "gpu_name"):
+            values = [run.environment.get(key) for run in self.runs]
+            if any(value != values[0] for value in values[1:]):
+                found[key] = values
+        return found
+
+    def _speedup_cell(self, row, name: str) -> str:
+        point, low, high = row[f"{name} speedup"], row[f"{name} low"], row[f"{name} high"]
+        if not math.isfinite(point):
+            return row[f"{name} verdict"] if row[f"{name} verdict"] != "ok" else "-"
+        return times(point) if low == high else f"{times(point)} [{low:.2f}, {high:.2f}]"
+
+    def _ratio_cells(self, row, name: str) -> tuple[str, str]:
+        key = f"{name} / {self.names[0]}"
+        ratio, low, high = row[f"{key} ratio"], row[f"{key} low"], row[f"{key} high"]
+        if not math.isfinite(ratio):
+            return "-", row[f"{key} change"]
+        text = times(ratio) if low == high else f"{times(ratio)} [{low:.2f}, {high:.2f}]"
+        return text, row[f"{key} change"]
+
+    def _reader(self) -> tuple[list[str], list[list[str]]]:
+        headings = ["arm", *(f"{name}" for name in self.names)]
+        for name in self.names[1:]:
+            headings += [f"{name} / {self.names[0]}", "change"]
+        rows = []
+        for _, row in self.table.iterrows():
+            cells = [row["arm"], *(self._speedup_cell(row, name) for name in self.names)]
+            for name in self.names[1:]:
+                cells += list(self._ratio_cells(row, name))
+            rows.append(cells)
+        return headings, rows
+
+    def _notes(self) -> list[str]:
+        notes = [
+            "Each run's column is its speedup over its own baseline [95% interval]; a ratio is the later "
+            "run's speedup over the first's, with an approximate 95% interval (the runs' log-space "
+            "half-widths combined in quadrature)."
+        ]
+        notes += [
+            f"The runs differ in {key}: {', '.join(f'{n}={v}' for n, v in zip(self.names, values, strict=True))}."
+            for key, values in self.differences.items()
+        ]
+        return notes
+
+    def __repr__(self) -> str:
+        headings, rows = self._reader()
+        numeric = [False] + [True] * len(self.names) + [True, False] * (len(self.names) - 1)
+        notes = "\n".join(textwrap.fill(note, 80) for note in self._notes())
+        return f"<workbench Comparison of {len(self.runs)} runs>\n{text_table(headings, rows, numeric)}\n\n{notes}"
+
+    def _repr_html_(self) -> str:
+        headings, rows = self._reader()
+        changes = range(len(self.names) + 2, len(headings), 2)  # the change columns: words, not figures
+        text = {0, *changes}
+
+        def cell(tag: str, index: int, content: str) -> str:
+            return (
+                f'<{tag} class="wb-text">{content}</{tag}>' if index in text else f"<{tag}>{content}</{tag}>"
+            )
+
+        head = "".join(cell("th", i, html.escape(h)) for i, h in enumerate(headings))
+        body = [
+            "<tr>"
+            + "".join(
+                cell("td", i, badge(c) if i in changes else html.escape(c)) for i, c in enumerate(cells)
+            )
+            + "</tr>"
+            for cells in rows
+        ]
+        notes = "".join(f'<p class="wb-legend">{html.escape(note)}</p>' for note in self._notes())
+        return (
+            f'<div class="wb-results"><style>{READER_CSS}</style><table class="wb-reader">'
+            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{notes}</div>"
+        )
+
+    def plot(self, path: str | os.PathLike | None = None) -> ResultsFigure:
+        """Each arm's speedup in each run, with its interval, on one log axis; saved to ``path``
+        when given."""
+        return plot_comparison(self, path)
+
+
+def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
+    from matplotlib import colormaps
+
+    table, names = comparison.table, comparison.names
+    palette = colormaps["tab10"]
+    figure = ResultsFigure(figsize=(9, 1.2 + 0.55 * len(table) * max(1, len(names) / 2)))
+    axes = figure.add_subplot(1, 1, 1)
+    step = 0.8 / len(names)
+    lows, highs = [], []
+    for index, name in enumerate(names):
+        y = np.arange(len(table)) + (index - (len(names) - 1) / 2) * step
+        point, low, high = (table[f"{name} {part}"].to_numpy(float) for part in ("speedup", "low", "high"))
+        # An arm absent from a run, or not ok in it, has no point there.
+        shown = np.isfinite(point) & np.isfinite(low) & np.isfinite(high)
+        errors = np.clip([point[shown] - low[shown], high[shown] - point[shown]], 0, None)
+        axes.errorbar(point[shown], y[shown], xerr=errors, fmt="o", color=palette(index % 10),
+                      capsize=3, label=name)  # fmt: skip
+        lows += list(low)
+        highs += list(high)
+    axes.axvline(1.0, color="0.4", linewidth=1)
+    axes.set_xscale("log")
+    readable_log_ticks(axes, lows, highs)
+    axes.set_yticks(np.arange(len(table)), table["arm"])
+    axes.invert_yaxis()
+    axes.set_xlabel("speedup vs each run's own baseline (95% interval, log scale)")
+    axes.grid(axis="x", alpha=0.3)
+    # Above the axes, never over the points.
+    axes.legend(loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=min(len(names), 4), frameon=False)
+    figure.tight_layout()
+    if path is not None:
+        figure.savefig(Path(path), dpi=110)
+    return figure

@@ -1,0 +1,263 @@
+"""A report to share: one self-contained HTML file per results folder.
+
+``workbench report DIR`` and ``Results.to_html(path)`` write it: the plots embedded as PNG data,
+the reader's table with its verdicts, the warnings, each arm's notes, the environment, and
+the command that runs the same ablation again. Nothing in it is fetched from the network, so
+it opens offline and can be mailed or attached to an issue as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+import shlex
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from workbench.config import Link, RunConfig, run_options
+from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
+from workbench.models import BUILTIN_MODELS
+from workbench.results_folder import ResultsFolder
+from workbench.results_view import results_html
+from workbench.techniques import get_technique, settings_of
+
+GENERATOR = "workbench report"  # in every report's <meta name="generator">: how we know one we wrote
+REPORT_NAME = "report.html"
+
+
+def write_report(results, path: str | os.PathLike | None = None) -> Path:
+    """Write ``results``' report to ``path`` (default: report.html in its results folder) and
+    return where. A file already there is replaced only if it is a report workbench wrote."""
+    if path is None:
+        if results.path is None:
+            raise ValueError(
+                "these results have no folder (ablate(out=False)); pass a path: results.to_html('report.html')"
+            )
+        target = ResultsFolder(results.path).file(REPORT_NAME)  # entered in the folder's manifest
+    else:
+        target = Path(path)
+        if target.is_dir():
+            target = target / REPORT_NAME
+    if target.exists() and GENERATOR not in target.read_text(errors="replace")[:2000]:
+        raise ValueError(
+            f"{target} exists and is not a workbench report; choose another path "
+            "(workbench replaces only files it wrote)"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.partial")
+    staging.write_text(report_html(results), encoding="utf-8")
+    staging.replace(target)  # a reader never sees half a report
+    return target
+
+
+def report_html(results) -> str:
+    """The whole report as one HTML document."""
+    record = results.record
+    config = record["config"]
+    title = f"workbench: {config['model']} on {config['data']}, {config['device']}"
+    sections = [
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p class="wb-meta">{html.escape(_when_and_state(record))}</p>',
+        _section("Verdicts", results_html(results.table, record.get("arms", []), results.warnings())),
+        _section("Plots", _figure_img(results.plot(), "speedups, step-time breakdown and memory per arm")),
+        _section("Notes per arm", _notes_html(results.table)),
+        _section("Reproduce", _reproduce_html(record)),
+        _section("Environment", _environment_html(record)),
+    ]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="generator" content="{GENERATOR}">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{html.escape(title)}</title><style>{_PAGE_CSS}</style></head>"
+        f"<body>{''.join(sections)}</body></html>\n"
+    )
+
+
+_PAGE_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto;
+  max-width: 1100px; padding: 0 16px; color: #222; line-height: 1.4; }
+h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px;
+  border-bottom: 1px solid #ddd; padding-bottom: 3px; }
+.wb-meta { color: #666; margin-top: 0; }
+img { max-width: 100%; height: auto; border: 1px solid #eee; }
+pre { background: #f6f6f6; padding: 8px 10px; overflow-x: auto; white-space: pre-wrap;
+  word-break: break-word; font-size: 12.5px; }
+table.wb-plain { border-collapse: collapse; font-size: 13px; }
+table.wb-plain td, table.wb-plain th { text-align: left; padding: 2px 10px 2px 0; vertical-align: top; }
+ul.wb-notes li { margin-bottom: 3px; }
+"""
+
+
+def _section(heading: str, body: str) -> str:
+    return f"<section><h2>{html.escape(heading)}</h2>{body}</section>"
+
+
+def _when_and_state(record: dict) -> str:
+    state = "complete" if record.get("complete") else "partial: the run was stopped before every block ran"
+    workers = record.get("worker_start") or "fresh processes"
+    return f"created {record.get('created', '?')}; {state}; workers: {workers}"
+
+
+def _figure_img(figure, alt: str) -> str:
+    """A matplotlib figure as an <img> whose PNG is inside the page (a data: URL)."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _notes_html(table) -> str:
+    items = [
+        f"<li><b>{html.escape(row.arm)}</b>: {html.escape(text)}</li>"
+        for row in table.itertuples()
+        for text in ([row.notes] if row.notes else [])
+    ]
+    return f'<ul class="wb-notes">{"".join(items)}</ul>' if items else "<p>No notes.</p>"
+
+
+def _environment_html(record: dict) -> str:
+    env = record.get("environment") or {}
+    shown = {
+        "device": record["config"].get("device"),
+        "GPU": env.get("gpu_name"),
+        "driver": env.get("driver_version"),
+        "CUDA": env.get("cuda_version"),
+        "cuDNN": env.get("cudnn_version"),
+        "CPU": env.get("cpu"),
+        "cores": f"{env.get('usable_cores')} usable of {env.get('logical_cores')} logical"
+        if env.get("logical_cores")
+        else None,
+        "torch": env.get("torch"),
+        "torch threads": env.get("torch_threads"),
+        "python": env.get("python"),
+        "platform": env.get("platform"),
+        "numpy": env.get("numpy"),
+        "CuPy": env.get("cupy") or "not installed",
+        "DALI": env.get("dali") or "not installed",
+        "workbench": env.get("workbench"),
+        "git revision": env.get("git_revision"),
+        "host": env.get("hostname"),
+    }
+    rows = "".join(
+        f"<tr><th>{html.escape(name)}</th><td>{html.escape(str(value))}</td></tr>"
+        for name, value in shown.items()
+        if value not in (None, "")
+    )
+    return f'<table class="wb-plain">{rows}</table>'
+
+
+def _reproduce_html(record: dict) -> str:
+    command, python = reproduce(record)
+    parts = []
+    if command is not None:
+        parts.append(f"<p>From a shell:</p><pre>{html.escape(command)}</pre>")
+    parts.append(f"<p>From Python:</p><pre>{html.escape(python)}</pre>")
+    return "".join(parts)
+
+
+# --- the command that runs the same ablation again ------------------------------------------
+
+
+def requested_techniques(record: dict) -> dict[str, Any]:
+    """The ``techniques=`` mapping the run was given, read back from its arms: each technique's
+    settings that differ from its defaults (True when none do), a list where a setting was swept."""
+    values: dict[str, dict[str, list]] = {}
+    for arm in record.get("arms", []):
+        for name, settings in (arm.get("settings") or {}).items():
+            seen = values.setdefault(name, {})
+            for key, value in settings.items():
+                seen.setdefault(key, [])
+                if value not in seen[key]:
+                    seen[key].append(value)
+    chosen: dict[str, Any] = {}
+    for name, settings in values.items():
+        defaults = settings_of(get_technique(name).Config())
+        changed = {
+            key: (found[0] if len(found) == 1 else found)
+            for key, found in settings.items()
+            if found != [defaults.get(key)]
+        }
+        chosen[name] = changed or True
+    return chosen
+
+
+def _changed_run_settings(config: dict) -> dict[str, Any]:
+    """The run settings that differ from RunConfig's defaults, device included."""
+    defaults = RunConfig().to_json()
+    changed = {
+        f.name: config[f.name]
+        for f in fields(RunConfig)
+        if f.name in config and config[f.name] != defaults[f.name]
+    }
+    if config.get("device") and config["device"] != "auto":
+        changed["device"] = config["device"]
+    return changed
+
+
+def reproduce(record: dict) -> tuple[str | None, str]:
+    """The shell command (None when the model or data is the user's own Python object) and the
+    Python call that run the same ablation again."""
+    config = record["config"]
+    techniques = requested_techniques(record)
+    settings = _changed_run_settings(config)
+    own_model = config["model"] not in BUILTIN_MODELS
+    own_data = config["data"] not in BUILTIN_DATA and not str(config["data"]).startswith(JPEG_FOLDER_PREFIX)
+    python = _python_call(config, techniques, settings, own_model, own_data)
+    if own_model or own_data:
+        return None, python
+    words = ["workbench", "ablate", "--model", config["model"], "--data", config["data"]]
+    for name, value in techniques.items():
+        words += ["-t", _technique_flag(name, value)]
+    for name, value in settings.items():
+        words += _run_flag(name, value)
+    return " ".join(shlex.quote(word) for word in words), python
+
+
+def _technique_flag(name: str, value: Any) -> str:
+    if value is True:
+        return name
+    items = []
+    for key, setting in value.items():
+        shown = "|".join(_flag_word(v) for v in setting) if isinstance(setting, list) else _flag_word(setting)
+        items.append(f"{key}={shown}")
+    return f"{name}:{','.join(items)}"
+
+
+def _flag_word(value: Any) -> str:
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _run_flag(name: str, value: Any) -> list[str]:
+    rules = run_options().get(name)
+    flag = "--" + name.replace("_", "-")
+    if rules is None:  # device: not a RunConfig field
+        return [flag, str(value)]
+    if rules.kind is bool and rules.choices is None:
+        return [flag] if value else ["--no-" + flag[2:]]
+    if rules.choices is not None:
+        return [flag, rules.word(value)]
+    if isinstance(value, dict) and name == "link":
+        return [flag, Link(**value).as_text()]
+    return [flag, "none" if value is None else str(value)]
+
+
+def _python_call(config: dict, techniques: dict, settings: dict, own_model: bool, own_data: bool) -> str:
+    lines = ["import workbench as wb", ""]
+    if own_model:
+        lines.append(f"# model: your own factory, recorded as {config['model']!r}")
+    if own_data:
+        lines.append(f"# data: your own, recorded as {config['data']!r}")
+    arguments = [
+        f"model={config['model'] if own_model else repr(config['model'])}",
+        f"data={config['data'] if own_data else repr(config['data'])}",
+        f"techniques={techniques!r}",
+        *(f"{name}={value!r}" for name, value in settings.items()),
+    ]
+    lines.append("results = wb.ablate(\n    " + ",\n    ".join(arguments) + ",\n)")
+    return "\n".join(lines)

@@ -1,0 +1,350 @@
+"""The results as people read them: a verdict per arm, and a few formatted columns.
+
+``Results.table`` keeps every column as a number, for code. This module turns it into what a
+reader wants first (is this arm faster, by how much, at what cost?) as an HTML table that fits
+a notebook and as aligned text that fits an 80-column terminal. The model is
+``torch.utils.benchmark.Compare``: units in the figures, no scientific notation, colour for
+the verdict, and the rest of the columns one click away.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import shutil
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import numpy as np
+
+LOSS_DRIFT = 0.10  # a final loss further than this from the baseline's is called out
+TERMINAL_WIDTH = 80
+LONGEST_UNBROKEN = 14  # longer words in a text column (an arm named by its settings) are broken
+
+# How each verdict looks: its colours in HTML (background, text) and in a terminal (ANSI code).
+VERDICT_STYLES = {
+    "faster": ("#d8f0dd", "#125c2b", "32"),
+    "slower": ("#f8dcdc", "#8a1c1c", "31"),
+    "within noise": ("#ececec", "#444444", "90"),
+    "reference": ("#e3ebf7", "#1f3d6e", "34"),
+    "control": ("#e3ebf7", "#1f3d6e", "34"),
+    "not compared": ("#ececec", "#444444", "90"),
+    # wb.compare's change between runs
+    "better": ("#d8f0dd", "#125c2b", "32"),
+    "worse": ("#f8dcdc", "#8a1c1c", "31"),
+    "absent": ("#ececec", "#444444", "90"),
+}
+NOT_OK_STYLE = ("#fdebd0", "#8a4b00", "33")  # failed, unavailable, oom, diverged, interrupted
+VERDICT_LEGEND = (
+    "verdict: faster or slower when the arm's whole 95% interval lies outside the control arm's "
+    "band (the baseline measured again: where a change that does nothing lands); within noise "
+    "otherwise. A speedup reads x [low, high]."
+)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the reader's table: its heading (with units), and how it aligns."""
+
+    heading: str
+    numeric: bool = True
+
+
+COLUMNS = {
+    "arm": Column("arm", numeric=False),
+    "verdict": Column("verdict", numeric=False),
+    "speedup": Column("speedup [95% interval]"),
+    "throughput": Column("samples/s"),
+    "step": Column("step ms"),
+    "activations": Column("activ. MiB"),
+    "loss": Column("loss vs baseline"),
+}
+MFU_COLUMN = Column("MFU %")
+
+
+def _band_of(row, table) -> tuple[float, float]:
+    """The control arm's interval for this arm's kind of process, widened to hold 1.0 (or 1.0
+    alone when there is no measured control): where an arm that changes nothing lands."""
+    controls = table[
+        (table.role == "control")
+        & (table.kind == row.kind)
+        & (table.process == row.process)
+        & table.speedup_low.notna()
+    ]
+    if controls.empty:
+        return 1.0, 1.0
+    return min(1.0, float(controls.speedup_low.min())), max(1.0, float(controls.speedup_high.max()))
+
+
+def verdict(row, table) -> str:
+    """faster, slower or within noise (the interval against the control's band); for the
+    baseline "reference", for the control "control"; else the status of an arm that is not ok."""
+    if row.status != "ok":
+        return row.status
+    if row.role == "baseline":
+        return "reference"
+    if row.role == "control":
+        return "control"
+    if not math.isfinite(row.speedup_low) or not math.isfinite(row.speedup_high):
+        return "not compared"
+    band_low, band_high = _band_of(row, table)
+    if row.speedup_low > band_high:
+        return "faster"
+    if row.speedup_high < band_low:
+        return "slower"
+    return "within noise"
+
+
+def with_roles(table, arms: list[dict]):
+    """``table`` with each arm's role (baseline, control, treatment) from the record's arms."""
+    roles = {arm["name"]: arm.get("role", "treatment") for arm in arms}
+    return table.assign(role=table.arm.map(lambda name: roles.get(name, "treatment")))
+
+
+def verdicts(table, arms: list[dict]) -> list[str]:
+    """One verdict per row of ``Results.table``, in its order."""
+    table = with_roles(table, arms)
+    return [verdict(row, table) for row in table.itertuples()]
+
+
+# --- numbers as people read them -----------------------------------------------------------
+
+
+def plain_number(value: float, digits: int = 3, smallest: float = 0.0) -> str:
+    """``4640.2`` -> "4,640", ``48.21`` -> "48.2", ``0.0004213`` -> "0.000421": never 4.64e+03.
+    Below ``smallest`` (but above 0): "<smallest", where smaller figures mean nothing to a reader."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    if 0 < abs(value) < smallest:
+        return f"<{smallest:g}"
+    if abs(value) >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    return np.format_float_positional(value, precision=digits, fractional=False, trim="-")
+
+
+def times(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value:.2f}×"
+
+
+def speedup_text(row) -> str:
+    if not math.isfinite(row.speedup):
+        return "-"
+    if row.speedup_low == row.speedup_high:  # the baseline against itself
+        return times(row.speedup)
+    return f"{times(row.speedup)} [{row.speedup_low:.2f}, {row.speedup_high:.2f}]"
+
+
+def loss_text(row) -> str:
+    if not math.isfinite(row.loss_vs_baseline):
+        return "-"
+    flag = " !" if abs(row.loss_vs_baseline - 1.0) > LOSS_DRIFT else ""
+    return times(row.loss_vs_baseline) + flag
+
+
+@dataclass
+class ReaderRow:
+    """One arm as the reader's table shows it: formatted cells, its verdict and why it is not ok."""
+
+    cells: dict[str, str]
+    verdict: str
+    reason: str
+
+
+def reader_rows(table, arms: list[dict]) -> tuple[list[str], list[ReaderRow]]:
+    """The reader's columns (MFU only where measured) and one row per arm."""
+    table = with_roles(table, arms)
+    columns = list(COLUMNS)
+    if "mfu_pct" in table and table.mfu_pct.notna().any():
+        columns.append("mfu")
+    rows = []
+    for row in table.itertuples():
+        word = verdict(row, table)
+        cells = {
+            "arm": row.arm,
+            "verdict": word,
+            "speedup": speedup_text(row),
+            "throughput": plain_number(row.samples_per_s),
+            "step": plain_number(row.step_ms),
+            "activations": plain_number(row.activation_mb, smallest=0.01),
+            "loss": loss_text(row),
+            "mfu": plain_number(getattr(row, "mfu_pct", math.nan)),
+        }
+        rows.append(ReaderRow(cells, word, row.reason if row.status != "ok" else ""))
+    return columns, rows
+
+
+def _heading(column: str) -> Column:
+    return MFU_COLUMN if column == "mfu" else COLUMNS[column]
+
+
+# --- HTML ------------------------------------------------------------------------------------
+
+READER_CSS = """
+.wb-results table.wb-reader { border-collapse: collapse; max-width: 100%; font-size: 13px;
+  font-variant-numeric: tabular-nums; }
+.wb-results .wb-reader th, .wb-results .wb-reader td { padding: 3px 8px; text-align: right;
+  white-space: nowrap; border-bottom: 1px solid #e2e2e2; }
+.wb-results .wb-reader th { border-bottom: 2px solid #999; vertical-align: bottom; }
+.wb-results .wb-reader .wb-text { text-align: left; }
+.wb-results .wb-reader td.wb-why { white-space: normal; text-align: left; font-style: italic;
+  color: #8a4b00; max-width: 40em; }
+.wb-results .wb-badge { display: inline-block; padding: 0 6px; border-radius: 3px; font-weight: 600; }
+.wb-results .wb-warning { background: #fff4e0; border-left: 4px solid #e69500; padding: 4px 8px;
+  margin: 4px 0; max-width: 60em; }
+.wb-results .wb-legend { color: #555; font-size: 12px; max-width: 60em; margin: 4px 0; }
+.wb-results details .wb-scroll { overflow-x: auto; max-width: 100%; }
+.wb-results details table { font-size: 12px; }
+"""
+
+
+def badge(word: str) -> str:
+    background, colour, _ = VERDICT_STYLES.get(word, NOT_OK_STYLE)
+    return f'<span class="wb-badge" style="background:{background};color:{colour}">{html.escape(word)}</span>'
+
+
+def reader_table_html(columns: list[str], rows: list[ReaderRow]) -> str:
+    """The reader's table; an arm that is not ok shows its reason across the figures' columns."""
+    head = "".join(
+        f'<th class="{"" if _heading(c).numeric else "wb-text"}">{html.escape(_heading(c).heading)}</th>'
+        for c in columns
+    )
+    body = []
+    for row in rows:
+        arm = f'<td class="wb-text">{html.escape(row.cells["arm"])}</td><td class="wb-text">{badge(row.verdict)}</td>'
+        if row.reason:
+            why = f'<td class="wb-why" colspan="{len(columns) - 2}">{html.escape(row.reason)}</td>'
+            body.append(f"<tr>{arm}{why}</tr>")
+        else:
+            figures = "".join(f"<td>{html.escape(row.cells[c])}</td>" for c in columns[2:])
+            body.append(f"<tr>{arm}{figures}</tr>")
+    return f'<table class="wb-reader"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def full_table_html(table) -> str:
+    """Every column of ``Results.table``, numbers written out in full, in a scrolling box."""
+    shown = table.copy()
+    for column in shown.columns:
+        if shown[column].dtype.kind == "f":
+            shown[column] = [plain_number(v) for v in shown[column]]
+    return f'<div class="wb-scroll">{shown.to_html(index=False, na_rep="-", border=0)}</div>'
+
+
+def results_html(table, arms: list[dict], warnings: list[str], title: str = "") -> str:
+    """The notebook's view of a Results: warnings, the reader's table, its legend, then every
+    column behind a "details" toggle."""
+    columns, rows = reader_rows(table, arms)
+    parts = [f"<style>{READER_CSS}</style>"]
+    if title:
+        parts.append(f"<p><b>{html.escape(title)}</b></p>")
+    parts += [f'<p class="wb-warning">{html.escape(warning)}</p>' for warning in warnings]
+    parts.append(reader_table_html(columns, rows))
+    legend = VERDICT_LEGEND
+    if any(row.cells["loss"].endswith("!") for row in rows):
+        legend += f" ! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's."
+    parts.append(f'<p class="wb-legend">{html.escape(legend)}</p>')
+    parts.append(
+        f"<details><summary>All {len(table.columns)} columns (Results.table)</summary>"
+        f"{full_table_html(table)}</details>"
+    )
+    return f'<div class="wb-results">{"".join(parts)}</div>'
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def use_colour(stream=None) -> bool:
+    """ANSI colour only on a terminal, and never with NO_COLOR set (no-color.org)."""
+    stream = stream or sys.stdout
+    return bool(getattr(stream, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ
+
+
+def terminal_width() -> int:
+    return min(TERMINAL_WIDTH, shutil.get_terminal_size((TERMINAL_WIDTH, 24)).columns)
+
+
+def text_table(
+    headings: list[str],
+    rows: list[list[str]],
+    numeric: list[bool],
+    width: int = TERMINAL_WIDTH,
+    gap: int = 2,
+    paint: list[list[str | None]] | None = None,
+    spaced: bool = False,
+) -> str:
+    """Aligned columns within ``width`` characters: text left-aligned, numbers right-aligned,
+    and text too long for its column wrapped inside it (the widest text column gives way
+    first). ``paint`` holds an ANSI colour code per cell, or None. ``spaced``: a blank line
+    between rows when some run over several lines, to show where each one ends."""
+    widths = _fit_widths(headings, rows, numeric, width - gap * (len(headings) - 1))
+    wrapped_rows = [
+        [textwrap.wrap(cell, w, break_long_words=True) or [""] for cell, w in zip(cells, widths, strict=True)]
+        for cells in [headings, *rows]
+    ]
+    spaced = spaced and any(max(len(parts) for parts in wrapped) > 1 for wrapped in wrapped_rows[1:])
+    lines = []
+    for index, wrapped in enumerate(wrapped_rows):
+        if spaced and index > 1:
+            lines.append("")
+        for depth in range(max(len(parts) for parts in wrapped)):
+            out = []
+            for column, parts in enumerate(wrapped):
+                text = parts[depth] if depth < len(parts) else ""
+                text = text.rjust(widths[column]) if numeric[column] else text.ljust(widths[column])
+                code = paint[index - 1][column] if paint and index and depth == 0 else None
+                out.append(f"\033[{code}m{text}\033[0m" if code and text.strip() else text)
+            lines.append((" " * gap).join(out).rstrip())
+        if index == 0:
+            lines.append((" " * gap).join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fit_widths(headings: list[str], rows: list[list[str]], numeric: list[bool], room: int) -> list[int]:
+    """Each column's width: its longest cell, then narrowed (text columns first, the widest
+    first; numbers only when text alone cannot make room) until the row fits ``room``."""
+    longest = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headings)]
+    # A column never gets narrower than the longest word of its heading, nor than its whole
+    # figures (numbers) or its longest word up to LONGEST_UNBROKEN characters (text).
+    floor = []
+    for i, heading in enumerate(headings):
+        cells = [r[i] for r in rows]
+        if numeric[i]:
+            shortest = max([len(c) for c in cells] or [0])
+        else:
+            shortest = min(LONGEST_UNBROKEN, max([len(w) for c in cells for w in c.split()] or [0]))
+        floor.append(max(shortest, *(len(word) for word in heading.split())))
+    widths = list(longest)
+    # Text first, then numbers; last, text words are broken (a long arm name) rather than overflow.
+    for pass_numeric, floors in ((False, floor), (True, floor), (False, [min(f, 6) for f in floor])):
+        while sum(widths) > room:
+            candidates = [
+                i for i in range(len(widths)) if numeric[i] == pass_numeric and widths[i] > floors[i]
+            ]
+            if not candidates:
+                break
+            widest = max(candidates, key=lambda i: widths[i])
+            widths[widest] -= 1
+    return widths
+
+
+def results_text(table, arms: list[dict], width: int | None = None, colour: bool = False) -> str:
+    """The reader's table as aligned text, then why each arm that is not ok did not run."""
+    width = width or TERMINAL_WIDTH
+    columns, rows = reader_rows(table, arms)
+    headings = [_heading(c).heading for c in columns]
+    numeric = [_heading(c).numeric for c in columns]
+    cells = [[row.cells[c] for c in columns] for row in rows]
+    paint = None
+    if colour:
+        paint = [
+            [VERDICT_STYLES.get(row.verdict, NOT_OK_STYLE)[2] if c == "verdict" else None for c in columns]
+            for row in rows
+        ]
+    text = text_table(headings, cells, numeric, width, paint=paint)
+    text += "\n\n" + textwrap.fill(VERDICT_LEGEND, width)
+    if any(row.cells["loss"].endswith("!") for row in rows):
+        text += "\n" + textwrap.fill(
+            f"! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's.", width
+        )
+    return text
