@@ -8,9 +8,11 @@ import torch
 import torch.multiprocessing as mp
 from technique_settings import TECHNIQUE_SETTINGS
 
+import workbench as wb
 from workbench.block import ArmSpec
 from workbench.config import RunConfig, run_options
 from workbench.data import resolve_data
+from workbench.results import TABLE_COLUMNS
 from workbench.techniques import get_technique, parse_techniques, technique_context
 from workbench.worker import BlockSpec, run_block
 
@@ -204,3 +206,58 @@ def _rank_main(world_size, rank, port, answers, function, args) -> None:
         dist.destroy_process_group()
     # No interpreter teardown: torch's C++ threads sometimes abort it after the work is done.
     os._exit(0)
+
+
+def result_row(arm, status="ok", reason="", speedup=None, low=None, high=None, **figures):
+    """One row of a results table with known figures (the rest unavailable), for tests."""
+    row = dict.fromkeys(TABLE_COLUMNS)
+    row.update(arm=arm, kind="train", process="block", techniques=arm, status=status, reason=reason,
+               speedup=speedup, speedup_low=low, speedup_high=high, blocks=3, noisy=False, notes="")  # fmt: skip
+    if status == "ok":
+        row.update(samples_per_s=4640.2, step_ms=6.9, activation_mb=0.000123, loss_vs_baseline=1.0)
+    row.update(figures)
+    return row
+
+
+def synthetic_results(rows, roles=None, config=None, path=None):
+    """A Results with these table rows (arms as treatments unless ``roles`` says otherwise), run
+    settings at their defaults on mlp/digits/cpu: its table, summary, plot and report read as usual."""
+    roles = roles or {}
+    arms = [
+        {
+            "name": row["arm"],
+            "role": roles.get(row["arm"], "treatment"),
+            "kind": "train",
+            "process": "block",
+            "settings": {},
+            "techniques": row["arm"],
+        }  # fmt: skip
+        for row in rows
+    ]
+    record = {
+        "schema": "workbench-results/2",
+        "created": "2026-11-25T10:00:00",
+        "config": {
+            "model": "mlp",
+            "data": "digits",
+            "loss_fn": "cross_entropy",
+            "techniques": {},
+            **RunConfig().to_json(),
+            "device": "cpu",
+            "batch_size": 32,
+            **(config or {}),
+        },  # fmt: skip
+        "environment": {
+            "torch": "2.13.0+cpu",
+            "cpu": "test CPU",
+            "python": "3.11",
+            "logical_cores": 2,
+            "usable_cores": 2,
+        },  # fmt: skip
+        "arms": arms,
+        "units": [],
+        "blocks": [],
+        "complete": True,
+        "table": rows,
+    }
+    return wb.Results(record, path)

@@ -57,6 +57,8 @@ LAYER_OF = {
     "workbench.ablation": 7,
     "workbench.advisor": 7,
     "workbench.tuner": 7,
+    "workbench.live_run": 8,
+    "workbench.panel_controls": 8,
     "workbench.widgets": 8,
     "workbench.cli": 8,
     "workbench.__main__": 8,

@@ -2,11 +2,16 @@
 
 Needs Debian's chromium (``.ci/run`` installs it with apt-get) and the ``playwright`` Python
 package, which drives that browser through ``executable_path``: no browser download.
-Screenshots land in test-artifacts/browser/.
+The panel is measured in the page at a notebook width of 1000 px: nothing past its right edge,
+no control too narrow for its value, no empty band taller than 60 px; after the run, the results
+table inside its output area, without scientific notation. Screenshots land in
+test-artifacts/browser/: the panel as opened and with every setting shown, the live view's
+frames, the results, the Advise & tune page.
 """
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -148,68 +153,265 @@ def _run_all_cells(page) -> None:
     pytest.fail("the kernel never started executing the notebook's cells")
 
 
+# Measures the panel as drawn (run in the page on its root element): the visible elements that
+# reach past its right edge; the controls too narrow for what they show (cut text without a
+# tooltip, an option or a value wider than its box); and the tallest vertical gaps between
+# the visible content (text, controls, images; clipped by the boxes that hide their overflow).
+MEASURE_PANEL = """
+(panel) => {
+  const box = panel.getBoundingClientRect();
+  const shown = (el) => el.checkVisibility({ checkOpacity: true, checkVisibilityCSS: true });
+  const describe = (el) => {
+    const classes = [...el.classList].filter((c) => c.startsWith("workbench") || c.startsWith("widget")).slice(0, 2);
+    const text = (el.innerText || el.value || el.getAttribute("placeholder") || "").trim().slice(0, 40);
+    return `${el.tagName.toLowerCase()}${classes.map((c) => "." + c).join("")} '${text}'`;
+  };
+  // What of a box its ancestors let show: each one that clips its overflow cuts it down.
+  const clipped = (el, rect) => {
+    let [left, top, right, bottom] = [rect.left, rect.top, rect.right, rect.bottom];
+    for (let a = el.parentElement; a && a !== panel.parentElement; a = a.parentElement) {
+      const style = getComputedStyle(a);
+      if (style.overflowX === "visible" && style.overflowY === "visible") continue;
+      const r = a.getBoundingClientRect();
+      left = Math.max(left, r.left); right = Math.min(right, r.right);
+      top = Math.max(top, r.top); bottom = Math.min(bottom, r.bottom);
+    }
+    return { left, top, right, bottom };
+  };
+  const pastEdge = [], content = [], cramped = [];
+  const canvas = document.createElement("canvas").getContext("2d");
+  const textWidth = (el, text) => { canvas.font = getComputedStyle(el).font; return canvas.measureText(text).width; };
+  for (const el of panel.querySelectorAll("*")) {
+    if (!shown(el)) continue;
+    const rect = el.getBoundingClientRect();
+    if (rect.width < 1 || rect.height < 1) continue;
+    if (rect.right > box.right + 1) pastEdge.push(`${describe(el)} by ${Math.round(rect.right - box.right)} px`);
+    const style = getComputedStyle(el);
+    // Content: a control, an image, or an element with text of its own (measured as the text's box).
+    let parts = [];
+    if (["INPUT", "SELECT", "BUTTON", "IMG", "TEXTAREA", "CANVAS", "svg"].includes(el.tagName)) parts.push(rect);
+    for (const node of el.childNodes) {
+      if (node.nodeType !== Node.TEXT_NODE || !node.textContent.trim()) continue;
+      const range = document.createRange();
+      range.selectNodeContents(node);
+      parts.push(range.getBoundingClientRect());
+    }
+    for (const part of parts) {
+      const seen = clipped(el, part);
+      if (seen.right - seen.left >= 2 && seen.bottom - seen.top >= 2) content.push({ top: seen.top, bottom: seen.bottom, what: describe(el) });
+    }
+    // Too narrow for what it holds: cut text with no tooltip to read it in, a value or an option
+    // wider than its box.
+    const cut = el.scrollWidth > el.clientWidth + 1 && style.overflowX !== "visible" && el.tagName !== "SELECT";
+    if (cut && !el.closest("[title]") && el.clientWidth > 0 && [...el.childNodes].some((n) => n.nodeType === Node.TEXT_NODE && n.textContent.trim()))
+      cramped.push(`${describe(el)}: text ${el.scrollWidth} px in ${el.clientWidth} px`);
+    const inner = el.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    if (el.tagName === "SELECT") {
+      const widest = Math.max(...[...el.options].map((o) => textWidth(el, o.text)));
+      if (widest + 16 > inner) cramped.push(`${describe(el)}: option ${Math.round(widest)} px in ${Math.round(inner)} px`);
+    }
+    if (el.tagName === "INPUT" && ["text", "number"].includes(el.type)) {
+      const shownText = el.value || el.placeholder || "";
+      const room = inner - (el.type === "number" ? 16 : 0);  // a number box's spinner
+      if (textWidth(el, shownText) > room) cramped.push(`${describe(el)}: '${shownText}' ${Math.round(textWidth(el, shownText))} px in ${Math.round(room)} px`);
+    }
+  }
+  // Empty bands: the vertical gaps between the content boxes, and at the panel's top and bottom.
+  content.sort((a, b) => a.top - b.top);
+  const gaps = [];
+  let reached = box.top, above = "the panel's top";
+  for (const part of content) {
+    if (part.top - reached > 0) gaps.push({ height: part.top - reached, above, below: part.what });
+    if (part.bottom > reached) { reached = part.bottom; above = part.what; }
+  }
+  gaps.push({ height: box.bottom - reached, above, below: "the panel's bottom" });
+  gaps.sort((a, b) => b.height - a.height);
+  return { width: box.width, right: box.right, pastEdge, cramped, gaps: gaps.slice(0, 3) };
+}
+"""
+NOTEBOOK_WIDTH = 1000  # px: the notebook area the issue measured the panel in
+EMPTY_BAND_PX = 60
+SCIENTIFIC = re.compile(r"\d(\.\d+)?[eE][+-]?\d")
+
+
+def _set_notebook_width(page, width: int) -> None:
+    """Resize the window until the notebook area (beside JupyterLab's side bar) is ``width`` px."""
+    panel = page.locator(".jp-NotebookPanel").first
+    now = panel.evaluate("element => element.getBoundingClientRect().width")
+    viewport = page.viewport_size
+    page.set_viewport_size({"width": round(viewport["width"] + width - now), "height": viewport["height"]})
+    page.wait_for_timeout(500)
+    assert abs(panel.evaluate("element => element.getBoundingClientRect().width") - width) < 2
+
+
+def _check_the_panel_fits(page, moment: str) -> dict:
+    """Every control inside the panel's right edge, wide enough for its value, no empty band."""
+    measured = page.locator(".workbench-panel").evaluate(MEASURE_PANEL)
+    assert not measured["pastEdge"], f"{moment}: past the panel's right edge: {measured['pastEdge']}"
+    assert not measured["cramped"], f"{moment}: too narrow for what they show: {measured['cramped']}"
+    tallest = measured["gaps"][0]
+    assert tallest["height"] <= EMPTY_BAND_PX, (
+        f"{moment}: an empty band of {tallest['height']:.0f} px between {tallest['above']} and {tallest['below']}"
+    )
+    return measured
+
+
+def _show_every_setting(page) -> list:
+    """JPEG data (dali can run), two ranks (ddp_compression can), every technique that can run
+    switched on: each shows its settings. Returns the toggles it switched on."""
+    _choose(page, "data", "jpeg")
+    _type_into(page, "world_size", "2")
+    for name in ("dali", "ddp_compression"):  # the kernel re-checks availability after each change
+        page.wait_for_selector(f".workbench-technique-{name} input:not([disabled])", timeout=60_000)
+    switched = []
+    for toggle in page.locator(".workbench-panel [class*='workbench-technique-'] input[type=checkbox]").all():
+        if toggle.is_enabled() and not toggle.is_checked():
+            toggle.check()
+            switched.append(toggle)
+    page.wait_for_timeout(1000)
+    return switched
+
+
+def _choose(page, label: str, option: str) -> None:
+    control = page.locator(".workbench-panel .widget-dropdown", has=page.locator(f"label:text-is('{label}')"))
+    spaced = option.replace(" ", "\xa0")  # ipywidgets writes an option's spaces as no-break spaces
+    control.first.locator("select").select_option(label=spaced)
+
+
+def _type_into(page, label: str, value: str) -> None:
+    control = page.locator(
+        ".workbench-panel .widget-inline-hbox", has=page.locator(f"label:text-is('{label}')")
+    )
+    field = control.first.locator("input")
+    field.fill(value)
+    field.press("Enter")
+
+
+def _watch_the_run(page) -> tuple[list[bytes], list[str]]:
+    """The live plot's frames (saved as they change) and the status lines seen, until the run ends."""
+    live = page.locator("img.workbench-live-plot")
+    status = page.locator(".workbench-status")
+    frames, lines, started = [], [], time.monotonic()
+    while time.monotonic() - started < 300:
+        text = status.inner_text()
+        lines.append(text)
+        if live.is_visible() and live.get_attribute("src"):
+            live.scroll_into_view_if_needed()
+            frame = live.screenshot()
+            if not frames or frame != frames[-1]:
+                frames.append(frame)
+                (ARTIFACTS / f"02-live-{len(frames):02d}.png").write_bytes(frame)
+        if text.startswith("Done") or "Error" in text or "Stopped" in text:
+            break
+        time.sleep(1.0)
+    return frames, lines
+
+
+def _check_the_results_table(page) -> None:
+    """After a run: the table's right edge inside its output area, and no scientific notation."""
+    tables = page.locator(".workbench-results table")
+    tables.first.wait_for(timeout=60_000)
+    shown = [table for table in tables.all() if table.is_visible()]
+    assert shown, "no results table is visible"
+    for table in shown:
+        right, area = table.evaluate(
+            "t => [t.getBoundingClientRect().right, t.closest('.jp-OutputArea-output').getBoundingClientRect().right]"
+        )
+        assert right <= area + 1, f"the results table ends {right - area:.0f} px past its output area"
+        text = table.inner_text()
+        assert not SCIENTIFIC.search(text), (
+            f"scientific notation in the results: {SCIENTIFIC.search(text)[0]}"
+        )
+    assert "baseline (control)" in page.locator(".workbench-results").inner_text()
+
+
+def _open_the_quickstart(page, url: str, token: str) -> None:
+    """The notebook at the issue's width, every cell run, the panel's run settings unfolded."""
+    page.goto(f"{url}/lab/tree/00_quickstart.ipynb?token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+    _set_notebook_width(page, NOTEBOOK_WIDTH)
+    _run_all_cells(page)
+    page.locator("button.workbench-run").wait_for(timeout=400_000)  # the cells above it run an ablation first
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+    more = page.get_by_text("More settings", exact=True).first
+    more.scroll_into_view_if_needed()
+    more.click()  # unfold the run settings that sit below the first row
+    page.wait_for_timeout(300)
+
+
+def _check_the_panel_before_the_run(page) -> None:
+    """As the notebook opens it, then with every technique's settings shown; back to its job after."""
+    panel = page.locator(".workbench-panel")
+    data = page.locator(".workbench-panel select").nth(1).evaluate("s => s.options[s.selectedIndex].text")
+    assert data.replace("\xa0", " ") == "digits (mlp's own)", f"the data control shows {data!r}"
+    _check_the_panel_fits(page, "the panel as the notebook opens it")
+    panel.screenshot(path=str(ARTIFACTS / "01-panel.png"))
+    switched = _show_every_setting(page)
+    _check_the_panel_fits(page, "every technique's settings shown")
+    panel.screenshot(path=str(ARTIFACTS / "01-panel-every-setting.png"))
+    for toggle in switched:  # back to the notebook's job: amp and grad_accum on mlp
+        toggle.uncheck()
+    _type_into(page, "world_size", "1")
+    _choose(page, "data", "digits (mlp's own)")
+    page.wait_for_selector(".workbench-technique-ddp_compression input[disabled]", timeout=60_000)
+    page.wait_for_timeout(500)
+
+
+def _run_it(page) -> list[bytes]:
+    """Press Run: the live view changes as it goes, the status line says how far it is and how long
+    it has left, and the run ends done. Returns the live view's frames."""
+    run_button = page.locator("button.workbench-run")
+    run_button.scroll_into_view_if_needed()
+    run_button.click()
+    frames, lines = _watch_the_run(page)
+    status = page.locator(".workbench-status").inner_text()
+    assert "Error" not in status, status
+    assert status.startswith("Done"), status
+    assert len(frames) >= 3, (
+        f"the live plot changed {len(frames) - 1} times during the run; expected 2 or more"
+    )
+    progress = re.compile(
+        r"process \d+ of 3 · block \d of 3 · now: .+ · \d+:\d\d elapsed · about \d+:\d\d left"
+    )
+    assert any(progress.search(line) for line in lines), f"no status line with the time left: {lines[-5:]}"
+    return frames
+
+
+def _check_the_advise_page(page) -> None:
+    """The second page: the advisor and the tuner, on the same job."""
+    tab = page.get_by_role("tab", name="Advise & tune")
+    tab.scroll_into_view_if_needed()
+    tab.click()
+    page.locator("button.workbench-tune").wait_for(state="visible", timeout=10_000)
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(ARTIFACTS / "04-advise-and-tune.png"))
+    assert page.locator("button.workbench-advise").is_visible()
+    _check_the_panel_fits(page, "the Advise & tune page")
+
+
 def test_quickstart_panel_runs_live_in_a_real_browser(jupyter_lab):
     url, token = jupyter_lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for old in ARTIFACTS.glob("*.png"):  # a shorter run must not leave an earlier run's frames
+        old.unlink()
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1400, "height": 2000})
         try:
-            page.goto(f"{url}/lab/tree/00_quickstart.ipynb?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-            _run_all_cells(page)
-
-            run_button = page.locator("button.workbench-run")
-            run_button.wait_for(timeout=400_000)  # the cells above it run a small ablation first
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-            more = page.get_by_text("More settings", exact=True).first
-            more.scroll_into_view_if_needed()
-            more.click()  # unfold the run settings that sit below the first row
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ARTIFACTS / "00-panel-settings.png"))
-            run_button.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "01-panel.png"))
-            run_button.click()
-
-            live = page.locator("img.workbench-live-plot")
-            status = page.locator(".workbench-status")
-            frames, started = [], time.monotonic()
-            while time.monotonic() - started < 300:
-                text = status.inner_text()
-                if live.is_visible() and live.get_attribute("src"):
-                    live.scroll_into_view_if_needed()
-                    frame = live.screenshot()
-                    if not frames or frame != frames[-1]:
-                        frames.append(frame)
-                        (ARTIFACTS / f"02-live-{len(frames):02d}.png").write_bytes(frame)
-                if text.startswith("Done") or "Error" in text or "Stopped" in text:
-                    break
-                time.sleep(1.0)
-            table = page.locator(".workbench-results table")
-            table.wait_for(timeout=60_000)
-            table.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "03-results.png"), full_page=False)
-
-            assert "Error" not in status.inner_text(), status.inner_text()
-            assert status.inner_text().startswith("Done"), status.inner_text()
-            assert len(frames) >= 3, (
-                f"the live plot changed {len(frames) - 1} times during the run; expected 2 or more"
-            )
-            assert "baseline (control)" in table.inner_text()
+            _open_the_quickstart(page, url, token)
+            _check_the_panel_before_the_run(page)
+            frames = _run_it(page)
+            _check_the_results_table(page)
+            page.locator(".workbench-results").scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "03-results.png"))
+            page.locator(".workbench-panel").screenshot(path=str(ARTIFACTS / "03-panel-after-the-run.png"))
+            _check_the_panel_fits(page, "after the run")
             errors = page.locator(
                 "[data-mime-type='application/vnd.jupyter.stderr'], .jp-OutputArea-output "
                 "[data-mime-type='application/vnd.jupyter.error']"
             )
             assert errors.count() == 0, [errors.nth(i).inner_text()[:500] for i in range(errors.count())]
-            # The second page: the advisor and the tuner, on the same job.
-            tab = page.get_by_role("tab", name="Advise & tune")
-            tab.scroll_into_view_if_needed()
-            tab.click()
-            tune_button = page.locator("button.workbench-tune")
-            tune_button.wait_for(state="visible", timeout=10_000)
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ARTIFACTS / "04-advise-and-tune.png"))
-            assert page.locator("button.workbench-advise").is_visible()
+            _check_the_advise_page(page)
             (ARTIFACTS / "summary.json").write_text(json.dumps({"live_frames": len(frames)}))
         finally:
             page.screenshot(path=str(ARTIFACTS / "99-final.png"), full_page=True)

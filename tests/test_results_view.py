@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import result_row, synthetic_results
 
 import workbench as wb
 from workbench.config import RunConfig
-from workbench.results import TABLE_COLUMNS
 from workbench.results_view import plain_number, text_table
 
 SCIENTIFIC = re.compile(r"\d(\.\d+)?e[+-]?\d")
@@ -23,59 +23,8 @@ def _visible(page: str) -> str:
     return re.sub(r"<[^>]+>", " ", re.sub(r"<style>.*?</style>", "", page, flags=re.S))
 
 
-def _row(arm, status="ok", reason="", speedup=None, low=None, high=None, **figures):
-    row = dict.fromkeys(TABLE_COLUMNS)
-    row.update(arm=arm, kind="train", process="block", techniques=arm, status=status, reason=reason,
-               speedup=speedup, speedup_low=low, speedup_high=high, blocks=3, noisy=False, notes="")  # fmt: skip
-    if status == "ok":
-        row.update(samples_per_s=4640.2, step_ms=6.9, activation_mb=0.000123, loss_vs_baseline=1.0)
-    row.update(figures)
-    return row
-
-
-def _results(rows, roles=None, config=None, path=None):
-    roles = roles or {}
-    arms = [
-        {
-            "name": row["arm"],
-            "role": roles.get(row["arm"], "treatment"),
-            "kind": "train",
-            "process": "block",
-            "settings": {},
-            "techniques": row["arm"],
-        }  # fmt: skip
-        for row in rows
-    ]
-    record = {
-        "schema": "workbench-results/2",
-        "created": "2026-11-25T10:00:00",
-        "config": {
-            "model": "mlp",
-            "data": "digits",
-            "loss_fn": "cross_entropy",
-            "techniques": {},
-            **RunConfig().to_json(),
-            "device": "cpu",
-            "batch_size": 32,
-            **(config or {}),
-        },  # fmt: skip
-        "environment": {
-            "torch": "2.13.0+cpu",
-            "cpu": "test CPU",
-            "python": "3.11",
-            "logical_cores": 2,
-            "usable_cores": 2,
-        },  # fmt: skip
-        "arms": arms,
-        "units": [],
-        "blocks": [],
-        "complete": True,
-        "table": rows,
-    }
-    return wb.Results(record, path)
-
-
 ROLES = {"baseline": "baseline", "baseline (control)": "control"}
+_row, _results = result_row, synthetic_results
 
 
 def _typical(control=(0.97, 1.04)):

@@ -1,6 +1,7 @@
 """The notebook panel, driven from Python the way a click would drive it."""
 
 import html
+import re
 import sys
 import time
 import types
@@ -8,15 +9,16 @@ from dataclasses import dataclass, field
 
 import ipywidgets as w
 import pytest
-from helpers import RUN_SETTINGS
+from helpers import RUN_SETTINGS, result_row, synthetic_results
 
 import workbench as wb
-from workbench import optional
+from workbench import live_run, optional
 from workbench.config import RunConfig, run_options
 from workbench.plots import plot_live
 from workbench.techniques import Technique, all_techniques, register_technique, unregister_technique
+from workbench.techniques.base import GROUPS
 from workbench.telemetry import Sampler, _NvmlReader
-from workbench.widgets import LiveRun
+from workbench.widgets import LiveRun, TechniqueRow, progress_line
 
 
 def test_the_panel_is_generated_from_the_registry():
@@ -34,6 +36,129 @@ def test_the_panel_is_generated_from_the_registry():
     tf32 = panel.rows["tf32"]
     if tf32.unavailable:  # on a CPU machine: shown, disabled, with the reason
         assert tf32.toggle.disabled and "needs a CUDA device" in tf32.note.value
+
+
+def test_techniques_are_grouped_and_numbered_in_their_order_of_application():
+    assert {t.name for t in all_techniques() if t.group not in GROUPS} == set(), "every technique has a group"
+    panel = wb.panel(model="mlp")
+    groups = {}
+    for box in _descendants(panel):
+        for name in box._dom_classes:
+            if name.startswith("workbench-group-"):
+                groups[name.removeprefix("workbench-group-")] = [
+                    c for c in box.children if isinstance(c, TechniqueRow)
+                ]
+    assert set(groups) == set(GROUPS)
+    for group, rows in groups.items():
+        assert [row.technique.name for row in rows] == [t.name for t in all_techniques() if t.group == group]
+    for position, technique in enumerate(all_techniques(), start=1):
+        place = panel.rows[technique.name].place.value
+        assert f">{position}<" in place, f"{technique.name} should show that it is applied {position}th"
+
+
+def test_a_techniques_settings_show_only_while_it_is_on():
+    panel = wb.panel(model="mlp", techniques={"amp": True})
+    amp, dataloader, channels_last = (panel.rows[name] for name in ("amp", "dataloader", "channels_last"))
+    assert amp.settings_box.layout.display is None and dataloader.settings_box.layout.display == "none"
+    dataloader.toggle.value = True
+    assert dataloader.settings_box.layout.display is None
+    amp.toggle.value = False
+    assert amp.settings_box.layout.display == "none"
+    channels_last.set_reason(None)
+    channels_last.toggle.value = True  # no settings at all: nothing to show
+    assert channels_last.settings_box.layout.display == "none"
+
+
+def test_setting_controls_wrap_and_never_shrink():
+    """A control squeezed by its row was drawn a few pixels wide (dali's prefetch_queue_depth)."""
+    panel = wb.panel(model="mlp")
+    for row in panel.rows.values():
+        assert row.settings_box.layout.flex_flow == "row wrap"
+        for name, (_, control) in row.fields.items():
+            assert control.layout.flex == "0 0 auto", f"{row.technique.name}.{name} may shrink"
+    for name, control in panel.settings.items():
+        assert control.layout.flex == "0 0 auto", f"the run setting {name} may shrink"
+
+
+def test_an_unavailable_technique_says_why_in_one_short_line():
+    panel = wb.panel(model="mlp")
+    row = panel.rows["ddp_compression"]  # needs two ranks: unavailable on every machine at world_size=1
+    reason = "needs several ranks to communicate: pass world_size=2 or more to ablate"
+    assert row.unavailable == reason
+    shown = re.sub(r"<[^>]+>", "", row.note.value)
+    assert html.unescape(shown) == "unavailable: needs several ranks to communicate"
+    assert (
+        f"title='{html.escape(reason, quote=True)}'" in row.note.value
+        and "white-space:nowrap" in row.note.value
+    )
+    assert row.settings_box.layout.display == "none"
+
+
+def test_optional_switches_show_auto_rather_than_a_blank():
+    row = wb.panel(model="mlp").rows["dataloader"]
+    persistent = row.fields["persistent_workers"][1]
+    assert persistent.label == "auto" and row.setting()["persistent_workers"] is None
+    persistent.value = "False"
+    assert row.setting()["persistent_workers"] is False
+    row.set_setting({"persistent_workers": True, "num_workers": 2})
+    assert persistent.label == "True"
+
+
+def test_the_data_control_names_the_dataset_the_run_uses():
+    panel = wb.panel(model="mlp")
+    assert panel.data.label == "digits (mlp's own)" and panel.arguments()["data"] is None
+    panel.model.value = "resnet-mini"
+    assert panel.data.label == "textures (resnet-mini's own)"
+    panel.data.value = "jpeg"
+    panel.model.value = "mlp"  # a dataset chosen by name stays chosen
+    assert panel.data.label == "jpeg" and panel.arguments()["data"] == "jpeg"
+
+
+def test_the_status_line_tells_progress_and_the_time_left(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(live_run, "time", types.SimpleNamespace(time=lambda: now[0]))
+    live = LiveRun()
+
+    def at(seconds, event):
+        now[0] = live.started + seconds
+        live(event)
+
+    arms = [{"name": name, "unavailable": None} for name in ("baseline", "amp")]
+    at(0, {"type": "plan", "arms": arms, "blocks": 3, "processes": 3, "remaining": 3})
+    at(0, {"type": "start", "block": 0, "arms": ["baseline", "amp"], "process": "block", "attempt": 1})
+    at(1, {"type": "phase", "block": 0, "arm": "amp", "phase": "warmup"})
+    assert progress_line(live.snapshot()) == (
+        "process 1 of 3 · block 1 of 3 · now: amp, warmup · 0:01 elapsed · "
+        "time left: known once the arms have warmed up"
+    )
+    # Warm: this process should take 2 s so far + 8 s of windows; three such processes, 5 s in.
+    at(
+        2,
+        {
+            "type": "phase",
+            "block": 0,
+            "phase": "measure",
+            "rounds": 9,
+            "expected_s": {"baseline": 4.0, "amp": 4.0},
+        },
+    )
+    at(5, {"type": "phase", "block": 0, "arm": "baseline", "phase": "measure", "round": 2, "of": 9})
+    assert progress_line(live.snapshot()).endswith(
+        "now: baseline, measure 2/9 · 0:05 elapsed · about 0:25 left"
+    )
+    # The first process took 12 s: the others should too, and the second has run 3 s.
+    at(12, {"type": "process_done", "block": 0, "job": "block"})
+    at(12, {"type": "start", "block": 1, "arms": ["baseline", "amp"], "process": "block", "attempt": 1})
+    at(15, {"type": "phase", "block": 1, "arm": "amp", "phase": "measure", "round": 3, "of": 9})
+    assert progress_line(live.snapshot()) == (
+        "process 2 of 3 · block 2 of 3 · now: amp, measure 3/9 · 0:15 elapsed · about 0:21 left"
+    )
+
+
+def _descendants(widget):
+    yield widget
+    for child in getattr(widget, "children", ()):
+        yield from _descendants(child)
 
 
 def test_availability_follows_the_chosen_model():
@@ -115,6 +240,28 @@ def test_invalid_combinations_show_the_api_message(change, message):
     assert not panel.running
 
 
+def test_a_saved_run_opens_in_the_panel(tmp_path):
+    saved = synthetic_results(
+        [
+            result_row("baseline", speedup=1.0, low=1.0, high=1.0),
+            result_row("amp", speedup=1.5, low=1.3, high=1.7),
+            result_row("tf32", status="unavailable", reason="needs a CUDA device; this run is on cpu"),
+        ],
+        {"baseline": "baseline"},
+    )
+    saved.save(tmp_path / "run")
+    panel = wb.panel(model="mlp")
+    panel.saved_folder.value = str(tmp_path / "run")
+    panel.open_button.click()
+    assert panel.results is not None and panel.results.path == tmp_path / "run"
+    assert "1.50× [1.30, 1.70]" in panel.table.value and "needs a CUDA device" in panel.table.value
+    assert panel.final_image.layout.display != "none" and panel.final_image.value
+    assert "Saved run (complete)" in panel.status.value
+    # A folder without results says so in the status line, in one line, and changes nothing shown.
+    assert not panel.open_saved(str(tmp_path / "nowhere"))
+    assert "no results at" in panel.status.value and "1.50×" in panel.table.value
+
+
 @pytest.mark.slow  # a real ablation in fresh processes
 def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
     panel = wb.panel(
@@ -183,7 +330,7 @@ def test_live_run_gathers_events_and_the_live_plot_renders():
     snapshot = live.snapshot()
     assert snapshot["state"] == "running" and len(snapshot["finished"]) == 1
     assert snapshot["processes_done"] == 1 and snapshot["processes"] == 2
-    assert [(rate, block) for _, rate, block in snapshot["throughput"]["amp"]] == [(120.0, 0), (125.0, 1)]
+    assert [(rate, block) for _, rate, block, _ in snapshot["throughput"]["amp"]] == [(120.0, 0), (125.0, 1)]
     figure = plot_live(snapshot)
     assert figure._repr_png_()[:4] == b"\x89PNG"
     gpu = {
@@ -198,7 +345,7 @@ def test_live_run_gathers_events_and_the_live_plot_renders():
     }
     live(gpu)
     titles = [axes.get_title() for axes in plot_live(live.snapshot()).axes]
-    assert "GPU utilization and memory (NVML)" in titles and "GPU power and SM clock (NVML)" in titles
+    assert "GPU util. and memory (NVML)" in titles and "GPU power and clock (NVML)" in titles
 
 
 def _fake_pynvml():

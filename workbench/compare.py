@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.plots import ResultsFigure
-from workbench.plots import _readable_log_ticks as readable_log_ticks
+from workbench.plots import ResultsFigure, readable_log_ticks
 from workbench.results import Results, load_results
 from workbench.results_view import READER_CSS, badge, text_table, times
 

@@ -32,7 +32,9 @@ PHASE_COLORS = {
 # Data-parallel arms: the communication the step waited for after backward's computation, cut
 # out of the backward phase it happened in; the hidden part is hatched over the backward bar.
 EXPOSED_COMM_COLOR = "#c44e52"
-MEMORY_COLOR = "#937860"  # brown: no phase of the breakdown shares it
+# Teal: unlike every colour of the step breakdown, also when faded for the peak (a faded brown
+# looked like the breakdown's light grey "other").
+MEMORY_COLOR = "#1a9e9e"
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
 
 
@@ -52,6 +54,7 @@ def plot_results(results) -> ResultsFigure:
     _add_figure_legend(figure, (speed_ax, phase_ax, memory_ax))
     title, warned = _results_title(results)
     figure.suptitle(title, fontsize=10, color="#c44e52" if warned else "black")
+    _make_room_for_labels(memory_ax)
     return figure
 
 
@@ -85,7 +88,7 @@ def _plot_speedups(axes, table, y) -> None:
     for index in y[~measured]:
         axes.text(1.0, index, f"  {table.status[index]}", va="center", ha="left", color="#c44e52", fontsize=9)
     axes.set_xscale("log")
-    _readable_log_ticks(axes, table.speedup_low[measured], table.speedup_high[measured])
+    readable_log_ticks(axes, table.speedup_low[measured], table.speedup_high[measured])
     axes.set_xlabel("speedup vs baseline (95% interval, log scale)")
     axes.set_yticks(y, list(table.arm))
     axes.set_title("Throughput")
@@ -168,10 +171,25 @@ def _plot_memory(axes, table, y) -> None:
         if math.isfinite(peak):
             text = f" {_mib(peak)}" + (f" ({_mib(saved)} act.)" if math.isfinite(saved) else "")
             axes.text(peak, index, text, va="center", fontsize=8)
-    if np.isfinite(memory).any():
-        axes.set_xlim(0, np.nanmax(memory) * 1.6)  # room for the labels right of the bars
     axes.set_xlabel("memory per step, MiB")
     axes.set_title("Memory")
+
+
+def _make_room_for_labels(axes) -> None:
+    """Widen the x axis until the labels right of the bars end inside the axes.
+
+    How much room a label needs in data units depends on the axes' width once the whole figure
+    is laid out (its legend and title included), so the figure is laid out first, and again after
+    (new limits may change the ticks, and so the layout)."""
+    widest_bar = max((bar.get_width() for bar in axes.patches), default=0.0)
+    if not axes.texts or widest_bar <= 0:
+        return
+    axes.set_xlim(0, widest_bar * 1.05)
+    for _ in range(2):
+        axes.figure.draw_without_rendering()
+        widest_label = max(label.get_window_extent().width for label in axes.texts)
+        bars_share = max(1 - widest_label / axes.get_window_extent().width - 0.03, 0.25)  # a quarter at least
+        axes.set_xlim(0, widest_bar / bars_share)
 
 
 def _add_figure_legend(figure, panels) -> None:
@@ -206,7 +224,7 @@ def _results_title(results) -> tuple[str, bool]:
     return title, bool(warnings)
 
 
-def _readable_log_ticks(axis, lows, highs) -> None:
+def readable_log_ticks(axis, lows, highs) -> None:
     """Plain speedup ticks (0.5, 0.8, 1, 1.25, 2...) on the log axis, not powers of ten."""
     from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
@@ -237,22 +255,34 @@ def _arm_colors(arms: list[str]) -> dict[str, tuple]:
 
 
 def plot_live(snapshot: dict) -> ResultsFigure:
-    """The panel's live view of a running ablation (a LiveRun snapshot): throughput over time,
-    step breakdown and loss curves per arm, and machine utilization (CPU; GPU through NVML)."""
-    figure = ResultsFigure(figsize=(13, 6), layout="constrained")
-    (speed_ax, phase_ax, loss_ax), (cpu_ax, gpu_ax, gpu_detail_ax) = figure.subplots(2, 3)
+    """The panel's live view of a running ablation (a LiveRun snapshot): throughput over time and
+    the step breakdown per arm on top; loss curves and the machine's utilization (CPU; GPU through
+    NVML) below. Every legend sits outside its axes, so none covers the data."""
+    figure = ResultsFigure(figsize=(11, 6.4), layout="constrained")  # about the panel's width at 90 dpi
+    arms_row, machine_row = figure.subfigures(2, 1, height_ratios=[1.1, 1])
+    speed_ax, phase_ax = arms_row.subplots(1, 2, width_ratios=[1.5, 1])
+    samples = snapshot["telemetry"]
+    gpu_keys = _gpu_keys(samples)
+    loss_ax, cpu_ax, *machine_axes = machine_row.subplots(1, 4 if gpu_keys else 3)
     arms = snapshot["arms"] or sorted(snapshot["throughput"])
     colors = _arm_colors(arms)
-    _plot_live_throughput(speed_ax, snapshot["throughput"], colors)
+    running = snapshot.get("running_arm") if snapshot["state"] == "running" else None
+    _plot_live_throughput(speed_ax, snapshot["throughput"], colors, running)
     finished = [unit for unit in snapshot["finished"] if unit.get("result")]
     _plot_live_breakdown(phase_ax, finished, arms)
     _plot_live_losses(loss_ax, finished, colors)
-    samples = snapshot["telemetry"]
     seconds = [s["time"] - snapshot["started"] for s in samples]
     _plot_cpu_utilization(cpu_ax, samples, seconds)
-    _plot_gpu_telemetry(gpu_ax, gpu_detail_ax, samples, seconds)
-    for axes in (gpu_ax, gpu_detail_ax):
-        axes.set_xlabel("seconds since start")
+    if gpu_keys:
+        _plot_gpu_telemetry(*machine_axes, gpu_keys, samples, seconds)
+    else:
+        _plot_machine_memory(machine_axes[0], samples, seconds)
+        machine_row.supxlabel(
+            "No GPU telemetry: NVML readings of GPU utilization, memory, power and SM clock appear here "
+            "on a CUDA machine with nvidia-ml-py installed.",
+            fontsize=8,
+            color="#666",
+        )
     figure.suptitle(
         f"{snapshot['state']}: {snapshot['processes_done']} of {snapshot['processes'] or '?'} processes finished"
         + (f"; now {snapshot['current']}" if snapshot["state"] == "running" and snapshot["current"] else ""),
@@ -261,20 +291,75 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     return figure
 
 
-def _plot_live_throughput(axes, throughput: dict, colors: dict) -> None:
-    for arm, points in throughput.items():
-        # One line per block: between blocks a new process starts, and nothing was measured.
-        for index, block in enumerate(dict.fromkeys(point[2] for point in points)):
-            seconds = [point[0] for point in points if point[2] == block]
-            rates = [point[1] for point in points if point[2] == block]
-            axes.plot(
-                seconds, rates, "o-", markersize=3, color=colors.get(arm), label=arm if index == 0 else None
-            )
-    axes.set_title("Throughput while running")
+# Progress readings in each rolling median. A reading is one window's rate, and windows are a few
+# milliseconds long, so on a busy machine readings swing with the scheduler, from 0 to twice the
+# median, often between two levels. An even count: where a window holds as many readings of each
+# level, an odd count's median would flip from one level to the other at every reading, a zig-zag
+# again; an even count's lies between them. An arm reports about twice a second: ten readings
+# follow a real change within about 5 s.
+ROLLING_READINGS = 10
+
+
+def _legend_outside(axes) -> None:
+    """The axes' legend to the right of it, never over the data (constrained layout makes room)."""
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8, frameon=False)
+
+
+def _legend_below(axes) -> None:
+    """The axes' legend under its x label, for the narrow axes of the machine's row."""
+    axes.legend(
+        loc="upper center", bbox_to_anchor=(0.5, -0.3), borderaxespad=0, fontsize=7, frameon=False, ncol=1
+    )
+
+
+def _rolling_median(values: list[float], window: int = ROLLING_READINGS) -> np.ndarray:
+    """The median of each value and those before it, up to ``window`` readings, and an even count
+    of them wherever there are two or more (see ROLLING_READINGS)."""
+    values = np.asarray(values, dtype=float)
+    medians = []
+    for end in range(1, len(values) + 1):
+        count = min(end, window)
+        count -= count % 2 if count > 1 else 0
+        medians.append(np.median(values[end - count : end]))
+    return np.array(medians)
+
+
+def _throughput_segments(points: list[tuple]) -> list[list[tuple]]:
+    """An arm's live readings, split by the process that measured them, in time order.
+
+    A point is (seconds, samples/s, block, process); ``process`` counts the processes started.
+    Between two processes (another block, a process run again after a crash, the arm moved to a
+    process of its own) the arm did not run, so no line may join their readings.
+    """
+    segments: dict[int, list[tuple]] = {}
+    for point in points:
+        segments.setdefault(point[3], []).append(point)
+    return [sorted(segment) for segment in segments.values()]
+
+
+def _plot_live_throughput(axes, throughput: dict, colors: dict, running: str | None) -> None:
+    """Each process's readings of an arm as a segment of its own: their rolling median, in the arm's
+    colour. The arm measured now is named in bold and ringed at its latest reading."""
+    planned = {arm: index for index, arm in enumerate(colors)}  # the legend in the plan's order
+    for arm in sorted(throughput, key=lambda name: planned.get(name, len(planned))):
+        points, now = throughput[arm], arm == running
+        for index, segment in enumerate(_throughput_segments(points)):
+            seconds = [point[0] for point in segment]
+            rates = _rolling_median([point[1] for point in segment])
+            label = (f"{arm} (running)" if now else arm) if index == 0 else None
+            axes.plot(seconds, rates, "-", color=colors.get(arm), linewidth=2.4 if now else 1.4, label=label)
+        if now:  # its latest reading: processes start one after another, so it ends the last segment
+            axes.plot(seconds[-1], rates[-1], "o", markersize=9, markerfacecolor="none", markeredgewidth=2,
+                      color=colors.get(arm))  # fmt: skip
+    axes.set_title("Throughput (rolling median)")
     axes.set_xlabel("seconds since start")
     axes.set_ylabel("samples/s")
+    axes.set_ylim(bottom=0)
     if throughput:
-        axes.legend(fontsize=7, frameon=False)
+        _legend_outside(axes)
+        for text in axes.get_legend().get_texts():
+            if text.get_text().endswith("(running)"):
+                text.set_fontweight("bold")
 
 
 def _plot_live_breakdown(axes, finished: list[dict], arms: list[str]) -> None:
@@ -293,7 +378,7 @@ def _plot_live_breakdown(axes, finished: list[dict], arms: list[str]) -> None:
     axes.set_title("Step breakdown (finished blocks)")
     axes.set_xlabel("ms per optimizer step")
     if names:
-        axes.legend(fontsize=7, frameon=False, ncol=2)
+        _legend_outside(axes)
 
 
 def _plot_live_losses(axes, finished: list[dict], colors: dict) -> None:
@@ -305,26 +390,29 @@ def _plot_live_losses(axes, finished: list[dict], colors: dict) -> None:
             alpha=0.7,
             linewidth=1,
         )
-    axes.set_title("Loss (finished blocks)")
+    axes.set_title("Loss (finished blocks)", fontsize=10)
     axes.set_xlabel("optimizer step, warm-up included")
 
 
 def _plot_cpu_utilization(axes, samples: list[dict], seconds: list[float]) -> None:
     axes.plot(seconds, [s["cpu_percent"] for s in samples], color="#4c72b0")
     axes.set_ylim(0, 105)
-    axes.set_title("CPU utilization (whole machine)")
+    axes.set_title("CPU utilization (machine)", fontsize=10)
     axes.set_ylabel("%")
     axes.set_xlabel("seconds since start")
 
 
-def _plot_gpu_telemetry(gpu_ax, gpu_detail_ax, samples: list[dict], seconds: list[float]) -> None:
-    """NVML readings per GPU when there are any; else the machine's memory and a note saying why."""
-    gpu_keys = sorted(
+def _gpu_keys(samples: list[dict]) -> list[str]:
+    """The NVML readings' utilization keys (gpu0_util_percent...): none without NVML or a GPU."""
+    return sorted(
         {key for s in samples for key in s if key.startswith("gpu") and key.endswith("_util_percent")}
     )
-    if not gpu_keys:
-        _plot_without_gpu_telemetry(gpu_ax, gpu_detail_ax, samples, seconds)
-        return
+
+
+def _plot_gpu_telemetry(
+    gpu_ax, gpu_detail_ax, gpu_keys: list[str], samples: list[dict], seconds: list[float]
+) -> None:
+    """NVML readings per GPU: utilization and memory; power and SM clock."""
     for key in gpu_keys:
         index = key[3 : key.index("_")]
         gpu_ax.plot(seconds, [s.get(key, np.nan) for s in samples], label=f"GPU {index} util %")
@@ -343,27 +431,18 @@ def _plot_gpu_telemetry(gpu_ax, gpu_detail_ax, samples: list[dict], seconds: lis
             ":",
             label=f"GPU {index} SM clock, x10 MHz",
         )
-    gpu_ax.legend(fontsize=7, frameon=False)
-    gpu_detail_ax.legend(fontsize=7, frameon=False)
-    gpu_ax.set_title("GPU utilization and memory (NVML)")
-    gpu_detail_ax.set_title("GPU power and SM clock (NVML)")
+    for axes in (gpu_ax, gpu_detail_ax):
+        _legend_below(axes)
+        axes.set_xlabel("seconds since start")
+    gpu_ax.set_title("GPU util. and memory (NVML)", fontsize=10)
+    gpu_detail_ax.set_title("GPU power and clock (NVML)", fontsize=10)
 
 
-def _plot_without_gpu_telemetry(memory_ax, note_ax, samples: list[dict], seconds: list[float]) -> None:
-    memory_ax.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color=MEMORY_COLOR)
-    memory_ax.set_title("Memory used (whole machine)")
-    memory_ax.set_ylabel("GiB")
-    note_ax.axis("off")
-    note_ax.text(
-        0.5,
-        0.5,
-        "No GPU telemetry: NVML readings of GPU\nutilization, memory, power and SM clock\n"
-        "appear here on a CUDA machine\nwith nvidia-ml-py installed.",
-        ha="center",
-        va="center",
-        fontsize=9,
-        color="#666",
-    )
+def _plot_machine_memory(axes, samples: list[dict], seconds: list[float]) -> None:
+    axes.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color=MEMORY_COLOR)
+    axes.set_title("Memory used (machine)", fontsize=10)
+    axes.set_ylabel("GiB")
+    axes.set_xlabel("seconds since start")
 
 
 # --- the advisor's figure ----------------------------------------------------------------------
@@ -482,7 +561,7 @@ def plot_tune(results, path=None) -> ResultsFigure:
             tick.set_color("#666666")
     axes.axvline(1.0, color="black", linewidth=1, linestyle="--")
     axes.set_xscale("log")
-    _readable_log_ticks(axes, lows, highs)
+    readable_log_ticks(axes, lows, highs)
     axes.set_xlabel("speedup over the baseline (95% interval; log scale; dashed: the baseline)")
     axes.set_ylim(-0.6, len(measured) - 0.4)
     figure.legend(loc="outside lower center", ncol=max(len(shown), 1), fontsize=8, frameon=False)

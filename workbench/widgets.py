@@ -1,28 +1,28 @@
 """The notebook control panel: toggle techniques, press Run, watch the ablation live.
 
 ``wb.panel(...)`` takes the same arguments as ``wb.ablate`` as its defaults and returns an
-ipywidgets panel generated from the technique registry: one toggle per technique, with a
-control per field of its Config dataclass (a dropdown where the field lists its choices),
-disabled with its reason when it cannot run here. A technique added later appears
-without any change to this module. A second page, "Advise & tune", runs ``wb.advise`` and
-``wb.tune`` on the job the panel's settings describe, and can switch the advice's
-recommendations, or the tuner's winner, on in the first page.
+ipywidgets panel generated from the technique registry: one toggle per technique, under its
+group's heading (data, compute, memory, communication) and numbered in the order of
+application, with a control per field of its Config dataclass (a dropdown where the field
+lists its choices) shown while it is switched on, or one line saying why it cannot run here.
+A technique added later appears without any change to this module. Every control is as wide as
+its label and its longest value, in rows that wrap: tests/test_browser.py measures the panel in
+a real page. A second page, "Advise & tune", runs ``wb.advise`` and ``wb.tune`` on the job the
+panel's settings describe, and can switch the advice's recommendations, or the tuner's winner,
+on in the first page.
 
 The ablation runs in a background thread, so the kernel stays responsive; its events
 (``ablate(on_event=...)``) are gathered by a LiveRun, and a second thread redraws the live
-figure about once a second. Widgets are updated only by setting their traits (an Image's
-PNG bytes, an HTML's text), which is safe from a thread, unlike an Output widget's
-context manager.
+figure about once a second and the status line (process i of n, block, arm, elapsed time and
+time left) every second. Widgets are updated only by setting their traits (an Image's PNG
+bytes, an HTML's text), which is safe from a thread, unlike an Output widget's context manager.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import threading
 import time
-import types
-import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +32,20 @@ from workbench.ablation import ablate, plan, plan_arguments
 from workbench.advisor import ADVISOR_FIXES, Advice, advise
 from workbench.config import TUNER_DECIDES, Option, RunConfig, run_options, unknown_name_error
 from workbench.data import BUILTIN_DATA, data_label, resolve_data
-from workbench.models import BUILTIN_MODELS, model_label
+from workbench.live_run import LiveRun, progress_line
+from workbench.models import BUILTIN_MODELS, get_builtin_model, model_label
+from workbench.panel_controls import (
+    TechniqueRow,
+    _dropdown,
+    _fitted,
+    _setting_control,
+    _setting_value,
+    technique_groups,
+)
 from workbench.plots import plot_live
-from workbench.techniques import Technique, all_techniques, technique_context
+from workbench.results import load_results
+from workbench.results_view import plain_number
+from workbench.techniques import all_techniques, technique_context
 from workbench.tuner import tune
 
 REDRAW_S = 1.0
@@ -49,220 +60,12 @@ TUNE_BUDGETS = [
 # ablate's keywords that the panel takes and hands on untouched (it sets progress, on_event
 # and stop itself; every run setting gets a control).
 PANEL_PASSES_ON = ("overwrite", "retry_failed")
-
-
-class LiveRun:
-    """Everything a running ablation has reported so far, gathered from its events (thread-safe)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.started = time.time()
-        self.arms: list[str] = []
-        self.processes = 0  # blocks' processes planned (a block's shared one, arms' own ones)
-        self.processes_done = 0
-        self.finished: list[dict] = []  # "unit" events: one arm's measurements in one block
-        # arm -> [(seconds, samples/s, block)]: the block lets a plot break the line between processes
-        self.throughput: dict[str, list[tuple[float, float, int]]] = {}
-        self.telemetry: list[dict] = []
-        self.current = ""
-        self.stage = ""  # the tuner's round, shown before what runs now
-        self.state = "idle"  # idle, running, done, stopped, failed
-        self.version = 0  # bumped by every event, so the redraw thread knows when to redraw
-
-    def __call__(self, event: dict) -> None:
-        with self._lock:
-            self.version += 1
-            kind = event["type"]
-            elapsed = time.time() - self.started
-            if kind == "plan":
-                self.arms = [arm["name"] for arm in event["arms"] if not arm["unavailable"]]
-                self.processes = event["processes"]
-                self.processes_done = event["processes"] - event["remaining"]
-                self.state = "running"
-            elif kind == "start":
-                alone = f", {event['arms'][0]} in its own process" if event["process"] == "own" else ""
-                self.current = f"block {event['block'] + 1}{alone}: starting"
-            elif kind == "phase" and "arm" in event:
-                round_text = f" {event['round']}/{event['of']}" if event.get("phase") == "measure" else ""
-                self.current = f"block {event['block'] + 1}: {event['arm']}: {event['phase']}{round_text}"
-            elif kind == "progress":
-                point = (elapsed, event["samples_per_s"], event["block"])
-                self.throughput.setdefault(event["arm"], []).append(point)
-            elif kind == "unit":
-                self.finished.append(event)
-            elif kind == "process_done":
-                self.processes_done += 1
-            elif kind == "telemetry":
-                self.telemetry.append(event)
-            elif kind in ("done", "stopped"):
-                self.state = kind
-            elif kind == "tune_round":
-                # Each round is a new ablation of other arms: its throughput lines start afresh
-                # (block numbers restart at 0, and a line must never join two rounds' points).
-                self.throughput, self.finished, self.processes_done = {}, [], 0
-                count = len(event["candidates"])
-                self.stage = (
-                    f"tuning, round {event['round'] + 1}: {count} candidate{'s' * (count != 1)} x "
-                    f"{event['blocks']} block{'s' * (event['blocks'] != 1)}"
-                )
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {
-                "started": self.started,
-                "arms": list(self.arms),
-                "processes": self.processes,
-                "processes_done": self.processes_done,
-                "finished": list(self.finished),
-                "throughput": {arm: list(points) for arm, points in self.throughput.items()},
-                "telemetry": list(self.telemetry),
-                "current": f"{self.stage}; {self.current}" if self.stage else self.current,
-                "state": self.state,
-            }
-
-
-def _field_widget(config_field: dataclasses.Field, value: Any, hints: dict) -> w.Widget:
-    """A control for one Config field, chosen from its type and declared choices."""
-    annotation = hints.get(config_field.name, str)
-    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), annotation) if args else annotation
-    layout = w.Layout(width="170px")
-    label = config_field.name
-    if "choices" in config_field.metadata:
-        return w.Dropdown(
-            options=list(config_field.metadata["choices"]),
-            value=value,
-            description=label,
-            layout=layout,
-            style={"description_width": "initial"},
-        )
-    if base is bool and not optional:
-        return w.Checkbox(value=bool(value), description=label, indent=False, layout=w.Layout(width="150px"))
-    if base is bool:
-        return w.Dropdown(
-            options=[("auto", None), ("True", True), ("False", False)],
-            value=value,
-            description=label,
-            layout=layout,
-            style={"description_width": "initial"},
-        )
-    if base is int and not optional:
-        return w.IntText(
-            value=value, description=label, layout=layout, style={"description_width": "initial"}
-        )
-    shown = "" if value is None or callable(value) else str(value)
-    return w.Text(
-        value=shown,
-        placeholder="default",
-        description=label,
-        layout=w.Layout(width="220px"),
-        style={"description_width": "initial"},
-    )
-
-
-def _read_field(widget: w.Widget, config_field: dataclasses.Field, hints: dict) -> Any:
-    if not isinstance(widget, w.Text):
-        return widget.value
-    text = widget.value.strip()
-    if not text:
-        return None
-    annotation = hints.get(config_field.name, str)
-    for number in (int, float):  # e.g. bucket_cap_mb: float | None
-        if number in typing.get_args(annotation):
-            try:
-                return number(text)
-            except ValueError:
-                continue
-    return text  # the Config's own validation names the field and the rule
-
-
-class TechniqueRow(w.HBox):
-    """One technique: its toggle, a control per Config field, and why it is unavailable (if so)."""
-
-    def __init__(self, technique: Technique, setting: Any):
-        self.technique = technique
-        self.hints = typing.get_type_hints(technique.Config)
-        enabled = setting is not None and setting is not False
-        config = technique.configure(setting) if enabled else technique.Config()
-        self.toggle = w.Checkbox(
-            value=enabled, description=technique.name, indent=False, layout=w.Layout(width="140px")
-        )
-        self.toggle.add_class(f"workbench-technique-{technique.name}")
-        self.fields = {
-            f.name: (f, _field_widget(f, getattr(config, f.name), self.hints))
-            for f in dataclasses.fields(technique.Config)
-        }
-        self.note = w.HTML(layout=w.Layout(width="auto"))
-        self.summary = technique.summary
-        super().__init__([self.toggle, *(widget for _, widget in self.fields.values()), self.note])
-        self.set_reason(None)
-
-    def set_reason(self, reason: str | None) -> None:
-        """Disable the row, showing why, when the technique cannot run here."""
-        self.unavailable = reason
-        self.toggle.disabled = reason is not None
-        for _, widget in self.fields.values():
-            widget.disabled = reason is not None
-        if reason:
-            self.toggle.value = False
-            self.note.value = f"<span style='color:#a33'>unavailable: {html.escape(reason)}</span>"
-        else:
-            self.note.value = f"<span style='color:#666'>{html.escape(self.summary)}</span>"
-
-    def set_setting(self, setting: Any) -> None:
-        """Switch the technique on with ``setting`` (True, a dict) or off (False), as ablate reads it."""
-        enabled = setting is not None and setting is not False
-        config = self.technique.configure(setting) if enabled else self.technique.Config()
-        self.toggle.value = enabled
-        for name, (_, widget) in self.fields.items():
-            value = getattr(config, name)
-            widget.value = ("" if value is None else str(value)) if isinstance(widget, w.Text) else value
-
-    def setting(self) -> Any:
-        """False when off; otherwise the dict of options (validated later, by the API)."""
-        if not self.toggle.value:
-            return False
-        return {name: _read_field(widget, f, self.hints) for name, (f, widget) in self.fields.items()}
-
-
-def _setting_control(name: str, rules: Option, value: Any) -> w.Widget:
-    """A control for one run setting, from its Option: a dropdown for choices, a checkbox for a
-    switch, a number box, or a text box where "auto" (or "none") is a valid answer."""
-    common = {"description": name, "tooltip": rules.help, "style": {"description_width": "initial"}}
-    narrow = w.Layout(width="190px")
-    if name == "device":  # its choices are this machine's devices
-        return w.Dropdown(options=_device_options(value), value=value, layout=narrow, **common)
-    if rules.choices is not None:
-        width = 9 * max(len(word) for word in rules.choices) + 8 * len(name) + 50
-        # The words are the options: a Dropdown shows a value of None (loader_arms' "auto") as blank.
-        return w.Dropdown(
-            options=list(rules.choices),
-            value=rules.word(value),
-            layout=w.Layout(width=f"{width}px"),
-            **common,
-        )
-    if rules.kind is bool:
-        return w.Checkbox(value=value, indent=False, layout=w.Layout(width="150px"), **common)
-    if rules.kind is int and not rules.auto:
-        return w.IntText(value=value, layout=narrow, **common)
-    if rules.kind is float and not rules.auto:
-        return w.FloatText(value=value, layout=narrow, **common)
-    wide = rules.kind is str  # a link's text is long: bandwidth_gbps=1,latency_ms=0.1
-    return w.Text(
-        value=rules.text(value),
-        placeholder=rules.unset if rules.auto else "",
-        layout=w.Layout(width="390px" if wide else "190px"),
-        **common,
-    )
-
-
-def _setting_value(rules: Option, control: w.Widget) -> Any:
-    if isinstance(control, w.Text):
-        return rules.parse(control.value)
-    if rules.choices is not None:
-        return rules.choices[control.value]  # the word shown -> the value it stands for
-    return control.value
+OWN_DATA = "own"  # the data control's value for the model's own dataset (data=None)
+# A note's text box may shrink below its text (ipywidgets' HTML content keeps its text's width,
+# which pushed the row past the panel's edge), so that the note's own ellipsis can cut it.
+PANEL_CSS = (
+    "<style>.workbench-panel .workbench-note .widget-html-content {min-width: 0; overflow: hidden}</style>"
+)
 
 
 class AblationPanel(w.VBox):
@@ -303,17 +106,25 @@ class AblationPanel(w.VBox):
 
         self._make_setting_controls(model, data, out, options)
         chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
-        self.rows = {t.name: TechniqueRow(t, chosen.get(t.name, False)) for t in all_techniques()}
+        self.rows = {
+            t.name: TechniqueRow(t, chosen.get(t.name, False), position)
+            for position, t in enumerate(all_techniques(), start=1)
+        }
         self._make_run_controls_and_outputs()
-        technique_box = w.VBox([w.HTML("<b>Techniques</b> (applied top to bottom)"), *self.rows.values()])
-        ablate_page = w.VBox([technique_box, w.HBox([self.run_button, self.stop_button])])
+        ablate_page = w.VBox(
+            [
+                technique_groups(self.rows),
+                w.HBox([self.run_button, self.stop_button]),
+                self._make_open_controls(),
+            ]
+        )
         # The same Stop button shows on both pages: one widget, two views of it.
         self.tabs = w.Tab([ablate_page, self._make_tuning_page()])
         self.tabs.set_title(0, "Ablate")
         self.tabs.set_title(1, "Advise & tune")
         super().__init__(
             [
-                w.HTML("<h3 style='margin:4px 0'>workbench: controlled ablation</h3>"),
+                w.HTML(PANEL_CSS + "<h3 style='margin:4px 0'>workbench: controlled ablation</h3>"),
                 self._settings_box(rules),
                 self.tabs,
                 self.status,
@@ -322,29 +133,19 @@ class AblationPanel(w.VBox):
                 self.table,
             ]
         )
+        self.add_class("workbench-panel")
         self.refresh_availability()
 
     def _make_setting_controls(self, model: Any, data: Any, out: Any, options: dict) -> None:
         """Model, data and out, then one control per run setting, each starting at its value."""
-        small = {"style": {"description_width": "initial"}, "layout": w.Layout(width="190px")}
         model_options = list(BUILTIN_MODELS) + (
             [f"custom: {model_label(model)}"] if self.custom_model else []
         )
-        data_options = [("model's own", None), *[(d, d) for d in BUILTIN_DATA]]
-        if self.custom_data is not None:
-            data_options.append((f"custom: {_short_label(self.custom_data)}", "custom"))
-        self.model = w.Dropdown(
-            options=model_options,
-            value=model if isinstance(model, str) else model_options[-1],
-            description="model",
-            **small,
-        )
-        self.data = w.Dropdown(
-            options=data_options,
-            value="custom" if self.custom_data is not None else data,
-            description="data",
-            **small,
-        )
+        self.model = _dropdown("model", model_options, model if isinstance(model, str) else model_options[-1])
+        chosen = "custom" if self.custom_data is not None else OWN_DATA if data is None else data
+        widest = max(len(label) for name in BUILTIN_MODELS for label, _ in self._data_options(name))
+        self.data = _dropdown("data", self._data_options(self.model.value), chosen, longest=widest)
+        self.model.observe(lambda _: self._show_the_data_used(), names="value")
         # Each value checked on its own (a Link from its dict...); rules that tie settings
         # together (link needs world_size >= 2) are checked at Run, once the user has set both.
         defaults = RunConfig()
@@ -360,11 +161,28 @@ class AblationPanel(w.VBox):
             if self.keep_on_disk
             else "none: results kept in memory",
             description="out",
-            style={"description_width": "initial"},
-            layout=w.Layout(width="390px"),
+            **_fitted("out", 40, "text"),
         )
         for control in (self.model, self.data, self.settings["device"], self.settings["world_size"]):
             control.observe(lambda _: self.refresh_availability(), names="value")
+
+    def _data_options(self, model: str) -> list[tuple[str, str]]:
+        """The data choices, the model's own dataset named: the control shows what the run uses."""
+        own = (
+            f"{get_builtin_model(model).default_data} ({model}'s own)"
+            if model in BUILTIN_MODELS
+            else "none: give data= to wb.panel"
+        )
+        custom = (
+            [(f"custom: {_short_label(self.custom_data)}", "custom")] if self.custom_data is not None else []
+        )
+        return [(own, OWN_DATA), *[(name, name) for name in BUILTIN_DATA], *custom]
+
+    def _show_the_data_used(self) -> None:
+        """Name the new model's own dataset (new options select the first one: the choice is kept)."""
+        chosen = self.data.value
+        self.data.options = self._data_options(self.model.value)
+        self.data.value = chosen
 
     def _make_run_controls_and_outputs(self) -> None:
         """Run and Stop, the status line, the live and final plots and the results table."""
@@ -386,21 +204,50 @@ class AblationPanel(w.VBox):
         self.table = w.HTML()
         self.table.add_class("workbench-results")
 
+    def _make_open_controls(self) -> w.Widget:
+        """A saved run's folder, and a button that shows its plot and table here."""
+        self.saved_folder = w.Text(
+            placeholder="a results folder, e.g. results/quick",
+            layout=w.Layout(width="320px", min_width="200px"),
+        )
+        self.open_button = w.Button(
+            description="Open saved run", icon="folder-open", layout=w.Layout(width="auto")
+        )
+        self.open_button.add_class("workbench-open")
+        self.open_button.on_click(lambda _: self.open_saved())
+        return w.HBox([self.saved_folder, self.open_button], layout=w.Layout(flex_flow="row wrap"))
+
+    def open_saved(self, folder: str | None = None) -> bool:
+        """Show a saved run (a results folder or its results.json) as a finished run is shown.
+        Refused while a run is going; an unreadable folder is said in the status line."""
+        if self.running:
+            self.status.value = _error_html("a run is going on: stop it, or wait, before opening a saved one")
+            return False
+        folder = (folder if folder is not None else self.saved_folder.value).strip()
+        if not folder:
+            self.status.value = _error_html("type the results folder to open (one that ablate's out= wrote)")
+            return False
+        try:
+            saved = load_results(folder)
+        except (ValueError, FileNotFoundError) as error:
+            self.status.value = _error_html(str(error))
+            return False
+        self.results, self.error = saved, None
+        self.live_image.layout.display = "none"  # the live view belongs to the run made here
+        self._show(saved.plot(), saved._repr_html_())
+        state = "complete" if saved.complete else "partial: stopped before every block ran"
+        self.status.value = f"<b>Saved run ({state}):</b> {html.escape(str(saved.path))}" + _warnings_html(
+            saved.warnings()
+        )
+        return True
+
     def _make_tuning_page(self) -> w.Widget:
         """The advisor's verdict on the job set above, and the tuner's budgeted search."""
-        wide = {"style": {"description_width": "initial"}}
-        self.budget = w.Dropdown(
-            options=TUNE_BUDGETS, value=300, description="budget", layout=w.Layout(width="160px"), **wide
-        )
-        self.search_space = w.Dropdown(
-            options=[
-                ("the advisor's ranking", "advisor"),
-                ("the techniques switched on in Ablate", "chosen"),
-            ],
-            value="advisor",
-            description="search",
-            layout=w.Layout(width="360px"),
-            **wide,
+        self.budget = _dropdown("budget", TUNE_BUDGETS, 300)
+        self.search_space = _dropdown(
+            "search",
+            [("the advisor's ranking", "advisor"), ("the techniques switched on in Ablate", "chosen")],
+            "advisor",
         )
         self.advise_button = w.Button(description="Advise", button_style="info", icon="stethoscope")
         self.tune_button = w.Button(description="Tune", button_style="success", icon="sliders")
@@ -449,6 +296,8 @@ class AblationPanel(w.VBox):
         return self.custom_model if self.model.value.startswith("custom:") else self.model.value
 
     def _data_value(self) -> Any:
+        if self.data.value == OWN_DATA:
+            return None
         return self.custom_data if self.data.value == "custom" else self.data.value
 
     def refresh_availability(self) -> None:
@@ -633,7 +482,7 @@ class AblationPanel(w.VBox):
         elif outcome is not None and "tune" in outcome.record:
             self._show_search(outcome)
         elif outcome is not None:
-            self._show(outcome.plot(), self._table_html(outcome.table.drop(columns=["techniques", "notes"])))
+            self._show(outcome.plot(), outcome._repr_html_())
             where = f" Results: {outcome.path}" if outcome.path else ""
             verb = "Done" if outcome.complete else "Stopped; finished blocks are kept"
             self.status.value = f"<b>{verb}.</b>{html.escape(where)}" + _warnings_html(outcome.warnings())
@@ -666,9 +515,7 @@ class AblationPanel(w.VBox):
 
     @staticmethod
     def _table_html(table) -> str:
-        return table.to_html(
-            index=False, float_format=lambda v: f"{v:.3g}", na_rep="-", classes="workbench-table"
-        )
+        return table.to_html(index=False, float_format=plain_number, na_rep="-", classes="workbench-table")
 
     def _redraw_while_running(self) -> None:
         drawn = -1
@@ -676,24 +523,19 @@ class AblationPanel(w.VBox):
             if self.live.version != drawn:
                 drawn = self.live.version
                 self._draw_live()
+            else:  # the clock moves on between events
+                self._show_progress(self.live.snapshot())
             time.sleep(REDRAW_S)
 
     def _draw_live(self) -> None:
         snapshot = self.live.snapshot()
         self.live_image.value = plot_live(snapshot)._repr_png_()
         self.live_image.layout.display = None
-        if snapshot["state"] == "running":
-            self.status.value = (
-                f"Running: {snapshot['processes_done']} of {snapshot['processes']} processes finished. "
-                f"Now: {html.escape(snapshot['current'])}"
-            )
+        self._show_progress(snapshot)
 
-
-def _device_options(device: str) -> list[str]:
-    import torch
-
-    options = ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    return options if device in options else [*options, device]
+    def _show_progress(self, snapshot: dict) -> None:
+        if snapshot["state"] == "running" and self.running:
+            self.status.value = f"<b>Running:</b> {html.escape(progress_line(snapshot))}"
 
 
 def _short_label(data: Any) -> str:

@@ -74,6 +74,7 @@ class Amp(Technique):
     name = "amp"
     summary = "mixed precision: autocast (O1) or a 16-bit model with fp32 master weights (O2); bf16 or fp16"
     order = 40
+    group = "compute"
     # fp16 needs loss scaling, bf16 does not; O2 casts the model instead of each op.
     tune_space = {"dtype": ("bfloat16", "float16"), "level": ("O1", "O2")}
     Config = AmpConfig

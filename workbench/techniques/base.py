@@ -3,6 +3,7 @@
 A technique is a small class with
 - ``name``, ``summary`` and an explicit ``order`` (lower applies first, like fastai's
   callback ``order``), so composing several is never ambiguous;
+- ``group``: which part of training it changes, one of ``GROUPS`` (the panel's headings);
 - ``Config``: a frozen dataclass that validates itself in ``__post_init__`` (a string field
   with a fixed set of values lists them in ``metadata={"choices": ...}``, so the notebook
   panel can offer a dropdown);
@@ -113,12 +114,18 @@ REQUIREMENTS: dict[str, Callable[[Context], str | None]] = {
 }
 
 
+# What part of training a technique changes: how batches are made, how the step computes, what it
+# keeps in memory, what ranks exchange. The notebook panel shows the techniques under these headings.
+GROUPS = ("data", "compute", "memory", "communication")
+
+
 class Technique:
     """Base class for a toggleable acceleration technique. See the module docstring."""
 
     name: ClassVar[str]
     summary: ClassVar[str]
     order: ClassVar[int]
+    group: ClassVar[str] = "other"  # one of GROUPS; a technique of your own may leave it
     Config: ClassVar[type]
     requires: ClassVar[tuple[str, ...]] = ()
     conflicts: ClassVar[Mapping[str, str]] = {}

@@ -46,6 +46,7 @@ class ChannelsLast(Technique):
     name = "channels_last"
     summary = "NHWC memory layout for conv models (model weights and 4-D inputs)"
     order = 30
+    group = "compute"
     Config = ChannelsLastConfig
     requires = ("conv",)
 

@@ -141,6 +141,7 @@ class Checkpointing(Technique):
     name = "checkpointing"
     summary = "recompute activations of the repeated blocks in backward: less memory, more compute"
     order = 20
+    group = "memory"
     Config = CheckpointingConfig
 
     def check(self, ctx: Context, config: CheckpointingConfig) -> str | None:

@@ -51,6 +51,7 @@ class Compile(Technique):
     name = "compile"
     summary = "torch.compile the model (fused kernels); compile time reported as startup_s"
     order = 90  # after every change to the model; only cuda_graphs (95), which captures the step, is later
+    group = "compute"
     Config = CompileConfig
     one_per_process = (
         "TorchDynamo's code cache and inductor's state are per process: a second compiled arm would reuse "

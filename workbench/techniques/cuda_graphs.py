@@ -171,6 +171,7 @@ class CudaGraphs(Technique):
     name = "cuda_graphs"
     summary = "capture the whole train step as one CUDA graph and replay it: no per-kernel launch cost"
     order = 95  # last: the captured step must contain every change the other techniques made
+    group = "compute"
     Config = CudaGraphsConfig
     requires = ("cuda",)
     own_process_reason = (

@@ -74,6 +74,7 @@ class CupyFusion(Technique):
     name = "cupy_fusion"
     summary = "fused CUDA kernels (bias+GELU, residual+LayerNorm, one-launch AdamW) via CuPy"
     order = 16  # before checkpointing (20), which wraps the forwards this one replaces
+    group = "compute"
     Config = CupyFusionConfig
     requires = ("cuda", "cupy")
     conflicts = {

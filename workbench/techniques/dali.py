@@ -197,6 +197,7 @@ class Dali(Technique):
     name = "dali"
     summary = "NVIDIA DALI pipeline: JPEG decode and augmentation in native threads (nvJPEG on GPU)"
     order = 11
+    group = "data"
     tune_space = {"threads": (2, 4)}
     Config = DaliConfig
     requires = ("dali", "jpeg_files")

@@ -62,6 +62,7 @@ class Dataloader(Technique):
     name = "dataloader"
     summary = "DataLoader workers, pinned memory, prefetching, persistent workers"
     order = 10
+    group = "data"
     tune_space = {"num_workers": (1, 2, 4)}  # past the cores, workers compete with training
     Config = DataloaderConfig
     requires = ("dataset",)

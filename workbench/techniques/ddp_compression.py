@@ -126,6 +126,7 @@ class DdpCompression(Technique):
     name = "ddp_compression"
     summary = "DDP communication hooks (fp16, bf16, PowerSGD, top-k, int8, hierarchical), buckets, no_sync"
     order = DDP_ORDER - 5  # it configures the DDP wrapper, which is applied at DDP_ORDER
+    group = "communication"
     tune_space = {"hook": ("fp16", "powersgd")}  # half the bytes, or a low-rank sketch of them
     Config = DdpCompressionConfig
     requires = ("ranks",)

@@ -91,6 +91,7 @@ class GradAccum(Technique):
     name = "grad_accum"
     summary = "split each batch into k micro-batches; same effective batch, less activation memory"
     order = 50
+    group = "memory"
     tune_space = {"steps": (2, 4)}  # more micro-batches: less memory, more launches
     Config = GradAccumConfig
 

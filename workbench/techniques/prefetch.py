@@ -91,6 +91,7 @@ class Prefetch(Technique):
     name = "prefetch"
     summary = "copy the next batches to the GPU on a side CUDA stream while the step computes"
     order = 12  # after the input pipelines (dataloader 10, dali 11), whose batches it moves
+    group = "data"
     tune_space = {"depth": (1, 2)}
     Config = PrefetchConfig
     requires = ("cuda",)

@@ -81,6 +81,7 @@ class Tf32(Technique):
     name = "tf32"
     summary = "TensorFloat-32 tensor-core math for float32 matmuls/convs (Ampere+ GPUs)"
     order = 15
+    group = "compute"
     Config = Tf32Config
     requires = ("cuda",)
 
