@@ -54,6 +54,8 @@ LAYER_OF = {
     "workbench.results": 6,
     "workbench.report": 6,
     "workbench.compare": 6,
+    "workbench.arms": 7,
+    "workbench.progress": 7,
     "workbench.ablation": 7,
     "workbench.advisor": 7,
     "workbench.tuner": 7,

@@ -6,7 +6,7 @@ from conftest import requires_cuda
 from helpers import train
 
 import workbench as wb
-from workbench.ablation import plan_arms
+from workbench.arms import plan_arms
 from workbench.loop import TrainSetup, default_loss, make_optimizer
 from workbench.techniques import Context, conflict_reason, get_technique
 from workbench.techniques.cuda_graphs import GraphedStep

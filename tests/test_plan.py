@@ -9,7 +9,8 @@ import pytest
 from helpers import RUN_SETTINGS
 
 import workbench as wb
-from workbench.ablation import add_own_baseline, jobs_for_block, plan_arguments, plan_arms
+from workbench.ablation import plan_arguments
+from workbench.arms import add_own_baseline, jobs_for_block, plan_arms
 from workbench.cli import _parser, run_settings
 from workbench.config import RunConfig
 from workbench.techniques import Technique, parse_techniques, register_technique, unregister_technique

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import itertools
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -45,14 +43,26 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from workbench.block import ArmSpec
+from workbench.arms import (
+    Arm,
+    Job,
+    add_own_baseline,
+    assign_processes,
+    jobs_for_block,
+    loader_twins,
+    own_baseline_name,
+    plan_arms,
+    plan_combinations,
+    slug,
+    sweep_names,
+)
 from workbench.config import RunConfig, takes_run_options
 from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
 from workbench.devices import resolve_device
@@ -61,202 +71,17 @@ from workbench.environment import environment
 from workbench.loop import check_the_loss
 from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
+from workbench.progress import Progress, describe_plan
 from workbench.results import SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
 from workbench.techniques import (
-    Context,
     Technique,
-    conflict_reason,
     parse_techniques,
-    settings_of,
     technique_context,
 )
 from workbench.telemetry import Sampler, competing_load, usable_cores
 from workbench.template import WarmTemplate, start_template
-from workbench.worker import WINDOW_TARGET_S, BlockSpec
-
-DDP_OWN_PROCESS = "a data-parallel arm is a process group of its own (one process per rank)"
-ISOLATED = "isolate=True: every arm in a process of its own"
-
-
-@dataclass
-class Arm:
-    name: str
-    role: str  # "baseline", "control" or "treatment"
-    techniques: list[tuple[Technique, Any]] = field(default_factory=list)
-    unavailable: str | None = None  # why it cannot run here; None when it can
-    kind: str = "train"  # "train", or "loader": the input pipeline alone, with a no-op model
-    own_process: str | None = None  # why it runs in a process of its own; None: it shares the block
-
-    @property
-    def process(self) -> str:
-        return "own" if self.own_process else "block"
-
-    def record(self) -> dict:
-        described = ", ".join(t.describe(c) for t, c in self.techniques) or "none"
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "role": self.role,
-            "process": self.process,
-            "own_process": self.own_process,
-            "techniques": described,
-            "technique_names": [t.name for t, _ in self.techniques],
-            "settings": {t.name: settings_of(c) for t, c in self.techniques},  # Results.best hands it back
-            # Only the input pipeline differs from the baseline (dataloader, dali).
-            "input_pipeline": bool(self.techniques) and all(t.input_pipeline for t, _ in self.techniques),
-            "unavailable": self.unavailable,
-        }
-
-    def spec(self) -> ArmSpec:
-        return ArmSpec(self.name, self.techniques, loader_only=self.kind == "loader")
-
-
-def sweep_names(techniques: list[tuple[Technique, Any]]) -> list[str]:
-    """Arm names: the technique's name, plus the swept values when it appears more than once."""
-    names = []
-    for technique, config in techniques:
-        siblings = [c for t, c in techniques if t is technique]
-        if len(siblings) == 1:
-            names.append(technique.name)
-            continue
-        matter = technique.settings_that_matter(config)
-        swept = [
-            f.name
-            for f in fields(config)
-            if f.name in matter and len({repr(getattr(c, f.name)) for c in siblings}) > 1
-        ]
-        values = ", ".join(f"{name}={getattr(config, name)}" for name in swept)
-        names.append(f"{technique.name}[{values}]")
-    return names
-
-
-def plan_arms(
-    mode: str, techniques: list[tuple[Technique, Any]], control: bool, names: list[str] | None = None
-) -> list[Arm]:
-    """The arms of one ablation, baseline first. Raises ValueError for impossible combinations.
-
-    ``names``: the arm names of a one-at-a-time sweep, when they were chosen with all the
-    swept values in view (some may be unavailable); by default, from ``techniques``.
-    """
-    arms = [Arm("baseline", "baseline")]
-    if control:
-        arms.append(Arm("baseline (control)", "control"))
-    if len({t.name for t, _ in techniques}) < len(techniques) and mode == "leave-one-out":
-        raise ValueError(
-            "a swept setting (a list of values) runs one arm per value, which leave-one-out cannot: it "
-            "needs every technique together once; use mode='one-at-a-time' or mode='grid'"
-        )
-    names = names or sweep_names(techniques)
-    if mode == "one-at-a-time":
-        arms += [Arm(name, "treatment", [pair]) for name, pair in zip(names, techniques, strict=True)]
-    elif mode == "leave-one-out":
-        reason = conflict_reason(techniques)
-        if reason:
-            raise ValueError(f"leave-one-out needs every technique together, but {reason}")
-        if techniques:
-            arms.append(Arm("all", "treatment", list(techniques)))
-        if len(techniques) > 1:
-            for index, (technique, _) in enumerate(techniques):
-                rest = techniques[:index] + techniques[index + 1 :]
-                arms.append(Arm(f"all - {technique.name}", "treatment", rest))
-    else:  # grid: every combination of the techniques, each at one of its swept values
-        named = dict(zip(map(id, techniques), names, strict=True))
-        groups: dict[str, list[tuple[Technique, Any]]] = {}
-        for pair in techniques:
-            groups.setdefault(pair[0].name, []).append(pair)
-        for size in range(1, len(groups) + 1):
-            for chosen_groups in itertools.combinations(groups.values(), size):
-                for combination in itertools.product(*chosen_groups):
-                    chosen = list(combination)
-                    name = "+".join(named[id(pair)] for pair in chosen)
-                    arms.append(Arm(name, "treatment", chosen, conflict_reason(chosen)))
-    return arms
-
-
-def plan_combinations(
-    ctx: Context, combinations: Mapping[str, list[tuple[Technique, Any]]], control: bool
-) -> tuple[list[Arm], list[Arm]]:
-    """The baseline (and control) and one arm per named combination; those that cannot run here
-    (a technique unavailable, or two that conflict) come second, with the reason."""
-    arms = plan_arms("one-at-a-time", [], control)
-    unavailable = []
-    for name, pairs in combinations.items():
-        for technique, config in pairs:
-            technique.validate(ctx, config)
-        reason = next(
-            (f"{t.name}: {why}" for t, c in pairs if (why := t.unavailable_reason(ctx, c))), None
-        ) or conflict_reason(pairs)
-        (unavailable if reason else arms).append(Arm(name, "treatment", list(pairs), reason))
-    return arms, unavailable
-
-
-def loader_twins(arms: list[Arm]) -> list[Arm]:
-    """Loader-only copies of the baseline and of every arm made only of input-pipeline techniques."""
-    return [
-        Arm(f"loader: {arm.name}", arm.role, arm.techniques, arm.unavailable, kind="loader")
-        for arm in arms
-        if arm.role in ("baseline", "treatment") and all(t.input_pipeline for t, _ in arm.techniques)
-    ]
-
-
-def own_baseline_name(kind: str) -> str:
-    return "baseline (own process)" if kind == "train" else f"{kind}: baseline (own process)"
-
-
-def assign_processes(arms: list[Arm], ctx: Context, isolate: bool = False) -> list[Arm]:
-    """Mark the arms that need a process of their own, and add a baseline that runs alone for them.
-
-    With several ranks every arm is a process group of its own, and with ``isolate`` every arm
-    runs alone (the baseline too, so nothing is added). Otherwise an arm shares the
-    block unless one of its techniques says why it cannot (``Technique.own_process``), or a
-    technique allowed once per process (``Technique.one_per_process``: torch.compile) is
-    already held by an earlier arm of the block.
-    """
-    runnable = [arm for arm in arms if not arm.unavailable]
-    if ctx.world_size > 1 or isolate:
-        for arm in runnable:
-            arm.own_process = DDP_OWN_PROCESS if ctx.world_size > 1 else ISOLATED
-        return arms
-    holder: dict[str, str] = {}  # a once-per-process technique -> the arm that holds it in the block
-    for arm in runnable:
-        arm.own_process = _own_process_reason(arm, ctx, holder)
-        if arm.own_process is None:
-            for technique, _ in arm.techniques:
-                if technique.one_per_process:
-                    holder.setdefault(technique.name, arm.name)
-    for kind in dict.fromkeys(arm.kind for arm in runnable if arm.own_process):
-        add_own_baseline(arms, kind)
-    return arms
-
-
-def _own_process_reason(arm: Arm, ctx: Context, holder: dict[str, str]) -> str | None:
-    # Which technique the reason is about, when the arm has several (its name says it otherwise).
-    def which(technique: Technique) -> str:
-        return f"{technique.name}: " if len(arm.techniques) > 1 else ""
-
-    for technique, config in arm.techniques:
-        reason = technique.own_process(ctx, config)
-        if reason:
-            return which(technique) + reason
-    for technique, _ in arm.techniques:
-        if technique.one_per_process and technique.name in holder:
-            return f"{which(technique)}{technique.one_per_process}; {holder[technique.name]!r} uses it in the block"
-    return None
-
-
-def add_own_baseline(arms: list[Arm], kind: str) -> Arm:
-    """The baseline that arms of ``kind`` running in their own processes are compared with."""
-    name = own_baseline_name(kind)
-    for arm in arms:
-        if arm.name == name:
-            return arm
-    baseline = Arm(
-        name, "baseline", kind=kind, own_process="the baseline for the arms that run in their own processes"
-    )
-    shared = [i for i, arm in enumerate(arms) if arm.kind == kind and arm.role in ("baseline", "control")]
-    arms.insert(shared[-1] + 1 if shared else 0, baseline)
-    return baseline
+from workbench.worker import BlockSpec
 
 
 @dataclass
@@ -348,10 +173,6 @@ def _described(chosen: list[tuple[Technique, Any]]) -> dict[str, str]:
     return described
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
-
-
 def _fingerprint(prepared: Prepared) -> dict:
     """What must match for a rerun with the same ``out`` to resume rather than start over."""
     settings = {k: v for k, v in prepared.config.items() if k != "timeout_s"}
@@ -363,69 +184,8 @@ def _fingerprint(prepared: Prepared) -> dict:
     return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16], "settings": json.loads(text)}
 
 
-@dataclass
-class Job:
-    """One process to run: a block's shared process (several arms), or one arm's own process."""
-
-    block: int
-    arms: list[Arm]
-    shared: bool
-
-    @property
-    def key(self) -> str:
-        return "block" if self.shared else _slug(self.arms[0].name)
-
-    @property
-    def file(self) -> str:
-        return f"units/b{self.block}-{self.key}.json"
-
-
-def jobs_for_block(arms: list[Arm], block: int) -> list[Job]:
-    """Block ``block``'s processes: the shared one first, then each own-process arm, rotated by ``block``.
-
-    Rotating moves every process through every position across blocks, so a slow start or a
-    drift of the machine does not always land on the same arms.
-    """
-    runnable = [arm for arm in arms if not arm.unavailable]
-    shared = [arm for arm in runnable if not arm.own_process]
-    jobs = ([Job(block, shared, True)] if shared else []) + [
-        Job(block, [arm], False) for arm in runnable if arm.own_process
-    ]
-    shift = block % len(jobs) if jobs else 0
-    return jobs[shift:] + jobs[:shift]
-
-
 def _default_out(label: str) -> Path:
-    return Path("workbench-results") / f"{datetime.now():%Y%m%d-%H%M%S}-{_slug(label)}"
-
-
-class _Progress:
-    """A tqdm.auto bar over the processes to run, with the block, arm and phase in flight."""
-
-    def __init__(self, enabled: bool, total: int, already: int):
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=already, desc="ablate", unit="process", dynamic_ncols=True)
-
-    def show(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)  # tqdm redraws at most 10 times a second
-
-    def at_least(self, total: int) -> None:
-        """Raise the total (an arm moved to a process of its own adds processes)."""
-        if self.bar is not None and total > self.bar.total:
-            self.bar.total = total
-            self.bar.refresh()
-
-    def advance(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    return Path("workbench-results") / f"{datetime.now():%Y%m%d-%H%M%S}-{slug(label)}"
 
 
 def _open_out(
@@ -665,34 +425,6 @@ def plan_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in arguments.items() if key in accepted}
 
 
-def describe_plan(event: dict) -> str:
-    """One line saying what will run: arms, blocks, processes, what is unavailable, what is resumed."""
-    arms = event["arms"]
-    unavailable = sum(1 for arm in arms if arm["unavailable"])
-    shared = sum(1 for arm in arms if not arm["unavailable"] and arm["process"] == "block")
-    own = len(arms) - unavailable - shared
-    parts = []
-    if shared:
-        parts.append(f"{shared} arms side by side in one process per block")
-    if own:
-        parts.append(
-            f"{own} arm{'s' * (own != 1)} in {'their' if own != 1 else 'its'} own process{'es' * (own != 1)}"
-        )
-    rounds = (
-        f"{event['steps']} timed steps per arm in {event['rounds']} windows"
-        if event["rounds"]
-        else f"{event['steps']} timed steps per arm in windows of about {1e3 * WINDOW_TARGET_S:.0f} ms"
-    )
-    text = f"Plan: {event['blocks']} blocks; {' and '.join(parts)}; {event['processes']} processes; {rounds}"
-    if unavailable:
-        text += f"; {unavailable} unavailable"
-    if event["remaining"] < event["processes"]:
-        text += f"; resuming: {event['processes'] - event['remaining']} processes already done"
-    return text + (
-        f". Results: {event['out']}" if event["out"] else ". Results are kept in memory only (out=False)."
-    )
-
-
 class _Runner:
     """Runs the planned processes block by block, keeps every measurement, and resumes."""
 
@@ -789,7 +521,7 @@ class _Runner:
         self.on_event(plan_event)
         if progress:  # before the bar exists, so that the two never share a line
             print(describe_plan(plan_event), flush=True)
-        bar = _Progress(progress, total=planned, already=len(self.done))
+        bar = Progress(progress, total=planned, already=len(self.done))
         self.sampler.start()
         self.template = self._start_template(bar)
         try:
@@ -832,7 +564,7 @@ class _Runner:
         self.on_event({"type": "done", "out": str(self.folder)})
         return results
 
-    def _start_template(self, bar: _Progress) -> WarmTemplate | None:
+    def _start_template(self, bar: Progress) -> WarmTemplate | None:
         """The warm template the run's processes fork from, or None (plain spawns); either is recorded."""
         if self.run_config.start == "spawn":
             self.record["worker_start"] = "plain spawn, as asked (start='spawn')"
@@ -864,7 +596,7 @@ class _Runner:
             or job.arms[0].kind in lone
         ]
 
-    def _run_job(self, job: Job, compile_cache: Path, bar: _Progress) -> None:
+    def _run_job(self, job: Job, compile_cache: Path, bar: Progress) -> None:
         """Run one process (again without an arm that killed it, if one did) and keep what it measured."""
         started = time.time()
         units = [self._skipped(arm, job) for arm in job.arms if arm.name in self.failed]
@@ -928,9 +660,7 @@ class _Runner:
         runnable.remove(culprit)  # and run the block again without it
         return runnable
 
-    def _keep_job(
-        self, job: Job, units: list, moved: dict, block_record: dict | None, bar: _Progress
-    ) -> None:
+    def _keep_job(self, job: Job, units: list, moved: dict, block_record: dict | None, bar: Progress) -> None:
         """Write the process's record to the results folder at once, then tell the listeners."""
         record = {
             "block": job.block,
@@ -991,7 +721,7 @@ class _Runner:
         return path
 
     def _launch(
-        self, job: Job, arms: list[Arm], attempt: int, compile_cache: Path, bar: _Progress
+        self, job: Job, arms: list[Arm], attempt: int, compile_cache: Path, bar: Progress
     ) -> tuple[dict, dict[str, dict]]:
         """Start the process for ``arms`` and wait for its answer; also the arms' own error reports."""
         run, prepared = self.run_config, self.prepared

@@ -287,7 +287,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
 
         print(format_plan(wb.plan(**plan_arguments(settings))))
         return 0
-    from workbench.ablation import describe_plan
+    from workbench.progress import describe_plan
 
     def print_plan(event: dict) -> None:
         if args.no_progress and event["type"] == "plan":  # with the bar on, ablate prints it itself

@@ -442,7 +442,7 @@ class _Search:
         self._choose_candidates(pool, max_candidates)
 
     def _choose_candidates(self, pool, max_candidates: int) -> None:
-        from workbench.ablation import plan_combinations
+        from workbench.arms import plan_combinations
         from workbench.techniques import technique_context
 
         ctx = technique_context(self.run_config, self.model, self.checked.data)

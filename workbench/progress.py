@@ -1,0 +1,63 @@
+"""What a running ablation tells a person: the plan in one line, and a progress bar over its
+processes with the block, arm and phase in flight."""
+
+from __future__ import annotations
+
+from workbench.worker import WINDOW_TARGET_S
+
+
+def describe_plan(event: dict) -> str:
+    """One line saying what will run: arms, blocks, processes, what is unavailable, what is resumed."""
+    arms = event["arms"]
+    unavailable = sum(1 for arm in arms if arm["unavailable"])
+    shared = sum(1 for arm in arms if not arm["unavailable"] and arm["process"] == "block")
+    own = len(arms) - unavailable - shared
+    parts = []
+    if shared:
+        parts.append(f"{shared} arms side by side in one process per block")
+    if own:
+        parts.append(
+            f"{own} arm{'s' * (own != 1)} in {'their' if own != 1 else 'its'} own process{'es' * (own != 1)}"
+        )
+    rounds = (
+        f"{event['steps']} timed steps per arm in {event['rounds']} windows"
+        if event["rounds"]
+        else f"{event['steps']} timed steps per arm in windows of about {1e3 * WINDOW_TARGET_S:.0f} ms"
+    )
+    text = f"Plan: {event['blocks']} blocks; {' and '.join(parts)}; {event['processes']} processes; {rounds}"
+    if unavailable:
+        text += f"; {unavailable} unavailable"
+    if event["remaining"] < event["processes"]:
+        text += f"; resuming: {event['processes'] - event['remaining']} processes already done"
+    return text + (
+        f". Results: {event['out']}" if event["out"] else ". Results are kept in memory only (out=False)."
+    )
+
+
+class Progress:
+    """A tqdm.auto bar over the processes to run, with the block, arm and phase in flight."""
+
+    def __init__(self, enabled: bool, total: int, already: int):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=already, desc="ablate", unit="process", dynamic_ncols=True)
+
+    def show(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)  # tqdm redraws at most 10 times a second
+
+    def at_least(self, total: int) -> None:
+        """Raise the total (an arm moved to a process of its own adds processes)."""
+        if self.bar is not None and total > self.bar.total:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
