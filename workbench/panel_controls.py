@@ -26,7 +26,7 @@ INPUT_EXTRA_PX = {"text": 18, "number": 40, "dropdown": 36}  # padding; a number
 BOOL_WORDS = {"auto": None, "True": True, "False": False}  # an optional switch's dropdown (None: auto)
 
 
-def _fitted(label: str, longest: int, kind: str) -> dict:
+def fitted(label: str, longest: int, kind: str) -> dict:
     """Layout and style for a control whose label and longest value both show in full."""
     label_px = CHAR_PX * len(label) + 12 if label else 0  # 12: the label's right margin
     width = label_px + CHAR_PX * longest + INPUT_EXTRA_PX[kind]
@@ -45,11 +45,11 @@ def _checkbox(label: str, value: bool, **options: Any) -> w.Checkbox:
     return w.Checkbox(value=value, description=label, indent=False, layout=layout, **options)
 
 
-def _dropdown(label: str, options: list, value: Any, longest: int = 0, **more: Any) -> w.Dropdown:
+def dropdown(label: str, options: list, value: Any, longest: int = 0, **more: Any) -> w.Dropdown:
     """A dropdown as wide as its longest option (or ``longest`` characters, for options to come)."""
     words = [option[0] if isinstance(option, tuple) else str(option) for option in options]
-    fitted = _fitted(label, max(longest, *map(len, words)), "dropdown")
-    return w.Dropdown(options=options, value=value, description=label, **fitted, **more)
+    sized = fitted(label, max(longest, *map(len, words)), "dropdown")
+    return w.Dropdown(options=options, value=value, description=label, **sized, **more)
 
 
 def _field_widget(config_field: dataclasses.Field, value: Any, hints: dict) -> w.Widget:
@@ -60,7 +60,7 @@ def _field_widget(config_field: dataclasses.Field, value: Any, hints: dict) -> w
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
     label = config_field.name
     if "choices" in config_field.metadata:
-        return _dropdown(label, list(config_field.metadata["choices"]), value)
+        return dropdown(label, list(config_field.metadata["choices"]), value)
     if base is bool and not optional:
         return _checkbox(label, bool(value))
     if base is bool:  # the words are the options: a Dropdown shows a value of None as blank
@@ -68,17 +68,17 @@ def _field_widget(config_field: dataclasses.Field, value: Any, hints: dict) -> w
             options=list(BOOL_WORDS),
             value=_bool_word(value),
             description=label,
-            **_fitted(label, 5, "dropdown"),
+            **fitted(label, 5, "dropdown"),
         )
     if base is int and not optional:
-        return w.IntText(value=value, description=label, **_fitted(label, max(len(str(value)), 5), "number"))
+        return w.IntText(value=value, description=label, **fitted(label, max(len(str(value)), 5), "number"))
     shown = "" if value is None or callable(value) else str(value)
     longest = 16 if base is str or not args else 8  # free text (checkpointing's select) needs room
     return w.Text(
         value=shown,
         placeholder="default",
         description=label,
-        **_fitted(label, max(len(shown), longest), "text"),
+        **fitted(label, max(len(shown), longest), "text"),
     )
 
 
@@ -258,32 +258,32 @@ def _balanced_columns(sizes: dict[str, int]) -> list[list[str]]:
     return sorted(columns, key=lambda column: rank[column[0]])
 
 
-def _setting_control(name: str, rules: Option, value: Any) -> w.Widget:
+def setting_control(name: str, rules: Option, value: Any) -> w.Widget:
     """A control for one run setting, from its Option: a dropdown for choices, a checkbox for a
     switch, a number box, or a text box where "auto" (or "none") is a valid answer."""
     common = {"description": name, "tooltip": rules.help}
     if name == "device":  # its choices are this machine's devices
-        return _dropdown(name, _device_options(value), value, tooltip=rules.help)
+        return dropdown(name, _device_options(value), value, tooltip=rules.help)
     if rules.choices is not None:
         # The words are the options: a Dropdown shows a value of None (loader_arms' "auto") as blank.
-        return _dropdown(name, list(rules.choices), rules.word(value), tooltip=rules.help)
+        return dropdown(name, list(rules.choices), rules.word(value), tooltip=rules.help)
     if rules.kind is bool:
         return _checkbox(name, value, tooltip=rules.help)
     if rules.kind is int and not rules.auto:
-        return w.IntText(value=value, **common, **_fitted(name, max(len(str(value)), 6), "number"))
+        return w.IntText(value=value, **common, **fitted(name, max(len(str(value)), 6), "number"))
     if rules.kind is float and not rules.auto:
-        return w.FloatText(value=value, **common, **_fitted(name, max(len(str(value)), 8), "number"))
+        return w.FloatText(value=value, **common, **fitted(name, max(len(str(value)), 8), "number"))
     shown = rules.text(value)
     longest = 32 if rules.kind is str else 8  # a link's text is long: bandwidth_gbps=1,latency_ms=0.1
     return w.Text(
         value=shown,
         placeholder=rules.unset if rules.auto else "",
         **common,
-        **_fitted(name, max(len(shown), longest), "text"),
+        **fitted(name, max(len(shown), longest), "text"),
     )
 
 
-def _setting_value(rules: Option, control: w.Widget) -> Any:
+def setting_value(rules: Option, control: w.Widget) -> Any:
     if isinstance(control, w.Text):
         return rules.parse(control.value)
     if rules.choices is not None:

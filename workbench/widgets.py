@@ -36,10 +36,10 @@ from workbench.live_run import LiveRun, progress_line
 from workbench.models import BUILTIN_MODELS, get_builtin_model, model_label
 from workbench.panel_controls import (
     TechniqueRow,
-    _dropdown,
-    _fitted,
-    _setting_control,
-    _setting_value,
+    dropdown,
+    fitted,
+    setting_control,
+    setting_value,
     technique_groups,
 )
 from workbench.plots import plot_live
@@ -141,18 +141,16 @@ class AblationPanel(w.VBox):
         model_options = list(BUILTIN_MODELS) + (
             [f"custom: {model_label(model)}"] if self.custom_model else []
         )
-        self.model = _dropdown("model", model_options, model if isinstance(model, str) else model_options[-1])
+        self.model = dropdown("model", model_options, model if isinstance(model, str) else model_options[-1])
         chosen = "custom" if self.custom_data is not None else OWN_DATA if data is None else data
         widest = max(len(label) for name in BUILTIN_MODELS for label, _ in self._data_options(name))
-        self.data = _dropdown("data", self._data_options(self.model.value), chosen, longest=widest)
+        self.data = dropdown("data", self._data_options(self.model.value), chosen, longest=widest)
         self.model.observe(lambda _: self._show_the_data_used(), names="value")
         # Each value checked on its own (a Link from its dict...); rules that tie settings
         # together (link needs world_size >= 2) are checked at Run, once the user has set both.
         defaults = RunConfig()
         self.settings = {
-            name: _setting_control(
-                name, rule, rule.validate(name, options.get(name, getattr(defaults, name)))
-            )
+            name: setting_control(name, rule, rule.validate(name, options.get(name, getattr(defaults, name))))
             for name, rule in run_options().items()
         }
         self.out = w.Text(
@@ -161,7 +159,7 @@ class AblationPanel(w.VBox):
             if self.keep_on_disk
             else "none: results kept in memory",
             description="out",
-            **_fitted("out", 40, "text"),
+            **fitted("out", 40, "text"),
         )
         for control in (self.model, self.data, self.settings["device"], self.settings["world_size"]):
             control.observe(lambda _: self.refresh_availability(), names="value")
@@ -243,8 +241,8 @@ class AblationPanel(w.VBox):
 
     def _make_tuning_page(self) -> w.Widget:
         """The advisor's verdict on the job set above, and the tuner's budgeted search."""
-        self.budget = _dropdown("budget", TUNE_BUDGETS, 300)
-        self.search_space = _dropdown(
+        self.budget = dropdown("budget", TUNE_BUDGETS, 300)
+        self.search_space = dropdown(
             "search",
             [("the advisor's ranking", "advisor"), ("the techniques switched on in Ablate", "chosen")],
             "advisor",
@@ -320,7 +318,7 @@ class AblationPanel(w.VBox):
         return RunConfig.from_options("panel", self.setting_values())
 
     def setting_values(self) -> dict[str, Any]:
-        return {name: _setting_value(rule, self.settings[name]) for name, rule in run_options().items()}
+        return {name: setting_value(rule, self.settings[name]) for name, rule in run_options().items()}
 
     def arguments(self) -> dict:
         """What Run passes to ``wb.ablate``."""
