@@ -168,6 +168,21 @@ def test_the_report_is_one_file_that_opens_offline(tmp_path):
     assert mine.read_text() == "<p>my notes</p>"
 
 
+def test_the_report_names_the_gpu_and_its_driver(tmp_path):
+    results = _typical()
+    results.record["environment"].update(
+        gpus=["NVIDIA H100 80GB HBM3"], driver_version="580.65", cuda_version="13.0", cudnn_version=91000
+    )
+    page = results.to_html(tmp_path / "r.html").read_text()
+    for shown in ("NVIDIA H100 80GB HBM3", "580.65", "13.0", "91000"):
+        assert f"<td>{shown}</td>" in page, shown
+    other = _typical()
+    other.record["environment"]["gpus"] = ["NVIDIA A100-SXM4-40GB"]
+    assert wb.compare(results, other).differences == {
+        "gpus": [["NVIDIA H100 80GB HBM3"], ["NVIDIA A100-SXM4-40GB"]]
+    }
+
+
 def test_the_report_says_the_controls_failure_and_a_busy_machine(tmp_path):
     results = _typical(control=(1.1, 1.3))
     results.record["load"] = {"warning": "other processes used 0.80 of this machine's 2 cores"}

@@ -127,7 +127,7 @@ class Comparison:
             values = [run.config.get(key) for run in self.runs]
             if any(value != values[0] for value in values[1:]):
                 found[key] = values
-        for key in ("torch", "cpu", "gpu_name"):
+        for key in ("torch", "cpu", "gpus"):
             values = [run.environment.get(key) for run in self.runs]
             if any(value != values[0] for value in values[1:]):
                 found[key] = values

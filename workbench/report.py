@@ -125,7 +125,7 @@ def _environment_html(record: dict) -> str:
     env = record.get("environment") or {}
     shown = {
         "device": record["config"].get("device"),
-        "GPU": env.get("gpu_name"),
+        "GPU": ", ".join(env.get("gpus") or []),
         "driver": env.get("driver_version"),
         "CUDA": env.get("cuda_version"),
         "cuDNN": env.get("cudnn_version"),
