@@ -61,7 +61,7 @@ def report_html(results) -> str:
     sections = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="wb-meta">{html.escape(_when_and_state(record))}</p>',
-        _section("Verdicts", results_html(results.table, record.get("arms", []), results.warnings())),
+        _section("Verdicts", results_html(results.table, results.warnings())),
         _section("Plots", _figure_img(results.plot(), "speedups, step-time breakdown and memory per arm")),
         _section("Notes per arm", _notes_html(results.table)),
         _section("Reproduce", _reproduce_html(record)),
@@ -188,16 +188,13 @@ def requested_techniques(record: dict) -> dict[str, Any]:
 
 
 def _changed_run_settings(config: dict) -> dict[str, Any]:
-    """The run settings that differ from RunConfig's defaults, device included."""
+    """The run settings that differ from RunConfig's defaults (the device as the run resolved it)."""
     defaults = RunConfig().to_json()
-    changed = {
+    return {
         f.name: config[f.name]
         for f in fields(RunConfig)
         if f.name in config and config[f.name] != defaults[f.name]
     }
-    if config.get("device") and config["device"] != "auto":
-        changed["device"] = config["device"]
-    return changed
 
 
 def reproduce(record: dict) -> tuple[str | None, str]:
@@ -234,10 +231,8 @@ def _flag_word(value: Any) -> str:
 
 
 def _run_flag(name: str, value: Any) -> list[str]:
-    rules = run_options().get(name)
+    rules = run_options()[name]
     flag = "--" + name.replace("_", "-")
-    if rules is None:  # device: not a RunConfig field
-        return [flag, str(value)]
     if rules.kind is bool and rules.choices is None:
         return [flag] if value else ["--no-" + flag[2:]]
     if rules.choices is not None:

@@ -152,18 +152,17 @@ class ReaderRow:
     reason: str
 
 
-def reader_rows(table, arms: list[dict]) -> tuple[list[str], list[ReaderRow]]:
-    """The reader's columns (MFU only where measured) and one row per arm."""
-    table = with_roles(table, arms)
+def reader_rows(table) -> tuple[list[str], list[ReaderRow]]:
+    """The reader's columns (MFU only where measured) and one row per arm of ``Results.table``,
+    whose verdict column it shows."""
     columns = list(COLUMNS)
     if "mfu_pct" in table and table.mfu_pct.notna().any():
         columns.append("mfu")
     rows = []
     for row in table.itertuples():
-        word = verdict(row, table)
         cells = {
             "arm": row.arm,
-            "verdict": word,
+            "verdict": row.verdict,
             "speedup": speedup_text(row),
             "throughput": plain_number(row.samples_per_s),
             "step": plain_number(row.step_ms),
@@ -171,7 +170,7 @@ def reader_rows(table, arms: list[dict]) -> tuple[list[str], list[ReaderRow]]:
             "loss": loss_text(row),
             "mfu": plain_number(getattr(row, "mfu_pct", math.nan)),
         }
-        rows.append(ReaderRow(cells, word, row.reason if row.status != "ok" else ""))
+        rows.append(ReaderRow(cells, row.verdict, row.reason if row.status != "ok" else ""))
     return columns, rows
 
 
@@ -231,19 +230,21 @@ def full_table_html(table) -> str:
     return f'<div class="wb-scroll">{shown.to_html(index=False, na_rep="-", border=0)}</div>'
 
 
-def results_html(table, arms: list[dict], warnings: list[str], title: str = "") -> str:
-    """The notebook's view of a Results: warnings, the reader's table, its legend, then every
-    column behind a "details" toggle."""
-    columns, rows = reader_rows(table, arms)
+def legend(rows: list[ReaderRow]) -> str:
+    """What the reader's table's marks mean: the verdict, and ``!`` where a loss drifted."""
+    if any(row.cells["loss"].endswith("!") for row in rows):
+        return f"{VERDICT_LEGEND} ! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's."
+    return VERDICT_LEGEND
+
+
+def results_html(table, warnings: list[str]) -> str:
+    """The notebook's view of ``Results.table``: warnings, the reader's table, its legend, then
+    every column behind a "details" toggle."""
+    columns, rows = reader_rows(table)
     parts = [f"<style>{READER_CSS}</style>"]
-    if title:
-        parts.append(f"<p><b>{html.escape(title)}</b></p>")
     parts += [f'<p class="wb-warning">{html.escape(warning)}</p>' for warning in warnings]
     parts.append(reader_table_html(columns, rows))
-    legend = VERDICT_LEGEND
-    if any(row.cells["loss"].endswith("!") for row in rows):
-        legend += f" ! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's."
-    parts.append(f'<p class="wb-legend">{html.escape(legend)}</p>')
+    parts.append(f'<p class="wb-legend">{html.escape(legend(rows))}</p>')
     parts.append(
         f"<details><summary>All {len(table.columns)} columns (Results.table)</summary>"
         f"{full_table_html(table)}</details>"
@@ -328,10 +329,10 @@ def _fit_widths(headings: list[str], rows: list[list[str]], numeric: list[bool],
     return widths
 
 
-def results_text(table, arms: list[dict], width: int | None = None, colour: bool = False) -> str:
-    """The reader's table as aligned text, then why each arm that is not ok did not run."""
+def results_text(table, width: int | None = None, colour: bool = False) -> str:
+    """The reader's table of ``Results.table`` as aligned text, then its legend."""
     width = width or TERMINAL_WIDTH
-    columns, rows = reader_rows(table, arms)
+    columns, rows = reader_rows(table)
     headings = [_heading(c).heading for c in columns]
     numeric = [_heading(c).numeric for c in columns]
     cells = [[row.cells[c] for c in columns] for row in rows]
@@ -342,9 +343,4 @@ def results_text(table, arms: list[dict], width: int | None = None, colour: bool
             for row in rows
         ]
     text = text_table(headings, cells, numeric, width, paint=paint)
-    text += "\n\n" + textwrap.fill(VERDICT_LEGEND, width)
-    if any(row.cells["loss"].endswith("!") for row in rows):
-        text += "\n" + textwrap.fill(
-            f"! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's.", width
-        )
-    return text
+    return text + "\n\n" + textwrap.fill(legend(rows), width)
