@@ -34,14 +34,12 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
-    from record import table_rows, write_record
+    from record import link_conditions, table_rows, write_record
 
     import workbench as wb
 
     runs = {}
-    for bandwidth in [None, *args.bandwidths]:
-        link = None if bandwidth is None else {"bandwidth_gbps": bandwidth, "latency_ms": args.latency_ms}
-        label = "loopback" if bandwidth is None else f"{bandwidth:g} Gbit/s"
+    for label, link in link_conditions(args.bandwidths, args.latency_ms):
         print(f"\n=== {label} ===", flush=True)
         res = wb.ablate(
             model="resnet-mini",

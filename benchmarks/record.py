@@ -21,3 +21,13 @@ def write_record(path: str | Path, benchmark: str, **figures) -> None:
 
     record = {"benchmark": benchmark, **figures, "machine": machine_summary()}
     Path(path).write_text(json.dumps(record, indent=1, default=str))
+
+
+def link_conditions(bandwidths: list[float], latency_ms: float) -> list[tuple[str, dict | None]]:
+    """``(label, link)`` for the real connection between the ranks (loopback), then each
+    simulated bandwidth in Gbit/s: the ``link=`` values a sweep over networks passes to ablate."""
+    conditions: list[tuple[str, dict | None]] = [("loopback", None)]
+    conditions += [
+        (f"{gbps:g} Gbit/s", {"bandwidth_gbps": gbps, "latency_ms": latency_ms}) for gbps in bandwidths
+    ]
+    return conditions
