@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import signal
 import subprocess
 import sys
@@ -134,7 +136,73 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
         f"took over the lock that an earlier run left in {out} (process {holder.pid}"
         in capsys.readouterr().err
     )
-    assert (out / LOCK).read_text() == ""  # and released when this run ended
+    assert not (out / LOCK).exists()  # and released when this run ended
+
+
+def _lock_file(out, **holder):
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), **holder}
+    (out / LOCK).write_text(json.dumps(record))
+
+
+def test_a_lock_held_from_another_host_is_never_guessed_dead(tmp_path):
+    # On a shared filesystem a lock may come from another node, whose processes this one cannot see.
+    out = tmp_path / "nfs"
+    _lock_file(out, host="node-elsewhere", pid=12345, slurm_job_id="77")
+    with pytest.raises(FolderInUse, match=r"another host \(process 12345 on node-elsewhere, .*Slurm job 77\)"):
+        ResultsFolder(out).lock()
+    with pytest.raises(FolderInUse, match=re.escape(f"remove {out / LOCK}")):
+        ResultsFolder(out).lock()
+    assert json.loads((out / LOCK).read_text())["host"] == "node-elsewhere"  # untouched
+
+
+def test_a_reused_process_id_does_not_keep_a_lock(tmp_path, capsys):
+    # The recorded process started after the lock was taken: it is another program with that ID.
+    out = tmp_path / "reused"
+    _lock_file(out, pid=os.getpid(), started=time.time() - 3600, since=time.time() - 3600)
+    folder = ResultsFolder(out)
+    assert "took over the lock" in folder.lock()
+    assert json.loads((out / LOCK).read_text())["started"] > time.time() - 3600
+    folder.unlock()
+    _lock_file(out, pid=os.getpid(), started=time.time())  # this very process: alive
+    with pytest.raises(FolderInUse, match=f"process {os.getpid()}"):
+        ResultsFolder(out).lock()
+
+
+def test_an_empty_lock_file_from_an_older_workbench_is_taken_quietly(tmp_path):
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / LOCK).write_text("")  # how the flock-based lock ended a clean run
+    folder = ResultsFolder(out)
+    assert folder.lock() is None
+    folder.unlock()
+    assert not (out / LOCK).exists()
+
+
+RACE = """
+import sys, time
+from workbench.results_folder import FolderInUse, ResultsFolder
+time.sleep(float(sys.argv[2]) - time.time())
+try:
+    ResultsFolder(sys.argv[1]).lock()
+    print("won", flush=True)
+    time.sleep(5)
+except FolderInUse:
+    print("lost", flush=True)
+"""
+
+
+def test_of_runs_that_lock_at_once_exactly_one_wins(tmp_path):
+    out = tmp_path / "race"
+    (out).mkdir()
+    (out / LOCK).write_text(json.dumps({"pid": 999999999, "host": socket.gethostname(), "since": 0}))  # stale
+    at = time.time() + 3
+    racers = [
+        subprocess.Popen([sys.executable, "-c", RACE, str(out), str(at)], stdout=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
+    said = [racer.communicate(timeout=60)[0].strip() for racer in racers]
+    assert sorted(said) == ["lost"] * 5 + ["won"], said
 
 
 def test_out_that_is_a_file_is_bad_input(tmp_path):

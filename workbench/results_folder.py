@@ -5,10 +5,14 @@ Two promises rest on this module:
 * **Never delete what the user owns.** Every file workbench writes into the folder is first
   entered in a manifest kept in the folder (``.workbench-manifest.json``). ``overwrite`` removes
   exactly those files, and refuses, listing them, when the folder holds anything else.
-* **Two runs never share a folder unnoticed.** A run holds an exclusive lock on the folder
-  (``.workbench-lock``, with ``fcntl.flock``) from the moment it opens it until it ends. A second
-  run fails at once, naming the first run's process ID. The kernel drops a flock when its
-  holder dies, so a lock file left by a killed run is simply taken over.
+* **Two runs never share a folder unnoticed.** A run holds the folder's lock
+  (``.workbench-lock``) from the moment it opens it until it ends. The lock is an exclusive
+  create, not ``flock``: on a network filesystem shared by a cluster's nodes, ``flock`` may be
+  emulated per node or not at all, while creating a name that must not exist yet (a hard link
+  of a finished file, the classic NFS-safe form) succeeds for one process only. The file says
+  who holds it: host, process ID and that process's start time. A second run fails at once,
+  naming the holder. A lock whose holder ran on this host and no longer exists is taken over;
+  one held from another host is never guessed dead: the message says which file to remove.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -23,11 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-try:  # POSIX; workbench's workers and process groups are POSIX-only too
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None
 
 MANIFEST = ".workbench-manifest.json"
 LOCK = ".workbench-lock"
@@ -42,7 +42,7 @@ class ResultsFolder:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._lock_file = None
+        self._holder: dict | None = None  # what this run wrote into the lock file while it holds it
         self._owned = set(self._read_manifest())
 
     # --- the lock ---------------------------------------------------------------------------
@@ -54,38 +54,64 @@ class ResultsFolder:
         """
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            handle = open(self.path / LOCK, "a+")  # noqa: SIM115 - held open for the whole run
         except OSError as error:
             raise ValueError(f"out={str(self.path)!r} cannot be written: {error.strerror or error}") from None
-        if fcntl is not None:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                handle.seek(0)
-                holder = _parse_holder(handle.read())
-                handle.close()
+        note = None
+        for _ in range(5):  # another run may take or drop the lock between two of our steps
+            holder = _holder_record()
+            if _create_exclusively(self.path / LOCK, json.dumps(holder)):
+                self._holder = holder
+                return note
+            left = self._read_lock()
+            if left is None:  # gone meanwhile: try again
+                continue
+            if left and left.get("host") != socket.gethostname():
                 raise FolderInUse(
-                    f"out={str(self.path)!r} is in use by another workbench run ({holder}); wait for it to "
-                    "finish, or choose another out"
-                ) from None
-        handle.seek(0)
-        left = handle.read().strip()  # a run that ended cleanly leaves the file empty
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
-        handle.flush()
-        self._lock_file = handle
-        if left:
-            return f"took over the lock that an earlier run left in {self.path} ({_parse_holder(left)}, no longer running)"
-        return None
+                    f"out={str(self.path)!r} is locked by a workbench run on another host "
+                    f"({_describe_holder(left)}), which this machine cannot check. If that run has ended, remove "
+                    f"{self.path / LOCK}; otherwise wait for it, or choose another out"
+                )
+            if left and _is_alive(left):
+                raise FolderInUse(
+                    f"out={str(self.path)!r} is in use by another workbench run ({_describe_holder(left)}); wait "
+                    "for it to finish, or choose another out"
+                )
+            if self._remove_stale_lock() and left:  # {}: an empty file, left by an older workbench
+                note = (
+                    f"took over the lock that an earlier run left in {self.path} ({_describe_holder(left)}, "
+                    "no longer running)"
+                )
+        raise FolderInUse(f"out={str(self.path)!r}: its lock changed hands repeatedly; try again")
 
     def unlock(self) -> None:
-        if self._lock_file is not None:
-            # Emptied, not removed: a run that opened the file a moment ago must lock the same
-            # file as the next one, and an empty lock file is not mistaken for one left behind.
-            self._lock_file.truncate(0)
-            self._lock_file.close()  # closing releases the flock
-            self._lock_file = None
+        """Drop the lock, if this run still holds it (never another run's)."""
+        if self._holder is not None:
+            if self._read_lock() == self._holder:
+                (self.path / LOCK).unlink(missing_ok=True)
+            self._holder = None
+
+    def _read_lock(self) -> dict | None:
+        """The lock's holder; {} for an empty or unreadable lock file; None when there is no lock."""
+        try:
+            text = (self.path / LOCK).read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            holder = json.loads(text)
+        except ValueError:
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def _remove_stale_lock(self) -> bool:
+        """Move the stale lock aside under a name of our own, then delete it: of two runs that both
+        found it stale, only one rename succeeds, so only one of them can remove it."""
+        aside = self.path / f"{LOCK}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        try:
+            os.rename(self.path / LOCK, aside)
+        except FileNotFoundError:
+            return False
+        aside.unlink(missing_ok=True)
+        return True
 
     # --- the manifest -----------------------------------------------------------------------
 
@@ -107,6 +133,18 @@ class ResultsFolder:
             self._write_manifest()
         return self.path / entry[:-1]
 
+    def tree(self, name: str) -> Path:
+        """A folder inside this one whose every file is workbench's, whatever its name (the files
+        another program writes for workbench: submitit's job folder). Entered as ``name/**``."""
+        entry = name.strip("/") + "/**"
+        if entry not in self._owned:
+            self._owned.add(entry)
+            self._write_manifest()
+        return self.path / name.strip("/")
+
+    def _trees(self) -> list[str]:
+        return sorted(entry[:-3] for entry in self._owned if entry.endswith("/**"))
+
     def _nested(self) -> list[str]:
         return sorted(entry[:-1] for entry in self._owned if entry.endswith("/"))
 
@@ -127,7 +165,7 @@ class ResultsFolder:
             name = path.relative_to(self.path).as_posix()
             if name in (MANIFEST, LOCK) or name in self._owned or self._is_own_temporary(name):
                 continue
-            if any(name.startswith(inner + "/") for inner in nested):
+            if any(name.startswith(inner + "/") for inner in [*nested, *self._trees()]):
                 continue
             foreign.append(name)
             if limit is not None and len(foreign) >= limit:
@@ -150,6 +188,8 @@ class ResultsFolder:
                 (folder.path / leftover).unlink(missing_ok=True)
             if folder.path.is_dir() and not any(folder.path.iterdir()):
                 folder.path.rmdir()
+        for tree in self._trees():
+            shutil.rmtree(self.path / tree, ignore_errors=True)
         directories = set()
         for path in self.path.rglob("*"):
             name = path.relative_to(self.path).as_posix()
@@ -165,7 +205,7 @@ class ResultsFolder:
     def _is_own_temporary(self, name: str) -> bool:
         # write_json_atomic's temporary file is "<name><random>.tmp" beside the target; a run
         # killed mid-write leaves one behind.
-        return name.endswith(".tmp") and any(name.startswith(own) for own in self._owned | {MANIFEST})
+        return name.endswith(".tmp") and any(name.startswith(own) for own in self._owned | {MANIFEST, LOCK})
 
     def _read_manifest(self) -> list[str]:
         try:
@@ -182,12 +222,57 @@ class ResultsFolder:
         write_json_atomic(self.path / MANIFEST, {"files": sorted(self._owned)})
 
 
-def _parse_holder(text: str) -> str:
+def _holder_record() -> dict:
+    """Who holds a lock: enough to tell, later and from this host, whether that process still lives."""
+    import psutil
+
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+              "started": psutil.Process().create_time()}  # fmt: skip
+    if os.environ.get("SLURM_JOB_ID"):
+        record["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    return record
+
+
+def _create_exclusively(path: Path, text: str) -> bool:
+    """Create ``path`` holding ``text``, unless it exists. The text is written to a private file
+    first and hard-linked into place, so the lock never exists half-written, and the link is
+    atomic on local and network filesystems alike."""
+    handle, private = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
-        holder = json.loads(text)
-        return f"process {holder['pid']} on {holder['host']}, since {time.ctime(holder['since'])}"
-    except (ValueError, KeyError, TypeError):
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        try:
+            os.link(private, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.unlink(private)
+
+
+def _is_alive(holder: dict) -> bool:
+    """Whether the lock's holder, a process of this host, still runs (a reused process ID does not count)."""
+    import psutil
+
+    try:
+        process = psutil.Process(int(holder["pid"]))
+        if process.status() == psutil.STATUS_ZOMBIE:  # ended, not yet reaped by its parent
+            return False
+    except (psutil.NoSuchProcess, KeyError, TypeError, ValueError):
+        return False
+    started = holder.get("started")
+    # A process that started after the lock was taken is another program with a reused ID.
+    return started is None or process.create_time() <= float(started) + 1.0
+
+
+def _describe_holder(holder: dict) -> str:
+    try:
+        text = f"process {holder['pid']} on {holder['host']}, since {time.ctime(holder['since'])}"
+    except (KeyError, TypeError, ValueError):
         return "a process that left no details"
+    if holder.get("slurm_job_id"):
+        text += f", Slurm job {holder['slurm_job_id']}"
+    return text
 
 
 def json_values(value: Any) -> Any:
