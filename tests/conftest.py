@@ -33,7 +33,7 @@ def _reset_compiler_state():
         sys.modules["torch._dynamo"].reset()
 
 
-# Tiers: pytest -m fast | slow | notebooks | browser | thirdparty | gpu (README, "Test tiers").
+# Tiers: pytest -m fast | slow | notebooks | browser | thirdparty | slurm | gpu (README, "Test tiers").
 # Apart from the tiers, `timing` marks the tests that check the wall clock or the machine's load
 # against a known answer: other work on the machine skews them (they allow for a busy machine).
 # Whole modules that run real ablations in fresh processes are slow; a test elsewhere that
@@ -56,8 +56,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.browser)
         elif path.name == "test_thirdparty.py":
             item.add_marker(pytest.mark.thirdparty)
+        elif path.name == "test_slurm.py":
+            item.add_marker(pytest.mark.slurm)
         elif path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        tiers = ("slow", "notebooks", "browser", "thirdparty")
+        tiers = ("slow", "notebooks", "browser", "thirdparty", "slurm")
         if not any(item.get_closest_marker(tier) for tier in tiers):
             item.add_marker(pytest.mark.fast)

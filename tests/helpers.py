@@ -86,6 +86,8 @@ RUN_SETTINGS = {
     "profile_steps": 2,
     "trace_dir": "traces",
     "start": "spawn",
+    "executor": "slurm",
+    "slurm": {"partition": "debug", "time_min": 5},
     "timeout_s": 60.0,
 }
 

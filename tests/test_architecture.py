@@ -56,6 +56,7 @@ LAYER_OF = {
     "workbench.compare": 6,
     "workbench.arms": 7,
     "workbench.progress": 7,
+    "workbench.slurm": 7,
     "workbench.ablation": 7,
     "workbench.advisor": 7,
     "workbench.tuner": 7,

@@ -18,7 +18,7 @@ import pytest
 
 from workbench import optional
 
-HIDDEN = ("nvidia", "cupy", "pynvml", "cuda", "ipywidgets", "jupyterlab")
+HIDDEN = ("nvidia", "cupy", "pynvml", "cuda", "ipywidgets", "jupyterlab", "submitit")
 
 HIDE = f"""
 import sys
@@ -71,7 +71,7 @@ def test_list_env_and_dry_run_report_missing_packages(tmp_path):
     words = " ".join(done.stdout.split())  # tables wrap long reasons inside their columns
     assert "no module named 'nvidia'" in words  # dali's reason, in list, env and the plan
     assert "pip install 'workbench[notebook]'" in words  # the panel's packages, in list
-    for package in ("nvidia.dali", "cupy", "pynvml", "ipywidgets", "jupyterlab"):
+    for package in ("nvidia.dali", "cupy", "pynvml", "ipywidgets", "jupyterlab", "submitit"):
         assert f"{package}" in words
 
 

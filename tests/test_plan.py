@@ -173,8 +173,15 @@ def test_every_run_setting_reaches_ablate_plan_the_cli_and_the_panel():
     (commands,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
     flags = {action.dest: action for action in commands.choices["ablate"]._actions}
     for name, field in fields.items():
+        rules = field.metadata["option"]
+        if rules.parts is not None:  # one flag per part: --slurm-partition, ...
+            for part in dataclasses.fields(rules.parts):
+                assert f"{name}__{part.name}" in flags, (
+                    f"workbench ablate has no flag for {name}'s {part.name}"
+                )
+            continue
         assert name in flags, f"workbench ablate has no flag for {name}"
-        assert field.metadata["option"].help.replace("%", "%%") in flags[name].help
+        assert rules.help.replace("%", "%%") in flags[name].help
     panel = pytest.importorskip("workbench.widgets").panel()
     assert list(panel.settings) == list(fields), "the panel lacks a control"
 
@@ -185,7 +192,7 @@ def test_cli_flags_give_the_same_run_as_the_api():
         "steps": "7", "warmup": "2", "blocks": "2", "rounds": "3", "batch-size": "16", "device": "cpu",
         "seed": "5", "mode": "grid", "optimizer": "sgd", "lr": "0.01", "loader-arms": "off",
         "world-size": "2", "link": "bandwidth_gbps=1.0", "memory-cap-mb": "4096", "profile-steps": "2", "trace-dir": "traces", "start": "spawn",
-        "timeout-s": "60",
+        "executor": "slurm", "slurm-partition": "debug", "slurm-time-min": "5", "timeout-s": "60",
     }  # fmt: skip
     argv = ["ablate", *[part for flag, text in typed.items() for part in (f"--{flag}", text)]]
     args = _parser().parse_args([*argv, "--no-control", "--isolate"])
@@ -203,6 +210,7 @@ def test_plan_checks_every_run_setting_as_ablate_does(setting):
     bad |= {"seed": -1, "mode": "random", "optimizer": "lamb", "lr": -1.0, "control": "yes"}
     bad |= {"loader_arms": "sometimes", "world_size": 0, "isolate": "yes", "link": 5, "timeout_s": 0.0}
     bad |= {"memory_cap_mb": 0.5, "profile_steps": -1, "trace_dir": 3, "start": "fork"}
+    bad |= {"executor": "kubernetes", "slurm": {"partiton": "gpu"}}
     with pytest.raises(ValueError):
         wb.plan(**plan_arguments({"model": "mlp", setting: bad[setting]}))
 

@@ -396,3 +396,23 @@ def test_a_failed_control_and_a_busy_machine_are_said_first(small_results):
     assert busy.summary().startswith("WARNING: the control arm")
     title = busy.plot()._suptitle.get_text()
     assert "WARNING: the control arm" in title and "other processes used 0.80" in title
+
+
+def test_blocks_on_different_devices_or_at_very_different_speeds_are_warned_about():
+    """Nodes of a cluster (or a busy one): the speedups stay fair, being computed inside each
+    block, but the run then averages over machines, and says so."""
+    from workbench.results import mixed_blocks
+
+    def units(speeds):
+        return [
+            {"arm": "baseline", "block": b, "status": "ok", "result": {"samples_per_s": s}}
+            for b, s in enumerate(speeds)
+        ]
+
+    same = [{"block": b, "host": f"node{b}", "device_name": "NVIDIA H100"} for b in range(3)]
+    assert mixed_blocks(same, units([1000, 1200, 1350])) == []  # within a process's luck
+    (slow,) = mixed_blocks(same, units([1000, 1600, 1200]))
+    assert "block 1 on node0 and 1600 in block 2 on node1, 1.6x" in slow
+    mixed = [*same[:2], {"block": 2, "host": "node2", "device_name": "NVIDIA A100"}]
+    (kinds,) = mixed_blocks(mixed, units([1000, 1100, 1050]))
+    assert "2 kinds of device (NVIDIA A100; NVIDIA H100)" in kinds and "constraint" in kinds

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -149,7 +149,9 @@ def test_a_lock_held_from_another_host_is_never_guessed_dead(tmp_path):
     # On a shared filesystem a lock may come from another node, whose processes this one cannot see.
     out = tmp_path / "nfs"
     _lock_file(out, host="node-elsewhere", pid=12345, slurm_job_id="77")
-    with pytest.raises(FolderInUse, match=r"another host \(process 12345 on node-elsewhere, .*Slurm job 77\)"):
+    with pytest.raises(
+        FolderInUse, match=r"another host \(process 12345 on node-elsewhere, .*Slurm job 77\)"
+    ):
         ResultsFolder(out).lock()
     with pytest.raises(FolderInUse, match=re.escape(f"remove {out / LOCK}")):
         ResultsFolder(out).lock()

@@ -32,6 +32,7 @@ Design, in the order a run happens:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -63,7 +64,7 @@ from workbench.arms import (
     slug,
     sweep_names,
 )
-from workbench.config import RunConfig, takes_run_options
+from workbench.config import RunConfig, SlurmOptions, takes_run_options
 from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun
@@ -74,6 +75,7 @@ from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fre
 from workbench.progress import Progress, describe_plan
 from workbench.results import SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
+from workbench.slurm import SlurmBlocks, attempt_folder, check_cluster
 from workbench.techniques import (
     Technique,
     parse_techniques,
@@ -110,12 +112,7 @@ def prepare(
     ``run.mode`` makes from ``techniques``; each is checked like any technique here.
     """
     # Cheap checks first: building a dataset or a model takes time bad input should not cost.
-    device = resolve_device(run.device)
-    if device.type == "cuda" and run.world_size > torch.cuda.device_count():
-        raise ValueError(
-            f"ablate: world_size={run.world_size} needs one GPU per rank on this machine; "
-            f"it has {torch.cuda.device_count()} (use torchrun across machines, see the README)"
-        )
+    device = _check_where_it_runs(run)
     chosen = parse_techniques(techniques)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
@@ -162,6 +159,23 @@ def prepare(
     return Prepared(run, model, source, loss_fn, arms, config)
 
 
+def _check_where_it_runs(run: RunConfig) -> torch.device:
+    """The device, once the run's ranks fit on this machine and, for Slurm, jobs can be submitted."""
+    device = resolve_device(run.device)
+    if device.type == "cuda" and run.world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"ablate: world_size={run.world_size} needs one GPU per rank on this machine; "
+            f"it has {torch.cuda.device_count()} (use torchrun across machines, see the README)"
+        )
+    if run.executor == "slurm":
+        if Torchrun.detect() is not None:
+            raise ValueError(
+                "ablate: executor='slurm' submits the blocks as jobs itself; run it outside torchrun"
+            )
+        check_cluster()
+    return device
+
+
 def _described(chosen: list[tuple[Technique, Any]]) -> dict[str, str]:
     """Each technique's settings in words; a swept one's values joined by '; '."""
     described: dict[str, str] = {}
@@ -175,7 +189,9 @@ def _described(chosen: list[tuple[Technique, Any]]) -> dict[str, str]:
 
 def _fingerprint(prepared: Prepared) -> dict:
     """What must match for a rerun with the same ``out`` to resume rather than start over."""
-    settings = {k: v for k, v in prepared.config.items() if k != "timeout_s"}
+    # Where the blocks run and how long one may take do not change what is measured: a run
+    # started locally may be resumed on a cluster, and the other way round.
+    settings = {k: v for k, v in prepared.config.items() if k not in ("timeout_s", "executor", "slurm")}
     settings["arms"] = [
         [arm.name, arm.record()["techniques"], arm.process] for arm in prepared.arms if not arm.unavailable
     ]
@@ -381,6 +397,21 @@ def _run_in_folder(
     return results
 
 
+def run_slurm_block(prepared: Prepared, folder: str, block: int) -> str:
+    """What a Slurm job runs: block ``block`` of ``prepared`` (already made local), as an ordinary
+    local run into ``folder``. Its answer is that folder's JSON; the value returned (the folder)
+    travels back through submitit's pickle and is never read."""
+    # A requeued job starts its block afresh: a block's arms are comparable only when measured
+    # side by side, in one process, on one node.
+    files, _ = _open_out(folder, prepared, overwrite=True)
+    try:
+        print(f"workbench: block {block + 1}/{prepared.run.blocks} into {folder}", flush=True)
+        _Runner(prepared, files, [], lambda event: None, None, only_block=block).run(progress=False)
+    finally:
+        files.unlock()
+    return folder
+
+
 @takes_run_options
 def plan(
     model: Any = "mlp",
@@ -438,8 +469,10 @@ class _Runner:
         kept: bool = True,
         launcher: Torchrun | None = None,
         lent_template: WarmTemplate | None = None,
+        only_block: int | None = None,
     ):
         self.prepared, self.run_config = prepared, prepared.run
+        self.only_block = only_block  # a Slurm job's run: this one block (run_slurm_block)
         self.files, self.folder = folder, folder.path  # every file written is entered in its manifest
         self.kept = kept  # False when out=False (a temporary folder)
         self.on_event, self.stop, self.launcher = on_event, stop, launcher
@@ -452,6 +485,10 @@ class _Runner:
         self.failed: dict[str, str] = {}  # arm -> why: its later blocks are skipped, not rerun
         for job in finished:  # resuming: what a previous run of this ablation finished
             self._keep(job)
+        # On Slurm, the submitting machine's load says nothing about the nodes: each job's run
+        # samples its own node, and those samples are kept here, by block.
+        self.node_telemetry: dict[int, list[dict]] = {}
+        self.node_loads: dict[int, dict] = {}
         self.sampler = Sampler(on_sample=lambda sample: on_event({"type": "telemetry", **sample}))
         self.record = {
             "schema": SCHEMA,
@@ -488,9 +525,9 @@ class _Runner:
             units=self.units,
             blocks=self.block_records,
             complete=complete,
-            telemetry=self.sampler.samples,
-            load=competing_load(self.sampler.samples, usable_cores()),
-            table=summarize(arms, self.units, self.run_config.blocks, complete, self.sampler.samples),
+            telemetry=self._telemetry(),
+            load=self._load(),
+            table=summarize(arms, self.units, self.run_config.blocks, complete, self._telemetry()),
         )
         results = Results(self.record, self.folder)
         if self.kept and (complete or self.stopped):  # the last save: the tables and the plot too
@@ -499,9 +536,34 @@ class _Runner:
             write_json_atomic(self.files.file("results.json"), self.record)
         return results
 
+    def _telemetry(self) -> list[dict]:
+        """The machine's samples; on Slurm, those of the nodes, as each job's run took them."""
+        if not self._on_slurm():
+            return self.sampler.samples
+        return [sample for block in sorted(self.node_telemetry) for sample in self.node_telemetry[block]]
+
+    def _load(self) -> dict:
+        """The competing load; on Slurm, the busiest node's, saying which block and node it was."""
+        if not self._on_slurm():
+            return competing_load(self.sampler.samples, usable_cores())
+        loads = {block: load for block, load in self.node_loads.items() if load}
+        if not loads:
+            return {}
+        block = max(loads, key=lambda b: loads[b]["others_cpu_cores_median"])
+        load = dict(loads[block])
+        if load.get("warning"):
+            load["warning"] = f"in block {block + 1}, on its Slurm node: {load['warning']}"
+        return load
+
+    def _blocks(self) -> list[int]:
+        return list(range(self.run_config.blocks)) if self.only_block is None else [self.only_block]
+
     def _planned(self) -> int:
         """Processes this ablation runs in all, as planned now (an arm moved to its own adds some)."""
-        return sum(len(jobs_for_block(self.prepared.arms, block)) for block in range(self.run_config.blocks))
+        return sum(len(jobs_for_block(self.prepared.arms, block)) for block in self._blocks())
+
+    def _on_slurm(self) -> bool:
+        return self.run_config.executor == "slurm" and self.only_block is None
 
     # --- running ----------------------------------------------------------------------------
 
@@ -518,29 +580,25 @@ class _Runner:
             "remaining": planned - len(self.done),
             "out": str(self.folder) if self.kept else None,
         }
+        if self._on_slurm():
+            plan_event["executor"] = "slurm"
         self.on_event(plan_event)
         if progress:  # before the bar exists, so that the two never share a line
             print(describe_plan(plan_event), flush=True)
-        bar = Progress(progress, total=planned, already=len(self.done))
-        self.sampler.start()
-        self.template = self._start_template(bar)
+        if self._on_slurm():  # the bar counts blocks: a Slurm job is one block
+            bar = Progress(
+                progress, total=run.blocks, already=run.blocks - len(self._blocks_not_done()), unit="block"
+            )
+        else:
+            bar = Progress(progress, total=planned, already=len(self.done))
+        if not self._on_slurm():
+            self.sampler.start()
+        self.template = None if self._on_slurm() else self._start_template(bar)
         try:
-            with tempfile.TemporaryDirectory(prefix="workbench-inductor-") as compile_cache:
-                for block in range(run.blocks):
-                    queue = self._jobs(block)
-                    while queue:
-                        job = queue.pop(0)
-                        if (block, job.key) in self.done:
-                            continue
-                        self._run_job(job, Path(compile_cache), bar)
-                        # Arms moved to their own processes run in this block too, after the others.
-                        queued = {j.key for j in queue}
-                        queue += [
-                            j
-                            for j in self._jobs(block)
-                            if not j.shared and j.key not in queued and (block, j.key) not in self.done
-                        ]
-                        bar.at_least(self._planned())
+            if self._on_slurm():
+                self._run_on_slurm(bar)
+            else:
+                self._run_here(bar)
         except (Interrupted, KeyboardInterrupt):
             self._close_template()
             self.sampler.stop()
@@ -552,7 +610,13 @@ class _Runner:
                 if self.kept
                 else "are in the returned results only (out=False)."
             )
-            print(f"\nStopped: {len(self.done)} of {planned} processes {where}", flush=True)
+            if self._on_slurm():  # this run's Slurm jobs were cancelled (workbench.slurm)
+                done = run.blocks - len(self._blocks_not_done())
+                print(
+                    f"\nStopped, its Slurm jobs cancelled: {done} of {run.blocks} blocks {where}", flush=True
+                )
+            else:
+                print(f"\nStopped: {len(self.done)} of {planned} processes {where}", flush=True)
             self.on_event({"type": "stopped", "out": str(self.folder)})
             if self.stop is not None and self.stop.is_set():
                 return results
@@ -563,6 +627,109 @@ class _Runner:
         results = self.save(complete=True)
         self.on_event({"type": "done", "out": str(self.folder)})
         return results
+
+    # --- on a Slurm cluster (workbench.slurm) -------------------------------------------------
+
+    def _blocks_not_done(self) -> list[int]:
+        return [b for b in self._blocks() if not all((b, job.key) in self.done for job in self._jobs(b))]
+
+    def _run_on_slurm(self, bar: Progress) -> None:
+        """One Slurm job per block that is not done; each completed one is merged as it ends."""
+        run = self.run_config
+        device = self.prepared.config["device"]
+        options = run.slurm or SlurmOptions()
+        gpus = options.gpus_per_job
+        if gpus is None:  # auto: the GPUs the block uses here, a DDP arm's ranks included
+            gpus = run.world_size if device.startswith("cuda") else 0
+        local = replace(
+            run, executor="local", slurm=None, device="cuda" if device.startswith("cuda") else device
+        )
+        prepared = replace(
+            self.prepared, run=local, config={**self.prepared.config, "executor": "local", "slurm": None}
+        )
+        self.record["worker_start"] = (
+            "in each Slurm job, as a local run of its block (see slurm/ in the results folder)"
+        )
+        for merged in self.block_records:  # resuming: the nodes' samples of blocks merged before
+            if merged.get("slurm_attempt") and merged["block"] not in self.node_telemetry:
+                where = self.folder / attempt_folder(merged["block"], merged["slurm_attempt"])
+                if (where / "results.json").is_file():
+                    self._read_node_samples(merged["block"], where)
+        SlurmBlocks(
+            options,
+            gpus,
+            self.files,
+            self._blocks_not_done(),
+            functools.partial(run_slurm_block, prepared),
+            self._merge_block,
+            self._give_up_block,
+            self.on_event,
+            self.stop,
+            bar,
+        ).run()
+
+    def _merge_block(self, block: int, folder: Path, attempt: dict) -> None:
+        """Take a completed Slurm attempt's processes into this run, replacing any partial record
+        of the block that an earlier local run left."""
+        records = [json.loads(p.read_text()) for p in sorted((folder / "units").glob("*.json"))]
+        self._forget_block(block)
+        self._read_node_samples(block, folder)
+        prefix = folder.relative_to(self.folder).as_posix()
+        for record in sorted(records, key=lambda r: r.get("finished_at", 0)):
+            for unit in record["units"]:
+                if unit.get("log"):
+                    unit["log"] = f"{prefix}/{unit['log']}"
+            if record.get("process"):
+                record["process"].update(slurm_job_id=attempt["job_id"], slurm_attempt=attempt["attempt"])
+            write_json_atomic(self.files.file(f"units/b{block}-{record['job']}.json"), record)
+            self._keep(record)
+            for unit in record["units"]:
+                self.on_event({"type": "unit", **unit})
+            self.on_event({"type": "process_done", "block": block, "job": record["job"]})
+        self.save(complete=False)
+
+    def _read_node_samples(self, block: int, folder: Path) -> None:
+        """The telemetry and competing load that block's job sampled on its node."""
+        node_run = json.loads((folder / "results.json").read_text())
+        host = next((b.get("host") for b in node_run.get("blocks", [])), None)
+        samples = node_run.get("telemetry", [])
+        self.node_telemetry[block] = [{**sample, "block": block, "host": host} for sample in samples]
+        self.node_loads[block] = node_run.get("load") or {}
+
+    def _give_up_block(self, block: int, reason: str) -> None:
+        """Every process of a block whose Slurm job failed past its retries: recorded as failed."""
+        self._forget_block(block)
+        for job in self._jobs(block):
+            units = [self._unit(arm, job, 1, "failed", reason) for arm in job.arms]
+            for unit in units:
+                unit["log"] = None
+            self._keep_job(job, units, {}, None, Progress(False, 0, 0))
+
+    def _forget_block(self, block: int) -> None:
+        for path in (self.folder / "units").glob(f"b{block}-*.json"):
+            path.unlink()  # workbench's own record (units/ is entered in the manifest)
+        self.units = [unit for unit in self.units if unit["block"] != block]
+        self.block_records = [b for b in self.block_records if b.get("block") != block]
+        self.done = {(b, key) for b, key in self.done if b != block}
+
+    def _run_here(self, bar: Progress) -> None:
+        """The blocks one after another on this machine, each process as its turn comes."""
+        with tempfile.TemporaryDirectory(prefix="workbench-inductor-") as compile_cache:
+            for block in self._blocks():
+                queue = self._jobs(block)
+                while queue:
+                    job = queue.pop(0)
+                    if (block, job.key) in self.done:
+                        continue
+                    self._run_job(job, Path(compile_cache), bar)
+                    # Arms moved to their own processes run in this block too, after the others.
+                    queued = {j.key for j in queue}
+                    queue += [
+                        j
+                        for j in self._jobs(block)
+                        if not j.shared and j.key not in queued and (block, j.key) not in self.done
+                    ]
+                    bar.at_least(self._planned())
 
     def _start_template(self, bar: Progress) -> WarmTemplate | None:
         """The warm template the run's processes fork from, or None (plain spawns); either is recorded."""

@@ -107,7 +107,9 @@ def add_run_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = 
         flag = "--" + item.name.replace("_", "-")
         names = [flag, *("--" + alias.replace("_", "-") for alias in rules.aliases)]
         shown = rules.help.replace("%", "%%")  # argparse formats help with %
-        if rules.kind is bool and item.default is True:
+        if rules.parts is not None:  # one flag per part: --slurm-partition, --slurm-time-min, ...
+            _add_part_flags(parser, item.name, rules.parts)
+        elif rules.kind is bool and item.default is True:
             parser.add_argument(
                 "--no-" + flag[2:], dest=item.name, action="store_false", default=None, help=f"do not {shown}"
             )
@@ -131,13 +133,33 @@ def add_run_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = 
             )
 
 
+def _add_part_flags(parser: argparse.ArgumentParser, name: str, parts: type) -> None:
+    """A flag for each field of the dataclass ``parts`` (SlurmOptions): ``--slurm-partition``."""
+    from dataclasses import fields
+
+    group = parser.add_argument_group(f"{name} options (each sets one field of {parts.__name__})")
+    for part in fields(parts):
+        default = "" if part.default is None else f" (default {part.default!r})"  # None: its help says auto
+        group.add_argument(
+            f"--{name}-{part.name}".replace("_", "-"),
+            dest=f"{name}__{part.name}",
+            metavar=part.name.upper(),
+            help=f"{part.metadata['help']}{default}".replace("%", "%%"),
+        )
+
+
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run settings given as flags (a choice's word turned into the value it stands for)."""
+    from dataclasses import fields
+
     from workbench.config import run_options
 
     settings = {}
     for name, rules in run_options().items():
         value = getattr(args, name, None)  # None: not given, or a setting the command decides
+        if rules.parts is not None:  # its pieces, as text: the option's own check converts them
+            given = {p.name: getattr(args, f"{name}__{p.name}", None) for p in fields(rules.parts)}
+            value = {key: text for key, text in given.items() if text is not None} or None
         if value is not None:
             settings[name] = rules.choices[value] if rules.choices is not None else value
     return settings

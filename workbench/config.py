@@ -145,6 +145,138 @@ def as_link(value: Any) -> Link | None:
     )
 
 
+EXECUTORS = ("local", "slurm")
+
+
+def _part(default: Any, help: str) -> Any:
+    """A SlurmOptions field: its default and its help (the CLI's --slurm-* flags show it)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What each Slurm job (one block) asks the cluster for, with ``executor="slurm"``.
+
+    None means: leave it to the cluster's defaults, or, for the GPUs and CPUs, decide from the
+    run (see each field). The CLI takes each field as a flag (``--slurm-partition gpu``); the
+    panel's text box and ``ablate`` also take it as text:
+    ``partition=gpu,time_min=30,extra=--exclusive --qos=high``.
+    """
+
+    partition: str | None = _part(
+        None, "the partition(s) to submit to (sbatch --partition); auto: the cluster's default"
+    )
+    account: str | None = _part(None, "the account charged (sbatch --account); auto: yours by default")
+    time_min: int = _part(60, "each job's time limit in minutes: one whole block, start-up included")
+    gpus_per_job: int | None = _part(
+        None, "GPUs per job, on its one node; auto: world_size on CUDA (a DDP arm's ranks), else none"
+    )
+    cpus_per_job: int | None = _part(
+        None, "CPU cores per job; auto: as many as this machine has, the cores a local block sees"
+    )
+    constraint: str | None = _part(
+        None, "node features (sbatch --constraint), e.g. h100: keeps every block on one kind of node"
+    )
+    extra: str = _part("", "further sbatch options, e.g. '--exclusive --qos=high'")
+    retries: int = _part(
+        2, "how often a block whose job failed, ran out of time or was preempted is submitted again"
+    )
+
+    def __post_init__(self) -> None:
+        owner = "slurm"
+        for name in ("partition", "account", "constraint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{owner}: {name} must be a non-empty name (or None); got {value!r}")
+        check_int(owner, "time_min", self.time_min, 1)
+        check_int(owner, "retries", self.retries, 0)
+        for name in ("gpus_per_job", "cpus_per_job"):
+            if getattr(self, name) is not None:
+                check_int(owner, name, getattr(self, name), 0 if name == "gpus_per_job" else 1)
+        if not isinstance(self.extra, str):
+            raise ValueError(f"{owner}: extra must be sbatch arguments as one string; got {self.extra!r}")
+        self.sbatch_extra()  # unreadable quoting fails here, not at submission
+
+    def sbatch_extra(self) -> dict[str, Any]:
+        """``extra`` as sbatch options: ``--qos=high`` -> {"qos": "high"}, ``--exclusive`` -> {"exclusive": True}."""
+        import shlex
+
+        try:
+            words = shlex.split(self.extra)
+        except ValueError as error:
+            raise ValueError(
+                f"slurm: extra cannot be read as sbatch arguments ({error}); got {self.extra!r}"
+            ) from None
+        options: dict[str, Any] = {}
+        for index, word in enumerate(words):
+            if not word.startswith("--") or len(word) < 3:
+                if index and words[index - 1].startswith("--") and "=" not in words[index - 1]:
+                    continue  # the value of "--qos high", taken below
+                raise ValueError(
+                    f"slurm: extra takes long sbatch options (--name=value or --flag); got {word!r} in {self.extra!r}"
+                )
+            name, equals, value = word[2:].partition("=")
+            follows = index + 1 < len(words) and not words[index + 1].startswith("--")
+            options[name.replace("-", "_")] = value if equals else (words[index + 1] if follows else True)
+        return options
+
+    def as_text(self) -> str:
+        """As typed on the CLI or in the panel; ``as_slurm`` reads it back."""
+        parts = []
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if value not in (None, "") and value != item.default:
+                parts.append(f"{item.name}={value}")
+        return ",".join(parts)
+
+
+def _slurm_text(text: str) -> dict:
+    """``key=value,key=value``; ``extra``'s value may hold commas and spaces, so a comma ends a
+    value only where the next known key follows it."""
+    import re
+
+    names = [item.name for item in fields(SlurmOptions)]
+    starts = list(re.finditer(r"(?:^|,)\s*(" + "|".join(names) + r")\s*=", text))
+    if text.strip() and (not starts or starts[0].start() != 0 and text[: starts[0].start()].strip()):
+        raise ValueError(f"slurm: write it as key=value,key=value with keys {', '.join(names)}; got {text!r}")
+    settings = {}
+    for index, match in enumerate(starts):
+        end = starts[index + 1].start() if index + 1 < len(starts) else len(text)
+        settings[match.group(1)] = text[match.end() : end].strip()
+    return settings
+
+
+def as_slurm(value: Any) -> SlurmOptions | None:
+    """``None`` (the cluster's defaults), a SlurmOptions, a dict of its fields (values may be
+    text, as the CLI's ``--slurm-*`` flags give them), or ``"key=value,..."`` text."""
+    if value is None or isinstance(value, SlurmOptions):
+        return value
+    if isinstance(value, str):
+        value = _slurm_text(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            "slurm must be None, a dict like {'partition': 'gpu', 'time_min': 30} or the text "
+            f"'partition=gpu,time_min=30'; got {value!r}"
+        )
+    known = {item.name: item for item in fields(SlurmOptions)}
+    settings = {}
+    for name, setting in value.items():
+        if name not in known:
+            raise unknown_name_error("slurm option", name, known)
+        if isinstance(setting, str) and name in ("time_min", "retries", "gpus_per_job", "cpus_per_job"):
+            text = setting.strip()
+            setting = None if text.lower() in ("", "auto") and name.endswith("_per_job") else _as_int(text)
+        settings[name] = setting
+    return SlurmOptions(**settings)
+
+
+def _as_int(text: str) -> int | str:
+    try:
+        return int(text)
+    except ValueError:
+        return text  # SlurmOptions names the field and its rule
+
+
 @dataclass(frozen=True)
 class Option:
     """One run setting's contract: what it means, which values it takes, how people set it.
@@ -161,6 +293,9 @@ class Option:
     choices: Mapping[str, Any] | None = None  # the word a person picks -> the value it stands for
     auto: bool = False  # None is valid: decided later (from measurements), or nothing at all
     unset: str = "auto"  # the word for None, where None is valid: "auto", or "none" for a link
+    parts: type | None = (
+        None  # a dataclass whose fields the CLI takes as flags of their own (--slurm-partition)
+    )
     check: Callable[[Any], Any] | None = None  # validates and converts when the rules above can't
     main: bool = False  # the panel shows it in its first row rather than under "more settings"
     aliases: tuple[str, ...] = ()  # other names the CLI accepts (former ones, shorter ones)
@@ -206,7 +341,7 @@ class Option:
         """``value`` as a person would type it (the CLI, the panel's text boxes); "" for auto."""
         if value is None:
             return ""
-        return value.as_text() if isinstance(value, Link) else str(value)
+        return value.as_text() if hasattr(value, "as_text") else str(value)
 
     def parse(self, text: str) -> Any:
         """What a person typed, as the value to validate ("" and "auto" mean auto)."""
@@ -360,6 +495,23 @@ class RunConfig:
         str,
         choices={"template": "template", "spawn": "spawn"},
     )
+    executor: str = option(
+        "local",
+        "where the blocks run: local runs them one after another on this machine; slurm submits "
+        "each block as a Slurm job (through submitit, pip install -e .[cluster]), one node each",
+        str,
+        choices={e: e for e in EXECUTORS},
+    )
+    slurm: SlurmOptions | None = option(
+        None,
+        "with executor=slurm, what each job asks for, e.g. partition=gpu,account=lab,time_min=30,"
+        "gpus_per_job=1,cpus_per_job=8,constraint=h100,extra=--exclusive,retries=2; auto: the "
+        "cluster's defaults, the run's GPUs, this machine's core count",
+        str,
+        check=as_slurm,
+        auto=True,
+        parts=SlurmOptions,
+    )
     timeout_s: float | None = option(
         None,
         "limit in seconds for one arm in one block; past it the arm is recorded as failed and its "
@@ -379,6 +531,8 @@ class RunConfig:
             )
         if self.trace_dir is not None and not self.profile_steps:
             raise ValueError("ablate: trace_dir writes the profiler's trace, so it needs profile_steps >= 1")
+        if self.slurm is not None and self.executor != "slurm":
+            raise ValueError("ablate: slurm options describe Slurm jobs, so they need executor='slurm'")
         if self.link is not None and self.world_size < 2:
             raise ValueError("ablate: link simulates the network between ranks, so it needs world_size >= 2")
 

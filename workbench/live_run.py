@@ -32,6 +32,7 @@ class LiveRun:
         self.running_arm = ""  # the arm the process in flight works on now
         self.running_phase = ""  # and what it does: startup, warmup, measure 3/10, memory
         self.stage = ""  # the tuner's round, shown before what runs now
+        self.slurm: dict | None = None  # with executor="slurm": blocks done, running, pending
         self.state = "idle"  # idle, running, done, stopped, failed
         self.version = 0  # bumped by every event, so the redraw thread knows when to redraw
 
@@ -56,6 +57,8 @@ class LiveRun:
                 if self.process_started is not None:
                     self.process_s.append(now - self.process_started)
                 self.process_started, self.running_arm, self.running_phase = None, "", ""
+            elif kind == "slurm":  # blocks as Slurm jobs: how many are done, running, pending
+                self.slurm = {key: event[key] for key in ("done", "running", "pending")}
             elif kind == "telemetry":
                 self.telemetry.append(event)
             elif kind in ("done", "stopped"):
@@ -114,6 +117,7 @@ class LiveRun:
                 "running_arm": self.running_arm,
                 "running_phase": self.running_phase,
                 "stage": self.stage,
+                "slurm": dict(self.slurm) if self.slurm else None,
                 "state": self.state,
             }
 
@@ -139,6 +143,13 @@ def progress_line(snapshot: dict) -> str:
     done, in_flight = snapshot["processes_done"], snapshot["process_started"] is not None
     planned = max(snapshot["processes"], done + in_flight)  # an arm moved to its own process adds one
     parts = [snapshot["stage"]] if snapshot["stage"] else []
+    if snapshot.get("slurm"):  # the jobs' own progress stays on their nodes: count blocks, not processes
+        jobs = snapshot["slurm"]
+        parts.append(
+            f"Slurm blocks: {jobs['done']} done, {jobs['running']} running, {jobs['pending']} pending"
+        )
+        parts.append(f"{_clock(snapshot['now'] - snapshot['started'])} elapsed")
+        return " · ".join(parts)
     if in_flight:
         parts.append(f"process {done + 1} of {planned}")
         if snapshot["blocks"]:

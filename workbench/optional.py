@@ -29,6 +29,7 @@ OPTIONAL_PACKAGES = (
     OptionalPackage("cuda.bindings", "the NVRTC compile check of kernels/", "pip install cuda-bindings"),
     OptionalPackage("ipywidgets", "the notebook panel", "pip install 'workbench[notebook]'"),
     OptionalPackage("jupyterlab", "the teaching notebooks", "pip install 'workbench[notebook]'"),
+    OptionalPackage("submitit", "executor='slurm': blocks as Slurm jobs", "pip install 'workbench[cluster]'"),
 )
 
 

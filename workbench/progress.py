@@ -25,6 +25,8 @@ def describe_plan(event: dict) -> str:
         else f"{event['steps']} timed steps per arm in windows of about {1e3 * WINDOW_TARGET_S:.0f} ms"
     )
     text = f"Plan: {event['blocks']} blocks; {' and '.join(parts)}; {event['processes']} processes; {rounds}"
+    if event.get("executor") == "slurm":
+        text += "; each block a Slurm job (one node each)"
     if unavailable:
         text += f"; {unavailable} unavailable"
     if event["remaining"] < event["processes"]:
@@ -37,12 +39,12 @@ def describe_plan(event: dict) -> str:
 class Progress:
     """A tqdm.auto bar over the processes to run, with the block, arm and phase in flight."""
 
-    def __init__(self, enabled: bool, total: int, already: int):
+    def __init__(self, enabled: bool, total: int, already: int, unit: str = "process"):
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=already, desc="ablate", unit="process", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=already, desc="ablate", unit=unit, dynamic_ncols=True)
 
     def show(self, text: str) -> None:
         if self.bar is not None:

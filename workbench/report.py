@@ -239,6 +239,14 @@ def _run_flag(name: str, value: Any) -> list[str]:
         return [flag, rules.word(value)]
     if isinstance(value, dict) and name == "link":
         return [flag, Link(**value).as_text()]
+    if isinstance(value, dict) and rules.parts is not None:  # --slurm-partition gpu --slurm-time-min 30
+        defaults = rules.parts().__dict__
+        return [
+            word
+            for part, setting in value.items()
+            if setting != defaults[part]
+            for word in (f"{flag}-{part.replace('_', '-')}", str(setting))
+        ]
     return [flag, "none" if value is None else str(value)]
 
 

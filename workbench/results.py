@@ -503,6 +503,9 @@ class Results:
                 "rss_growth_mb": b["rss_growth_mib"],
                 "attempts": b.get("attempts", 1),
                 "wall_s": b.get("wall_s"),
+                "host": b.get("host"),
+                "device_name": b.get("device_name"),
+                "slurm_job_id": b.get("slurm_job_id"),
             }
             for b in self.record.get("blocks", [])
         ]
@@ -518,6 +521,9 @@ class Results:
                 "rss_growth_mb",
                 "attempts",
                 "wall_s",
+                "host",
+                "device_name",
+                "slurm_job_id",
             ],
         )
 
@@ -579,6 +585,7 @@ class Results:
                 )
         if self.load.get("warning"):
             found.append(self.load["warning"])
+        found += mixed_blocks(self.record.get("blocks", []), self.record.get("units", []))
         return found
 
     def summary(self, width: int | None = None, colour: bool = False) -> str:
@@ -620,6 +627,42 @@ class Results:
         from workbench.report import write_report
 
         return write_report(self, path)
+
+
+BLOCK_SPEED_SPREAD = 1.5  # baseline speeds of blocks further apart than this are not process luck
+
+
+def mixed_blocks(blocks: list[dict], units: list[dict]) -> list[str]:
+    """Blocks that ran on different kinds of device, or at very different speeds (nodes of
+    different kinds, a busy node): each speedup is still computed inside its block, so it stays
+    fair, but a mix means the figures average over machines, and the absolute throughputs do."""
+    found = []
+    kinds = sorted({b["device_name"] for b in blocks if b.get("device_name")})
+    if len(kinds) > 1:
+        found.append(
+            f"the blocks ran on {len(kinds)} kinds of device ({'; '.join(kinds)}): a speedup can depend on the "
+            "device, so this run's average over them. On a cluster, keep one kind with slurm's constraint"
+        )
+    speeds: dict[int, list[float]] = {}
+    for unit in units:
+        if unit["arm"] == "baseline" and unit["status"] == "ok" and unit["result"]:
+            speeds.setdefault(unit["block"], []).append(unit["result"]["samples_per_s"])
+    if len(speeds) >= 2:
+        typical = {block: _median(values) for block, values in speeds.items()}
+        slowest, fastest = min(typical, key=typical.get), max(typical, key=typical.get)
+        if typical[fastest] > BLOCK_SPEED_SPREAD * typical[slowest]:
+            hosts = {b["block"]: b["host"] for b in blocks if b.get("host")}
+
+            def where(block: int) -> str:
+                return f"block {block + 1}" + (f" on {hosts[block]}" if block in hosts else "")
+
+            found.append(
+                f"the blocks ran at very different speeds: the baseline made {typical[slowest]:.0f} samples/s in "
+                f"{where(slowest)} and {typical[fastest]:.0f} in {where(fastest)}, {typical[fastest] / typical[slowest]:.1f}x "
+                f"(more than the {BLOCK_SPEED_SPREAD}x that a process's luck gives). The speedups are computed inside "
+                "each block, so the difference cancels in them; the absolute throughputs mix slow and fast machines"
+            )
+    return found
 
 
 def load_results(path: str | os.PathLike) -> Results:

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 import time
 import traceback
@@ -39,6 +40,7 @@ from workbench.block import ArmSpec, BlockArm
 from workbench.config import RunConfig
 from workbench.data import DataSource
 from workbench.distributed import CommMeter, Rank, gather_to_rank0, init_process_group
+from workbench.environment import cpu_model
 from workbench.process_state import differences, fingerprint
 from workbench.telemetry import ProcessRss, nvml_indices, usable_cores
 
@@ -362,6 +364,12 @@ class _Block:
             "rewarm": self.rewarm,
             "order": self.orders,
             "pid": os.getpid(),
+            # Where it ran: blocks on different nodes or kinds of device are told apart in the results.
+            "host": socket.gethostname(),
+            "device_name": torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else cpu_model(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "rss_growth_mib": self.rss_mib,
             "rss_method": self.rss.method,
             "torch_threads": torch.get_num_threads(),

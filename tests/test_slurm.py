@@ -1,0 +1,207 @@
+"""executor="slurm": blocks as Slurm jobs through submitit, against a real Slurm.
+
+`bash .ci/slurm start` runs a one-node Slurm on this machine (Debian's slurm-wlm and munge);
+.ci/run starts it for this tier and stops it afterwards. Without a cluster these tests skip,
+unless WORKBENCH_REQUIRE_SLURM is set (as .ci/run sets it), where a missing cluster fails.
+
+On the 2-core test machine every job asks for both cores (cpus_per_job's default: the
+submitting machine's cores), so Slurm runs them one at a time and they never disturb each
+other's timings. Speed is not the point here; correctness is.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import workbench as wb
+from workbench.slurm import job_states
+
+pytestmark = pytest.mark.slurm
+
+TESTS = Path(__file__).resolve().parent
+SMALL = {"steps": 20, "warmup": 2, "blocks": 2, "device": "cpu", "executor": "slurm", "progress": False}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    """A Slurm that answers, with an idle node; or a skip (a failure where .ci/run asks for it)."""
+    why = None
+    if shutil.which("sbatch") is None:
+        why = "Slurm's commands are not installed (bash .ci/slurm start)"
+    else:
+        answer = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=60)
+        if answer.returncode != 0 or not answer.stdout.strip():
+            why = f"no Slurm cluster answers (bash .ci/slurm start; export SLURM_CONF=...): {answer.stderr.strip()}"
+    if why and os.environ.get("WORKBENCH_REQUIRE_SLURM"):
+        pytest.fail(why)
+    if why:
+        pytest.skip(why)
+
+
+def _state(out: Path) -> list[dict]:
+    try:
+        return json.loads((out / "slurm" / "state.json").read_text())["attempts"]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def _wait_for(condition, timeout_s: float = 180.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.2)
+
+
+def _submitter(out: Path, **settings) -> subprocess.Popen:
+    """An ablate() through Slurm in a process of its own, to kill or watch from outside."""
+    arguments = {**SMALL, **settings, "out": str(out)}
+    code = f"import workbench as wb; wb.ablate('mlp', techniques={{}}, **{arguments!r})"
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _no_jobs_left(out: Path) -> bool:
+    live = job_states([a["job_id"] for a in _state(out)]) or {}
+    return not any(s.state in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") for s in live.values())
+
+
+def test_two_blocks_through_slurm_give_the_arms_and_schema_of_a_local_run(tmp_path, monkeypatch):
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("results must come from JSON; submitit's pickles are transport only")
+
+    with monkeypatch.context() as patched:  # the submitting process never unpickles anything
+        patched.setattr(pickle, "load", refuse)
+        patched.setattr(pickle, "loads", refuse)
+        on_slurm = wb.ablate("mlp", techniques=["amp"], out=tmp_path / "slurm", **SMALL)
+    local = wb.ablate("mlp", techniques=["amp"], out=tmp_path / "local", **{**SMALL, "executor": "local"})
+    assert on_slurm.complete and list(on_slurm.table.arm) == list(local.table.arm)
+    assert list(on_slurm.table.columns) == list(local.table.columns)
+    assert set(on_slurm.record) == set(local.record)
+    ok = [u for u in on_slurm.record["units"] if u["status"] == "ok"]
+    assert len(ok) == len([u for u in local.record["units"] if u["status"] == "ok"]) == 2 * 3
+    assert all((tmp_path / "slurm" / u["log"]).is_file() for u in ok), (
+        "each unit's log is in the results folder"
+    )
+    # Each block: one node, one job; recorded where it ran.
+    blocks = on_slurm.blocks
+    attempts = _state(tmp_path / "slurm")
+    assert sorted(blocks.block) == [0, 1] and blocks.host.notna().all() and blocks.device_name.notna().all()
+    assert sorted(blocks.slurm_job_id) == sorted(a["job_id"] for a in attempts)
+    assert [a["state"] for a in attempts] == ["MERGED", "MERGED"]
+    assert local.blocks.slurm_job_id.isna().all()
+    mode = stat.S_IMODE((tmp_path / "slurm" / "slurm").stat().st_mode)
+    assert mode == 0o700, f"the job folder (pickles) must be private; it is {oct(mode)}"
+    # Loading the saved results reads JSON only (submitit's result pickles are never opened).
+    assert wb.load_results(tmp_path / "slurm").table.equals(on_slurm.table)
+
+
+def test_a_job_cancelled_by_someone_else_is_recorded_and_its_block_retried(tmp_path):
+    out = tmp_path / "run"
+    submitter = _submitter(out, blocks=1)
+    _wait_for(lambda: _state(out), what="the job's submission")
+    first = _state(out)[0]["job_id"]
+    _wait_for(lambda: (job_states([first]) or {}).get(first) is not None, what="Slurm to list the job")
+    subprocess.run(["scancel", first], check=True)
+    output, _ = submitter.communicate(timeout=300)
+    assert submitter.returncode == 0, output
+    attempts = _state(out)
+    assert [a["job_id"] for a in attempts][0] == first and len(attempts) == 2
+    assert attempts[0]["state"] == "CANCELLED" and "CANCELLED" in attempts[0]["reason"]
+    assert not attempts[0]["cancelled_by_run"]
+    assert attempts[1]["state"] == "MERGED"
+    results = wb.load_results(out)
+    assert results.complete and {u["status"] for u in results.record["units"]} == {"ok"}
+    assert results.blocks.slurm_job_id.tolist() == [attempts[1]["job_id"]]
+
+
+def test_resume_after_the_submitter_was_killed_submits_only_the_blocks_not_done(tmp_path):
+    out = tmp_path / "run"
+    submitter = _submitter(out)
+    _wait_for(lambda: len(_state(out)) == 2, what="both blocks' submissions")
+    submitter.send_signal(signal.SIGKILL)  # no chance to clean up: its jobs go on without it
+    submitter.wait(timeout=30)
+    block0, block1 = _state(out)
+    subprocess.run(["scancel", block1["job_id"]], check=True)  # block 1's job is lost meanwhile
+    _wait_for(lambda: _no_jobs_left(out), what="block 0's job to end")
+    results = wb.ablate("mlp", techniques={}, out=out, **SMALL)  # the same call again: resume
+    attempts = _state(out)
+    assert [a["block"] for a in attempts] == [0, 1, 1], "block 0 was done; only block 1 runs again"
+    assert attempts[0]["job_id"] == block0["job_id"] and attempts[0]["state"] == "MERGED"
+    assert attempts[1]["state"] == "CANCELLED" and attempts[2]["state"] == "MERGED"
+    assert results.complete and sorted(results.blocks.block) == [0, 1]
+    assert {u["status"] for u in results.record["units"]} == {"ok"}
+
+
+def test_a_slow_node_cancels_in_the_speedups_and_is_warned_about(tmp_path, monkeypatch):
+    """One block runs on a 'slow node' (its model sleeps in every step): both of its arms slow
+    down alike, so the control's speedup stays near 1, which a split by arm would not give."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("WORKBENCH_TEST_SLOW_FLAG", str(tmp_path / "slow-job"))
+    sys.path.insert(0, str(TESTS))
+    from slurm_models import dataset, slowed_in_one_job
+
+    results = wb.ablate(slowed_in_one_job, data=dataset(), techniques={}, out=tmp_path / "run", **SMALL)
+    speeds = {(u["block"], u["arm"]): u["result"]["samples_per_s"] for u in results.record["units"]}
+    slowed = int(
+        (tmp_path / "slow-job").read_text() == results.blocks.slurm_job_id[results.blocks.block == 1].item()
+    )
+    fast = 1 - slowed
+    assert speeds[(fast, "baseline")] > 2 * speeds[(slowed, "baseline")], "one block was meant to be slow"
+    control = results.table.set_index("arm").loc["baseline (control)"]
+    assert abs(math.log(control.speedup)) < 0.1, f"blocking should cancel the slow node: {control.speedup}"
+    naive = speeds[(fast, "baseline (control)")] / speeds[(slowed, "baseline")]  # arm by node: biased
+    assert naive > 2
+    warnings = " ".join(results.warnings())
+    assert "very different speeds" in warnings and f"block {slowed + 1}" in warnings
+
+
+def test_ctrl_c_cancels_this_runs_jobs_and_no_others(tmp_path):
+    other = subprocess.run(
+        ["sbatch", "--parsable", "--begin=now+1hour", "-o", "/dev/null", "--wrap", "true"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip().split(";")[0]  # fmt: skip
+    out = tmp_path / "run"
+    submitter = _submitter(out)
+    try:
+        _wait_for(lambda: len(_state(out)) == 2, what="both blocks' submissions")
+        submitter.send_signal(signal.SIGINT)
+        output, _ = submitter.communicate(timeout=120)
+        attempts = _state(out)
+        assert all(a["state"] in ("CANCELLED", "MERGED") for a in attempts), attempts
+        assert any(a["cancelled_by_run"] for a in attempts), output
+        mine = job_states([a["job_id"] for a in attempts]) or {}
+        assert not any(s.state in ("PENDING", "RUNNING") for s in mine.values())
+        assert job_states([other])[other].state == "PENDING", "someone else's job must be left alone"
+    finally:
+        subprocess.run(["scancel", other], check=False)
+        if submitter.poll() is None:
+            submitter.kill()
+
+
+def test_the_job_folder_is_workbenchs_to_clear_and_never_foreign(tmp_path):
+    """submitit's files (scripts, pickles, logs) are owned as a tree: overwrite removes them,
+    and they never count as the user's files."""
+    out = tmp_path / "run"
+    wb.ablate("mlp", techniques={}, out=out, **{**SMALL, "blocks": 1})
+    assert any((out / "slurm" / "jobs").iterdir())
+    from workbench.results_folder import ResultsFolder
+
+    assert ResultsFolder(out).foreign_files() == []
+    (out / "mine.txt").write_text("the user's")
+    with pytest.raises(ValueError, match="mine.txt"):
+        ResultsFolder(out).clear()
+    (out / "mine.txt").unlink()
+    ResultsFolder(out).clear()
+    assert not (out / "slurm").exists()

@@ -1,0 +1,99 @@
+"""executor="slurm" without a cluster: its options, its errors, and what each job asks sbatch for."""
+
+import argparse
+
+import pytest
+
+import workbench as wb
+from workbench.cli import _parser, run_settings
+from workbench.config import RunConfig, SlurmOptions, as_slurm
+
+
+def test_slurm_options_from_a_dict_text_and_the_cli_are_one_value():
+    given = {"partition": "gpu,debug", "account": "lab", "time_min": 30, "gpus_per_job": 1,
+             "cpus_per_job": 8, "constraint": "h100|a100", "extra": "--exclusive --qos=high", "retries": 1}  # fmt: skip
+    options = as_slurm(given)
+    assert as_slurm(options.as_text()) == options, options.as_text()
+    assert RunConfig(**RunConfig(executor="slurm", slurm=given).to_json()).slurm == options
+    flags = [f"--slurm-{k.replace('_', '-')}={v}" for k, v in given.items()]
+    args = _parser().parse_args(["ablate", "--executor", "slurm", *flags])
+    assert RunConfig(**run_settings(args)).slurm == options
+    assert options.sbatch_extra() == {"exclusive": True, "qos": "high"}
+
+
+@pytest.mark.parametrize(
+    ("slurm", "message"),
+    [
+        ({"partiton": "gpu"}, "unknown slurm option 'partiton'.*did you mean 'partition'"),
+        ({"time_min": 0}, "time_min must be >= 1"),
+        ({"retries": "many"}, "retries must be an integer"),
+        ({"gpus_per_job": -1}, "gpus_per_job must be >= 0"),
+        ({"extra": "-N 2"}, "extra takes long sbatch options"),
+        ({"extra": "--comment='unclosed"}, "extra cannot be read"),
+        ("gpu", "write it as key=value"),
+        (5, "slurm must be None, a dict"),
+    ],
+)
+def test_bad_slurm_options_say_what_is_valid(slurm, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig(executor="slurm", slurm=slurm)
+
+
+def test_slurm_options_without_the_slurm_executor_are_refused():
+    with pytest.raises(ValueError, match="need executor='slurm'"):
+        RunConfig(slurm={"partition": "gpu"})
+    with pytest.raises(ValueError, match="unknown executor 'kubernetes'; valid executors: local, slurm"):
+        RunConfig(executor="kubernetes")
+
+
+def test_without_submitit_the_error_names_the_install_line(monkeypatch):
+    import workbench.slurm as slurm
+
+    monkeypatch.setattr(slurm, "missing", lambda module, install: f"{module} is not installed ({install})")
+    with pytest.raises(ValueError, match=r"submitit.*pip install -e \.\[cluster\]"):
+        wb.plan("mlp", executor="slurm")
+
+
+def test_without_sbatch_the_error_says_where_to_run(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ValueError, match="sbatch.*login node"):
+        wb.plan("mlp", executor="slurm")
+
+
+def test_each_job_asks_for_one_node_the_run_s_gpus_and_the_options(tmp_path):
+    """What sbatch reads: one node, one task; a DDP arm of 2 ranks on CUDA asks for 2 GPUs."""
+    pytest.importorskip("submitit")
+    from workbench.results_folder import ResultsFolder
+    from workbench.slurm import SlurmBlocks
+
+    options = SlurmOptions(partition="debug", account="lab", time_min=7, cpus_per_job=3, extra="--exclusive")
+    blocks = SlurmBlocks(options, 2, ResultsFolder(tmp_path), [], None, None, None, None, None, None)
+    script = blocks._make_executor()._make_submission_file_text("true", "0")
+    for line in ("--gpus-per-node=2", "--partition=debug", "--account=lab", "--time=7", "--nodes=1",
+                 "--ntasks-per-node=1", "--cpus-per-task=3", "--exclusive"):  # fmt: skip
+        assert f"#SBATCH {line}" in script, f"{line} missing from:\n{script}"
+    assert (tmp_path / "slurm").stat().st_mode & 0o077 == 0, "the job folder holds pickles: private"
+
+
+def test_the_reproduce_command_spells_the_slurm_flags():
+    from workbench.report import reproduce
+
+    config = {
+        "model": "mlp",
+        "data": "digits",
+        "techniques": {},
+        **RunConfig(executor="slurm", slurm={"partition": "gpu", "time_min": 30}).to_json(),
+    }
+    shell, python = reproduce({"config": config, "arms": []})
+    assert "--executor slurm --slurm-partition gpu --slurm-time-min 30" in shell
+    args = _parser().parse_args(shell.split()[1:])
+    assert isinstance(args, argparse.Namespace) and RunConfig(**run_settings(args)).slurm.partition == "gpu"
+
+
+def test_the_status_line_counts_slurm_blocks_done_running_and_pending():
+    from workbench.live_run import LiveRun, progress_line
+
+    live = LiveRun()
+    live({"type": "plan", "arms": [], "blocks": 3, "processes": 3, "remaining": 3})
+    live({"type": "slurm", "done": 1, "running": 1, "pending": 1, "jobs": []})
+    assert "Slurm blocks: 1 done, 1 running, 1 pending" in progress_line(live.snapshot())
