@@ -205,3 +205,34 @@ def test_the_job_folder_is_workbenchs_to_clear_and_never_foreign(tmp_path):
     (out / "mine.txt").unlink()
     ResultsFolder(out).clear()
     assert not (out / "slurm").exists()
+
+
+def test_a_ddp_arm_starts_its_ranks_inside_its_job(tmp_path):
+    """world_size=2 on CPU: the job runs both gloo ranks of every arm on its node."""
+    results = wb.ablate(
+        "mlp", techniques={"ddp_compression": {"hook": "fp16"}}, out=tmp_path / "run",
+        **{**SMALL, "blocks": 1, "world_size": 2, "control": False},
+    )  # fmt: skip
+    rows = results.table.set_index("arm")
+    assert list(rows.status) == ["ok", "ok"], results.summary()
+    assert rows.loc["ddp_compression", "comm_mb_per_step"] > 0  # the ranks communicated
+
+
+def test_the_panels_stop_cancels_this_runs_jobs(tmp_path):
+    import threading
+
+    stop = threading.Event()
+    out = tmp_path / "run"
+    done = {}
+    runner = threading.Thread(
+        target=lambda: done.update(results=wb.ablate("mlp", techniques={}, out=out, stop=stop, **SMALL))
+    )
+    runner.start()
+    _wait_for(lambda: len(_state(out)) == 2, what="both blocks' submissions")
+    stop.set()
+    runner.join(timeout=120)
+    assert not runner.is_alive() and not done["results"].complete
+    attempts = _state(out)
+    assert all(a["state"] in ("CANCELLED", "MERGED") for a in attempts) and any(
+        a["cancelled_by_run"] for a in attempts
+    )

@@ -97,3 +97,12 @@ def test_the_status_line_counts_slurm_blocks_done_running_and_pending():
     live({"type": "plan", "arms": [], "blocks": 3, "processes": 3, "remaining": 3})
     live({"type": "slurm", "done": 1, "running": 1, "pending": 1, "jobs": []})
     assert "Slurm blocks: 1 done, 1 running, 1 pending" in progress_line(live.snapshot())
+
+
+def test_a_job_asks_for_one_gpu_per_rank_on_cuda_and_none_on_cpu():
+    from workbench.slurm import job_gpus
+
+    assert job_gpus(SlurmOptions(), 4, "cuda:0") == 4  # a DDP arm's ranks, inside one job
+    assert job_gpus(SlurmOptions(), 1, "cuda") == 1
+    assert job_gpus(SlurmOptions(), 2, "cpu") == 0  # gloo ranks on the node's cores
+    assert job_gpus(SlurmOptions(gpus_per_job=8), 2, "cuda") == 8  # as set

@@ -75,7 +75,7 @@ from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fre
 from workbench.progress import Progress, describe_plan
 from workbench.results import SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
-from workbench.slurm import SlurmBlocks, attempt_folder, check_cluster
+from workbench.slurm import SlurmBlocks, attempt_folder, check_cluster, job_gpus
 from workbench.techniques import (
     Technique,
     parse_techniques,
@@ -638,9 +638,6 @@ class _Runner:
         run = self.run_config
         device = self.prepared.config["device"]
         options = run.slurm or SlurmOptions()
-        gpus = options.gpus_per_job
-        if gpus is None:  # auto: the GPUs the block uses here, a DDP arm's ranks included
-            gpus = run.world_size if device.startswith("cuda") else 0
         local = replace(
             run, executor="local", slurm=None, device="cuda" if device.startswith("cuda") else device
         )
@@ -657,7 +654,7 @@ class _Runner:
                     self._read_node_samples(merged["block"], where)
         SlurmBlocks(
             options,
-            gpus,
+            job_gpus(options, run.world_size, device),
             self.files,
             self._blocks_not_done(),
             functools.partial(run_slurm_block, prepared),

@@ -70,6 +70,14 @@ def attempt_folder(block: int, attempt: int) -> str:
     return f"{FOLDER}/b{block}-a{attempt}"
 
 
+def job_gpus(options: SlurmOptions, world_size: int, device: str) -> int:
+    """GPUs each job asks for: as set, or (auto) one per rank on CUDA, so that a DDP arm starts
+    its ranks inside its job, on one node, as torchrun would; none on CPU."""
+    if options.gpus_per_job is not None:
+        return options.gpus_per_job
+    return world_size if device.startswith("cuda") else 0
+
+
 def check_cluster() -> None:
     """One clear error when this machine cannot submit Slurm jobs (before anything starts)."""
     reason = missing(
