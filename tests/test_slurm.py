@@ -126,6 +126,28 @@ def test_a_job_cancelled_by_someone_else_is_recorded_and_its_block_retried(tmp_p
     assert results.blocks.slurm_job_id.tolist() == [attempts[1]["job_id"]]
 
 
+def test_a_failing_job_is_retried_then_its_block_is_recorded_as_failed_with_slurms_reason(
+    tmp_path, monkeypatch
+):
+    """A model from a module the nodes cannot import (a common first mistake on a cluster): the
+    job fails before its block starts, is submitted again, then its arms are recorded as failed
+    with Slurm's state and the end of the job's log, and the call still returns."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the jobs cannot import tests/slurm_models.py
+    sys.path.insert(0, str(TESTS))
+    from slurm_models import dataset, slowed_in_one_job
+
+    out = tmp_path / "run"
+    settings = {**SMALL, "blocks": 1, "slurm": {"retries": 1}}
+    results = wb.ablate(slowed_in_one_job, data=dataset(), techniques={}, out=out, **settings)
+    attempts = _state(out)
+    assert [a["state"] for a in attempts] == ["FAILED", "FAILED"], attempts
+    assert "exit code 1:0" in attempts[-1]["reason"] and "slurm_models" in attempts[-1]["reason"]
+    units = results.record["units"]
+    assert {u["status"] for u in units} == {"failed"} and len(units) == 2
+    assert "its Slurm job failed 2 times" in units[0]["reason"] and "FAILED" in units[0]["reason"]
+    assert results.complete, "a block given up on is recorded, and the run ends"
+
+
 def test_resume_after_the_submitter_was_killed_submits_only_the_blocks_not_done(tmp_path):
     out = tmp_path / "run"
     submitter = _submitter(out)
@@ -236,3 +258,14 @@ def test_the_panels_stop_cancels_this_runs_jobs(tmp_path):
     assert all(a["state"] in ("CANCELLED", "MERGED") for a in attempts) and any(
         a["cancelled_by_run"] for a in attempts
     )
+
+
+def test_tune_runs_its_rounds_as_slurm_jobs(tmp_path):
+    out = tmp_path / "tune"
+    wb.tune(
+        "mlp", techniques=["amp"], budget_s=45, out=out, **{k: v for k, v in SMALL.items() if k != "blocks"}
+    )
+    rounds = sorted(out.glob("round-*"))
+    assert rounds, "the tuner ran no round"
+    attempts = _state(rounds[0])
+    assert attempts and attempts[0]["state"] == "MERGED", attempts

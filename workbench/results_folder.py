@@ -4,7 +4,11 @@ Two promises rest on this module:
 
 * **Never delete what the user owns.** Every file workbench writes into the folder is first
   entered in a manifest kept in the folder (``.workbench-manifest.json``). ``overwrite`` removes
-  exactly those files, and refuses, listing them, when the folder holds anything else.
+  exactly those files, and refuses, listing them, when the folder holds anything else. Two
+  kinds of entry stand for more than one file: ``name/`` is a nested run's folder, which
+  answers for its own files through its own manifest (the tuner's rounds, a Slurm job's
+  block), and ``name/**`` is a folder another program fills for workbench, all of it
+  workbench's (submitit's job folder).
 * **Two runs never share a folder unnoticed.** A run holds the folder's lock
   (``.workbench-lock``) from the moment it opens it until it ends. The lock is an exclusive
   create, not ``flock``: on a network filesystem shared by a cluster's nodes, ``flock`` may be

@@ -39,6 +39,7 @@ pickle is code.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -57,7 +58,7 @@ from workbench.telemetry import usable_cores
 
 POLL_S = 2.0  # how often the submitting process asks Slurm about its jobs
 SLURM_TIMEOUT_S = 60.0  # one squeue / scontrol / scancel call; a slow controller is waited for
-VANISHED_AFTER = 3  # polls in a row where Slurm no longer knows a job before it counts as ended
+VANISHED_AFTER = 3  # polls before a job Slurm forgot, or one completed without its results, counts as ended
 LIVE = frozenset(
     "PENDING CONFIGURING RUNNING COMPLETING REQUEUED REQUEUE_HOLD REQUEUE_FED RESIZING SUSPENDED "
     "STOPPED SIGNALING STAGE_OUT RESV_DEL_HOLD".split()
@@ -144,18 +145,19 @@ def cancel(job_ids: list[str]) -> None:
         subprocess.run(["scancel", *job_ids], capture_output=True, timeout=SLURM_TIMEOUT_S, check=False)
 
 
-def _log_tail(path: Path, lines: int = 6) -> str:
+def _log_tail(path: Path, lines: int = 4) -> str:
+    """The last lines of a job's log worth reading (a traceback's last frames and its error),
+    joined by " | "; Python's ^^^^ markers under a line are left out."""
     try:
-        text = path.read_text(errors="replace").strip().splitlines()
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    return " | ".join(line.strip() for line in text[-lines:] if line.strip())
+    kept = [line.strip() for line in text if line.strip() and set(line.strip()) - set("^~")]
+    return " | ".join(kept[-lines:])
 
 
 def complete_results(folder: Path) -> bool:
     """Whether the attempt folder holds a finished local run (its results.json says complete)."""
-    import json
-
     try:
         return bool(json.loads((folder / "results.json").read_text()).get("complete"))
     except (OSError, ValueError, AttributeError):
@@ -199,8 +201,6 @@ class SlurmBlocks:
     # --- state ------------------------------------------------------------------------------
 
     def _read_state(self) -> list[dict]:
-        import json
-
         try:
             return json.loads(self.state_file.read_text())["attempts"]
         except FileNotFoundError:
@@ -317,10 +317,10 @@ class SlurmBlocks:
             if seen.state == "PENDING":
                 attempt["reason"] = seen.reason
             return
-        # Ended. COMPLETED with complete results was merged above; a job can also end a moment
-        # before its last JSON write is visible here, so look once more before calling it failed.
-        if seen.state == "COMPLETED" and complete_results(self.files.path / attempt["folder"]):
-            self._merged(block, attempt)
+        # Ended. COMPLETED with complete results was merged above. On a network filesystem the
+        # job's last writes can reach this machine a little after Slurm says it completed, so
+        # a completed job without complete results is looked at for a few more polls first.
+        if seen.state == "COMPLETED" and not self._waited_for_files(attempt):
             return
         code = exit_code(attempt["job_id"])
         why = seen.state + (f" ({seen.reason})" if seen.reason not in ("", "None") else "")
@@ -331,6 +331,11 @@ class SlurmBlocks:
         attempt.update(ended=time.time(), reason=why + (f"; its log ends: {tail}" if tail else ""))
         self._save_state()
         self._retry_or_give_up(block, attempt)
+
+    def _waited_for_files(self, attempt: dict) -> bool:
+        key = f"{attempt['job_id']}:files"
+        self.unseen[key] = self.unseen.get(key, 0) + 1
+        return self.unseen[key] >= VANISHED_AFTER
 
     def _retry_or_give_up(self, block: int, attempt: dict) -> None:
         if self._counted(block) <= self.options.retries:

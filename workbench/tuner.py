@@ -338,7 +338,10 @@ class _Search:
             self.folder.unlock()
 
     def _warm_template(self) -> WarmTemplate | None:
-        """The search's template, started on first use (None: each round starts its own, or spawns)."""
+        """The search's template, started on first use (None: each round starts its own, or spawns;
+        on Slurm, each job starts its own on its node)."""
+        if self.run_config.executor == "slurm":
+            return None
         if self.template is None and self.run_config.start != "spawn":
             self.template, how = start_template(self.folder.path / "logs" / "template.log")
             self.folder.file("logs/template.log")
