@@ -585,20 +585,19 @@ class _Runner:
         self.on_event(plan_event)
         if progress:  # before the bar exists, so that the two never share a line
             print(describe_plan(plan_event), flush=True)
-        if self._on_slurm():  # the bar counts blocks: a Slurm job is one block
-            bar = Progress(
-                progress, total=run.blocks, already=run.blocks - len(self._blocks_not_done()), unit="block"
-            )
+        if self._on_slurm():
+            # The bar counts blocks (a Slurm job is one block); each job samples its own node and
+            # starts its own template, so this process does neither.
+            done = run.blocks - len(self._blocks_not_done())
+            bar = Progress(progress, total=run.blocks, already=done, unit="block")
+            work = self._run_on_slurm
         else:
             bar = Progress(progress, total=planned, already=len(self.done))
-        if not self._on_slurm():
             self.sampler.start()
-        self.template = None if self._on_slurm() else self._start_template(bar)
+            self.template = self._start_template(bar)
+            work = self._run_here
         try:
-            if self._on_slurm():
-                self._run_on_slurm(bar)
-            else:
-                self._run_here(bar)
+            work(bar)
         except (Interrupted, KeyboardInterrupt):
             self._close_template()
             self.sampler.stop()

@@ -65,7 +65,7 @@ class LiveRun:
                 self.state = kind
             elif kind == "tune_round":
                 # Each round is a new ablation of other arms: its throughput lines start afresh.
-                self.throughput, self.finished, self.processes_done = {}, [], 0
+                self.throughput, self.finished, self.processes_done, self.slurm = {}, [], 0, None
                 count = len(event["candidates"])
                 self.stage = (
                     f"tuning, round {event['round'] + 1}: {count} candidate{'s' * (count != 1)} x "

@@ -122,9 +122,7 @@ class ResultsFolder:
     def file(self, relative: str | os.PathLike) -> Path:
         """The path of a file workbench is about to write, entered in the manifest first."""
         name = Path(relative).as_posix()
-        if name not in self._owned:
-            self._owned.add(name)
-            self._write_manifest()
+        self._own(name)
         return self.path / name
 
     def nest(self, name: str) -> Path:
@@ -132,19 +130,20 @@ class ResultsFolder:
         (the tuner's rounds). It is entered here as ``name/``, and its own manifest says which of
         its files workbench wrote: those count as this folder's, and ``clear`` removes them."""
         entry = name.strip("/") + "/"
-        if entry not in self._owned:
-            self._owned.add(entry)
-            self._write_manifest()
+        self._own(entry)
         return self.path / entry[:-1]
 
     def tree(self, name: str) -> Path:
         """A folder inside this one whose every file is workbench's, whatever its name (the files
         another program writes for workbench: submitit's job folder). Entered as ``name/**``."""
-        entry = name.strip("/") + "/**"
+        self._own(name.strip("/") + "/**")
+        return self.path / name.strip("/")
+
+    def _own(self, entry: str) -> None:
+        """Enter a file (or a nested folder, or a tree) in the manifest, before it is written."""
         if entry not in self._owned:
             self._owned.add(entry)
             self._write_manifest()
-        return self.path / name.strip("/")
 
     def _trees(self) -> list[str]:
         return sorted(entry[:-3] for entry in self._owned if entry.endswith("/**"))

@@ -276,13 +276,12 @@ class SlurmBlocks:
 
     def run(self) -> None:
         """Until every block is merged or given up; on Ctrl-C or stop, cancel this run's jobs and re-raise."""
+        stop = self.stop or threading.Event()  # never set: only Ctrl-C ends the wait
         try:
             self._poll()  # first what an earlier, interrupted run left: merged, running or ended
             while self.todo:
-                if self.stop is not None and self.stop.wait(POLL_S):
+                if stop.wait(POLL_S):
                     raise KeyboardInterrupt
-                if self.stop is None:
-                    time.sleep(POLL_S)
                 self._poll()
         except BaseException:
             self._cancel_own()
