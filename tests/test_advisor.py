@@ -9,6 +9,7 @@ import torch
 
 import workbench as wb
 from workbench.advisor import Facts, bound, build_advice, diagnose
+from workbench.devices import cpu_lacks_native
 from workbench.profiling import summarize_events
 
 EVERYTHING = {name: None for name in ("amp", "checkpointing", "compile", "dataloader", "grad_accum")}
@@ -53,6 +54,19 @@ def test_recommendations_are_ranked_by_their_ceiling_and_each_says_why():
     assert "about 30% per step" in rejected["checkpointing"]  # the forward, recomputed: 3 of 10 ms
     assert "at most x1.05" in rejected["dataloader"]  # the data wait is 0.5 ms of 10
     assert "On a CPU" in advice.caveats[0]
+
+
+def test_amp_is_not_suggested_for_speed_on_a_cpu_that_emulates_bfloat16():
+    native = build_advice(_facts(), EVERYTHING)
+    assert native.bottleneck == "compute" and "amp" in native.recommended
+    reason = cpu_lacks_native("bfloat16", frozenset({"avx2", "fma"}), machine="x86_64")
+    emulated = build_advice(_facts(emulated_bf16=reason), EVERYTHING)
+    assert emulated.bottleneck == "compute" and "amp" not in emulated.recommended
+    why = emulated.not_recommended.set_index("technique").why["amp"]
+    assert "no bfloat16 instructions (AVX512-BF16 or AMX-BF16)" in why and "at most x1.00" in why
+    # For memory it still halves the activations, and says what that costs in time here.
+    memory = build_advice(_facts(peak_mib=900.0, emulated_bf16=reason), EVERYTHING).recommendations
+    assert "slower than float32" in memory.set_index("technique").why["amp"]
 
 
 def test_a_remedy_for_the_bottleneck_with_no_headroom_is_not_recommended():
@@ -140,7 +154,13 @@ def test_a_tiny_mlp_at_batch_8_is_launch_bound():
 def test_gpt_mini_on_a_large_batch_is_compute_bound():
     advice = wb.advise("gpt-mini", steps=6, warmup=2, batch_size=64, device="cpu", progress=False)
     assert advice.bottleneck == "compute", advice.summary()
-    assert "amp" in advice.recommended
+    emulated = cpu_lacks_native("bfloat16")
+    assert advice.facts.emulated_bf16 == emulated
+    if emulated:  # this CPU converts around every bfloat16 operator: amp is ruled out, and says why
+        assert "amp" not in advice.recommended
+        assert "has no bfloat16 instructions" in advice.not_recommended.set_index("technique").why["amp"]
+    else:
+        assert "amp" in advice.recommended
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ import pandas as pd
 from workbench.ablation import ablate
 from workbench.config import RunConfig, takes_run_options
 from workbench.data import resolve_data
+from workbench.devices import cpu_lacks_native
 from workbench.results import Results
 from workbench.techniques import all_techniques, technique_context
 
@@ -92,6 +93,7 @@ class Facts:
     has_conv: bool
     world_size: int
     comm_busy_ms: float = 0.0  # all of the communication, hidden behind backward or not
+    emulated_bf16: str | None = None  # why this CPU would emulate bfloat16 (None: native, unknown, GPU)
 
     @property
     def parts_ms(self) -> dict[str, float]:
@@ -248,8 +250,12 @@ def _for_compute(facts: Facts) -> Iterator[Suggestion]:
     # Half precision halves the bytes a matmul moves, and on hardware with bf16/fp16 units its
     # time at best: the ceiling removes half of the matmul/conv share.
     dtype = "bfloat16"
-    yield Suggestion("amp", {"dtype": dtype}, "compute", bound(matmul / 2),
-                     f"matmul/conv take {_pct(matmul)} of the step; in {dtype} they move half the bytes")  # fmt: skip
+    if facts.emulated_bf16:  # converting around every operator costs more than the bytes it saves
+        yield Suggestion("amp", {"dtype": dtype}, "compute", 1.0,
+                         f"matmul/conv take {_pct(matmul)} of the step, but {facts.emulated_bf16}")  # fmt: skip
+    else:
+        yield Suggestion("amp", {"dtype": dtype}, "compute", bound(matmul / 2),
+                         f"matmul/conv take {_pct(matmul)} of the step; in {dtype} they move half the bytes")  # fmt: skip
     if facts.device == "cuda":
         fp32 = facts.fp32_matmul_ms / facts.step_ms
         yield Suggestion("tf32", {}, "compute", bound(fp32),
@@ -273,8 +279,9 @@ def _for_memory(facts: Facts) -> Iterator[Suggestion]:
                      saves_mib=0.7 * act)  # fmt: skip
     yield Suggestion("grad_accum", {"steps": 2}, "memory", 1.0,
                      f"{peak}; two micro-batches hold half the activations at a time", saves_mib=act / 2)  # fmt: skip
+    slower = f" ({facts.emulated_bf16})" if facts.emulated_bf16 else ""
     yield Suggestion("amp", {"dtype": "bfloat16"}, "memory", 1.0,
-                     f"{peak}; activations saved in bfloat16 take half the bytes", saves_mib=act / 2)  # fmt: skip
+                     f"{peak}; activations saved in bfloat16 take half the bytes{slower}", saves_mib=act / 2)  # fmt: skip
 
 
 def _for_comm(facts: Facts) -> Iterator[Suggestion]:
@@ -459,6 +466,7 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
         capacity_source=source,
         has_conv=False,  # advise() reads it from the model
         world_size=int(result.get("world_size", 1)),
+        emulated_bf16=None if gpu else cpu_lacks_native("bfloat16"),
     )
 
 

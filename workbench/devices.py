@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from workbench.config import check_device
@@ -42,3 +44,49 @@ def current_precision() -> tuple[bool, bool]:
             torch.backends.cudnn.conv.fp32_precision == "tf32",
         )
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+# CPU instructions that compute in a 16-bit float natively, by their /proc/cpuinfo flag (x86
+# "flags", Arm "Features"). Without one, PyTorch's CPU kernels and oneDNN convert to float32 and
+# back around each operator, so autocast costs time instead of saving it: resnet-mini under
+# bfloat16 autocast ran 8x slower than in float32 on an AVX2-only EPYC (BENCHMARKS.md, "When the
+# CPU has no bfloat16 instructions"), and 1.5x faster on one with AVX512-BF16.
+NATIVE_HALF_FLAGS = {
+    "x86": {
+        "bfloat16": {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"},
+        "float16": {"avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"},
+    },
+    "arm": {"bfloat16": {"bf16": "BF16"}, "float16": {"asimdhp": "FP16 SIMD"}},
+}
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The CPU's feature flags, or None where the system does not say (not Linux, unreadable)."""
+    try:
+        with open(cpuinfo) as lines:
+            for line in lines:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def cpu_lacks_native(
+    dtype: str, flags: frozenset[str] | None = None, machine: str | None = None
+) -> str | None:
+    """Why autocast to ``dtype`` ("bfloat16" or "float16") would be emulated on this CPU; None if
+    the CPU has the instructions, or if it cannot be told (no flags to read, another architecture)."""
+    machine = (machine or platform.machine()).lower()
+    arch = "arm" if machine in ("aarch64", "arm64") else "x86" if machine in ("x86_64", "amd64") else None
+    flags = cpu_flags() if flags is None else flags
+    if arch is None or flags is None:
+        return None
+    native = NATIVE_HALF_FLAGS[arch][dtype]
+    if flags & native.keys():
+        return None
+    return (
+        f"this CPU has no {dtype} instructions ({' or '.join(native.values())}): each operator "
+        "converts to float32 and back, which usually makes it slower than float32"
+    )

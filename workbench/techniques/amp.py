@@ -16,7 +16,10 @@ When it helps
     bytes; the ByteTrending overview "Accelerate Model Training" (2025) puts the typical
     gain at around 2x with little or no accuracy loss. Activations also take half the
     memory. On CPUs the gain depends on native bf16 instructions (AVX512-BF16, AMX); without
-    them autocast can be slower than float32. Measure it: that is what this workbench is for.
+    them every operator converts to float32 and back, and autocast runs slower than float32
+    (8x on resnet-mini on an AVX2-only EPYC here): the arm's notes say so when this CPU lacks
+    them, and the advisor does not suggest amp for speed there. Measure it: that is what this
+    workbench is for.
 
 When it hurts
     float16 has a narrow exponent range: small gradients underflow to zero. Loss scaling
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.config import check_choice
+from workbench.devices import cpu_lacks_native
 from workbench.mixed_precision import (
     DynamicLossScaler,
     MasterWeightOptimizer,
@@ -94,6 +98,12 @@ class Amp(Technique):
         return super().conflict_with(config, other, other_config)
 
     def apply(self, setup, config: AmpConfig) -> str:
+        note = self._apply(setup, config)
+        # The note says why a 16-bit arm runs slower than float32 on a CPU that has to emulate it.
+        emulated = cpu_lacks_native(config.dtype) if setup.device.type == "cpu" else None
+        return f"{note}; {emulated}" if emulated else note
+
+    def _apply(self, setup, config: AmpConfig) -> str:
         dtype, device_type = getattr(torch, config.dtype), setup.device.type
         setup.autocast_dtype = dtype
         if config.level == "O2":
