@@ -49,7 +49,7 @@ def current_precision() -> tuple[bool, bool]:
 # CPU instructions that compute in a 16-bit float natively, by their /proc/cpuinfo flag (x86
 # "flags", Arm "Features"). Without one, PyTorch's CPU kernels and oneDNN convert to float32 and
 # back around each operator, so autocast costs time instead of saving it: resnet-mini under
-# bfloat16 autocast ran 8x slower than in float32 on an AVX2-only EPYC (BENCHMARKS.md, "When the
+# bfloat16 autocast ran 9x slower than in float32 on an AVX2-only EPYC (BENCHMARKS.md, "When the
 # CPU has no bfloat16 instructions"), and 1.5x faster on one with AVX512-BF16.
 NATIVE_HALF_FLAGS = {
     "x86": {

@@ -17,7 +17,7 @@ When it helps
     gain at around 2x with little or no accuracy loss. Activations also take half the
     memory. On CPUs the gain depends on native bf16 instructions (AVX512-BF16, AMX); without
     them every operator converts to float32 and back, and autocast runs slower than float32
-    (8x on resnet-mini on an AVX2-only EPYC here): the arm's notes say so when this CPU lacks
+    (9x on resnet-mini on an AVX2-only EPYC here): the arm's notes say so when this CPU lacks
     them, and the advisor does not suggest amp for speed there. Measure it: that is what this
     workbench is for.
 
