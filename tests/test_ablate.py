@@ -488,7 +488,7 @@ def test_ctrl_c_keeps_finished_blocks_on_disk_and_leaves_no_orphans(tmp_path):
         "-t",
         "amp",
         "--steps",
-        "300",
+        "150",
         "--warmup",
         "2",
         "--blocks",

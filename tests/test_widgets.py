@@ -281,7 +281,7 @@ def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
 @pytest.mark.slow  # a real ablation in fresh processes
 def test_stop_keeps_finished_blocks(tmp_path):
     panel = wb.panel(
-        model="mlp", techniques={"amp": True}, steps=300, warmup=2, blocks=3, out=tmp_path / "stop"
+        model="mlp", techniques={"amp": True}, steps=150, warmup=2, blocks=3, out=tmp_path / "stop"
     )
     panel.run()
     deadline = time.monotonic() + 120
