@@ -73,6 +73,26 @@ def test_numbers_are_never_in_scientific_notation(value):
     assert float(text.replace(",", "")) == pytest.approx(value, rel=0.01, abs=1e-9)
 
 
+@pytest.mark.parametrize(("low", "high"), [(0.11, 1.16), (0.95, 9.3), (0.62, 1.42)])
+def test_the_speedup_axis_has_a_number_beyond_its_farthest_interval(low, high):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    from workbench.plots import readable_log_ticks
+
+    figure, axes = pyplot.subplots()
+    axes.set_xscale("log")
+    readable_log_ticks(axes, [low], [high])
+    left, right = axes.get_xlim()
+    shown = [tick for tick in axes.get_xticks() if left <= tick <= right]
+    pyplot.close(figure)
+    assert 1.0 in shown
+    # a labelled tick within a quarter of each end of the intervals (0.11x once had none below 0.2)
+    assert min(shown) <= low * 1.25 and max(shown) >= high / 1.25, (shown, left, right)
+
+
 def test_the_notebook_table_reads_at_a_glance():
     page = _typical()._repr_html_()
     reader = page.split("<details>")[0]

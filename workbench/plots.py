@@ -244,7 +244,9 @@ def readable_log_ticks(axis, lows, highs) -> None:
     axis.xaxis.set_major_formatter(lambda value, _: f"{value:g}")
     axis.xaxis.set_minor_locator(NullLocator())
     axis.xaxis.set_minor_formatter(NullFormatter())
-    axis.set_xlim(min(low, 1.0) / 1.08, max(high, 1.0) * 1.08)
+    # The axis reaches the outermost ticks kept, so the farthest interval has a number beyond it
+    # (an amp arm at 0.11x showed no tick below 0.2 when the axis stopped at 0.102).
+    axis.set_xlim(min(min(low, 1.0) / 1.08, min(ticks) / 1.02), max(max(high, 1.0) * 1.08, max(ticks) * 1.02))
 
 
 def _arm_colors(arms: list[str]) -> dict[str, tuple]:
