@@ -482,6 +482,27 @@ def test_each_round_of_a_search_starts_the_live_lines_afresh():
     assert snapshot["current"].startswith("tuning, round 2: 1 candidate x 2 blocks")
 
 
+def test_tune_is_refused_at_once_when_the_last_advice_recommends_nothing():
+    from workbench.advisor import Facts, build_advice
+
+    facts = Facts(
+        device="cpu", step_ms=10.0, data_ms=1.0, comm_ms=0.0, overhead_ms=7.0, batch=8, half_batch_ms=6.0,
+        full_batch_ms=7.0, busy_ms=3.0, matmul_ms=1.0, optimizer_ms=0.5, fp32_matmul_ms=0.0,
+        forward_ms=3.0, ops=200.0, median_op_us=12.0, peak_mib=100.0, activation_mib=60.0,
+        capacity_mib=1000.0, capacity_source="memory_cap_mb", has_conv=False, world_size=1,
+    )  # fmt: skip
+    empty = build_advice(facts, {})  # nothing available here: an empty ranking
+    assert empty.bottleneck == "launch" and not empty.recommended
+    panel = wb.panel(model="mlp", batch_size=8)
+    panel._advice = (empty, panel.advise_arguments())  # as Advise leaves it for the same job
+    assert panel.tune() is False and not panel.running
+    message = html.unescape(panel.status.value)
+    assert "found nothing available here that attacks this job's launch bottleneck" in message
+    assert "search the techniques switched on in Ablate instead" in message
+    panel.search_space.value = "chosen"  # the way out the message names still works
+    assert "grad_accum" in panel.tune_arguments()["techniques"]
+
+
 @pytest.mark.slow  # the advisor's run and a search, in fresh processes
 def test_advise_then_tune_from_the_panel():
     panel = wb.panel(model="mlp", batch_size=8, steps=20, warmup=2, out=False)
@@ -492,13 +513,21 @@ def test_advise_then_tune_from_the_panel():
     assert f"the step is {advice.bottleneck}-bound" in panel.status.value
     assert panel.final_image.value[:4] == b"\x89PNG" and advice.bottleneck in panel.table.value
     assert not panel.adopt_button.disabled or not advice.recommended
-    # The search starts from that advice (not profiled again); Stop ends it like Ctrl-C.
-    assert panel.tune_arguments()["advice"] is advice
+    if advice.recommended:  # the search starts from that advice (not profiled again)
+        assert panel.tune_arguments()["advice"] is advice
+    else:  # a busy machine can leave nothing worth trying: refused at once, so search a chosen one
+        assert panel.tune() is False and "found nothing available here" in html.unescape(panel.status.value)
+        for name, row in panel.rows.items():
+            if not row.unavailable:
+                row.toggle.value = name == "grad_accum"
+        panel.search_space.value = "chosen"
+    # Stop ends the search like Ctrl-C.
     assert panel.tune() is True
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not panel.live.snapshot()["finished"]:
+    while time.monotonic() < deadline and panel.running and not panel.live.snapshot()["finished"]:
         time.sleep(0.2)
-    assert panel.live.snapshot()["current"].startswith("tuning, round 1")
+    assert panel.error is None, panel.error
+    assert panel.live.snapshot()["current"].startswith("tuning, round 1"), panel.status.value
     panel.stop()
     panel.wait(timeout=120)
     assert not panel.running and not panel.tune_button.disabled and panel.stop_button.disabled

@@ -142,6 +142,16 @@ def _arm_seconds(result: dict) -> float:
 # --- the candidates ----------------------------------------------------------------------------
 
 
+def check_advice_has_candidates(advice, remedy: str = "pass techniques= to search anyway") -> None:
+    """ValueError when the advice recommends nothing: a search of its ranking has nothing to try.
+    The panel asks before it starts a search, so the refusal comes at once, not from a thread."""
+    if not advice.recommended:
+        raise ValueError(
+            f"tune: the advisor found nothing available here that attacks this job's {advice.bottleneck} "
+            f"bottleneck; {remedy}"
+        )
+
+
 def pool_from_advice(recommended: Mapping[str, dict]) -> list[tuple[Technique, list[Any]]]:
     """The advisor's techniques, best first, each with its recommended settings and the main
     alternatives of its ``tune_space``."""
@@ -410,13 +420,9 @@ class _Search:
             if advice is None:
                 self._say("calibrating: the advisor profiles the baseline and ranks what could help")
                 advice = advise(self.model, self.data, self.loss_fn, progress=self.progress, **run_settings)
+            check_advice_has_candidates(advice)
             pool = pool_from_advice(advice.recommended)
             self.state["advice"] = advice.to_json()
-            if not pool:
-                raise ValueError(
-                    f"tune: the advisor found nothing available here that attacks this job's {advice.bottleneck} "
-                    "bottleneck; pass techniques= to search anyway"
-                )
         else:
             pool = pool_from_techniques(techniques)
             if not pool:

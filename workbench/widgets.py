@@ -46,7 +46,7 @@ from workbench.plots import plot_live
 from workbench.results import load_results
 from workbench.results_view import plain_number
 from workbench.techniques import all_techniques, technique_context
-from workbench.tuner import tune
+from workbench.tuner import check_advice_has_candidates, tune
 
 REDRAW_S = 1.0
 TUNE_BUDGETS = [
@@ -353,6 +353,8 @@ class AblationPanel(w.VBox):
         arguments["techniques"] = chosen if self.search_space.value == "chosen" else None
         advice, advised = self._advice
         if arguments["techniques"] is None and advice is not None and advised == self.advise_arguments():
+            # An empty ranking has nothing to search: say so now rather than from the run's thread.
+            check_advice_has_candidates(advice, "search the techniques switched on in Ablate instead")
             arguments["advice"] = advice  # the same job was just profiled: no need to profile it again
         return {**arguments, "budget_s": float(self.budget.value)}
 
