@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from helpers import result_row, synthetic_results
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import workbench as wb
 from workbench.config import RunConfig
@@ -293,3 +294,37 @@ def test_compare_says_when_the_runs_differ_and_refuses_bad_input(tmp_path):
         wb.compare(_run(1.2, 1.1, 1.3), _run(1.2, 1.1, 1.3), names=["a"])
     with pytest.raises(FileNotFoundError, match="no results at"):
         wb.compare(_run(1.2, 1.1, 1.3), tmp_path / "missing")
+
+
+def test_the_plots_warning_title_is_wrapped_inside_the_figure():
+    """Every warning at once (a control outside its band, a busy machine, blocks on different
+    devices at different speeds): the title says each in its first clause, wrapped, and no line
+    of it reaches past the figure's edges (a long one used to be cut off at both sides)."""
+    results = _typical(control=(1.1, 1.3))
+    results.record["load"] = {
+        "warning": "other processes used 0.80 of this machine's 2 cores (median; 1.20 at the 90th "
+        "percentile) while the arms ran: they slow the arms unevenly and widen every interval"
+    }
+    results.record["blocks"] = [
+        {"block": 0, "host": "node0", "device_name": "AMD EPYC 7B13"},
+        {"block": 1, "host": "node1", "device_name": "Intel Xeon Platinum 8481C"},
+    ]
+    results.record["units"] = [
+        {"arm": "baseline", "block": b, "status": "ok", "result": {"samples_per_s": s}}
+        for b, s in enumerate([1327.0, 2592.0])
+    ]
+    assert len(results.warnings()) == 4
+    figure = results.plot()
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)  # laid out as it is saved
+    title = figure._suptitle
+    text = title.get_text()
+    assert text.count("\n") >= 2, "the warnings should wrap onto lines of their own"
+    for said in ("the control arm (the baseline measured again) came out at", "other processes used 0.80",
+                 "2 kinds of device", "the blocks ran at very different speeds"):  # fmt: skip
+        assert said in text.replace("\n", " ")
+    assert "cancels in them" not in text, (
+        "the figure gives each warning's first clause; the table says the rest"
+    )
+    extent = title.get_window_extent(renderer)
+    assert extent.x0 >= 0 and extent.x1 <= figure.bbox.width, (extent, figure.bbox.width)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import math
+import re
+import textwrap
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -52,7 +54,9 @@ def plot_results(results) -> ResultsFigure:
     _plot_step_breakdown(phase_ax, table, y)
     _plot_memory(memory_ax, table, y)
     _add_figure_legend(figure, (speed_ax, phase_ax, memory_ax))
-    title, warned = _results_title(results)
+    # A line of 10-point text holds about 7 characters per inch of the figure's width (0.6 em a
+    # character); longer title lines are wrapped, as matplotlib would otherwise cut them off.
+    title, warned = _results_title(results, line_chars=int(figure.get_figwidth() * 72 / (10 * 0.6)))
     figure.suptitle(title, fontsize=10, color="#c44e52" if warned else "black")
     _make_room_for_labels(memory_ax)
     return figure
@@ -205,8 +209,9 @@ def _add_figure_legend(figure, panels) -> None:
     )
 
 
-def _results_title(results) -> tuple[str, bool]:
-    """The figure's title (run settings and the machine) and whether it carries warnings."""
+def _results_title(results, line_chars: int) -> tuple[str, bool]:
+    """The figure's title (run settings and the machine) and whether it carries warnings; each
+    warning shortened to its first clause, the whole wrapped at ``line_chars``."""
     config = results.config
     device = config.get("device", "")
     env = results.environment
@@ -217,10 +222,8 @@ def _results_title(results) -> tuple[str, bool]:
     )
     warnings = results.warnings()
     if warnings:  # said on the figure itself: a plot travels without its table
-        short = [
-            w.split(":")[0] if w.startswith("the control arm") else w.split(" while ")[0] for w in warnings
-        ]
-        title += "\nWARNING: " + "; ".join(short)
+        short = [re.split(r": | while ", w, maxsplit=1)[0] for w in warnings]
+        title += "\n" + textwrap.fill("WARNING: " + "; ".join(short), line_chars)
     return title, bool(warnings)
 
 
