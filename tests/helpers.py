@@ -98,6 +98,21 @@ def is_workbench_process(cmdline: list[str] | None) -> bool:
     return "workbench.worker" in joined or "workbench.template" in joined
 
 
+def left_behind() -> list:
+    """workbench's processes still running under this one, but for the warm template kept for the
+    next run (workbench.template): a worker forked from it is its child, so it is still found."""
+    import psutil
+
+    from workbench.template import kept_template
+
+    kept = kept_template()
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if is_workbench_process(p.cmdline()) and (kept is None or p.pid != kept.process.pid)
+    ]
+
+
 def unsteady_machine(res) -> str:
     """Why the machine could not judge ``res`` ('' when it was quiet and steady).
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import is_workbench_process, judged_on_a_quiet_machine
+from helpers import judged_on_a_quiet_machine, left_behind
 from torch import nn
 
 import workbench as wb
@@ -382,7 +382,7 @@ def test_faulty_arms_are_recorded_and_the_rest_goes_on(faults, tmp_path):
     assert "failed in an earlier block" in units[("raises", 1)]["reason"]
     # The crash left a log with the traceback, and no process behind.
     assert "injected failure" in units[("raises", 0)]["traceback"]
-    assert not [p for p in psutil.Process().children(recursive=True) if is_workbench_process(p.cmdline())]
+    assert not left_behind()
 
 
 def test_a_block_that_loses_an_arm_to_an_error_keeps_the_others(faults):

@@ -17,6 +17,7 @@ from torch import nn
 import workbench as wb
 from workbench.distributed import CommMeter, CommSettings, Link, free_port, wrap_ddp
 from workbench.process import run_in_fresh_process
+from workbench.template import kept_template
 
 WORLD = 2
 
@@ -155,9 +156,12 @@ TAG = f"WORKBENCH_TEST_SESSION_{os.getpid()}"
 
 
 def _workers() -> set[int]:
+    """This session's workbench processes, but for the warm template kept for the next run (its
+    workers, forked from it, are still found)."""
+    kept = kept_template()
     found = set()
     for p in psutil.process_iter(["cmdline"]):
-        if not is_workbench_process(p.info["cmdline"]):
+        if not is_workbench_process(p.info["cmdline"]) or (kept is not None and p.pid == kept.process.pid):
             continue
         try:
             if p.environ().get(TAG) == "1":

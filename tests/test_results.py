@@ -226,8 +226,7 @@ def test_ablate_out_folder_is_loadable(small_results):
     assert sorted(p.name for p in (small_results.path / "logs").glob("*.log")) == [
         "b0-block.log",
         "b1-block.log",
-        "template.log",  # the warm template the blocks were forked from (workbench.template)
-    ]
+    ]  # the warm template's own log is kept with it, outside the run (workbench.template)
 
 
 def test_loading_rejects_what_is_not_ours(tmp_path):

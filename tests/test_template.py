@@ -1,11 +1,14 @@
 """The warm template (workbench.template): workers forked from it are fresh processes that
-measure what spawned ones measure, it ends with its run, and without it the run still goes on."""
+measure what spawned ones measure, it is kept warm for the next run a while and then ends, and
+without it the run still goes on."""
 
 import os
+import threading
+import time
 
 import psutil
 import pytest
-from helpers import is_workbench_process
+from helpers import is_workbench_process, left_behind
 
 import workbench as wb
 import workbench.template
@@ -54,7 +57,10 @@ def test_forked_workers_train_exactly_as_spawned_ones(monkeypatch):
     # Each block is a process of its own, not the template and not this one.
     pids = {b["pid"] for b in forked.record["blocks"]}
     assert len(pids) == 2 and os.getpid() not in pids
-    # The template ended with its run: nothing of workbench's is left under this process.
+    # Nothing of workbench's is left under this process but the template kept for the next run,
+    # and closing that leaves nothing at all.
+    assert not left_behind()
+    workbench.template.close_kept_template()
     assert not [p for p in psutil.Process().children(recursive=True) if is_workbench_process(p.cmdline())]
 
 
@@ -64,6 +70,7 @@ def test_a_template_that_cannot_start_falls_back_to_spawn_and_says_so(monkeypatc
     def broken(log_path):
         raise RuntimeError("no fork today")
 
+    workbench.template.close_kept_template()  # else the next run forks from the one kept warm
     monkeypatch.setattr(workbench.template, "WarmTemplate", broken)
     res = _ablate()
     assert set(res.table.status) == {"ok"}
@@ -91,3 +98,58 @@ def test_a_forked_worker_that_dies_is_reported_like_a_spawned_one(tmp_path):
     finally:
         template.close()
     assert template.process.poll() is not None
+
+
+def _one_block(**settings) -> wb.Results:
+    return wb.ablate(model="mlp", techniques={}, steps=4, warmup=1, blocks=1, rounds=2, control=False,
+                     out=False, progress=False, **settings)  # fmt: skip
+
+
+def test_the_next_run_forks_from_the_template_kept_warm_even_after_its_thread_ended():
+    """The panel runs each ablation in a thread that ends with it; the template must outlive that
+    thread (it dies with the thread that started it), so the next run finds it warm."""
+    workbench.template.close_kept_template()
+    first: list[wb.Results] = []
+    thread = threading.Thread(target=lambda: first.append(_one_block()))
+    thread.start()
+    thread.join(timeout=300)
+    assert first and first[0].record["worker_start"].startswith("forked from a warm template (ready in")
+    kept = workbench.template.kept_template()
+    assert kept is not None and kept.alive()
+    second = _one_block()
+    assert second.record["worker_start"] == (
+        "forked from a warm template kept from an earlier run in this Python process"
+    )
+    assert workbench.template.kept_template() is kept and set(second.table.status) == {"ok"}
+
+
+def test_another_environment_gets_a_fresh_template_and_the_kept_one_ends_when_idle(monkeypatch):
+    _one_block()
+    before = workbench.template.kept_template()
+    assert before is not None
+    # Another environment could change what the template imported: a fresh one replaces it.
+    monkeypatch.setenv("WORKBENCH_KEEP_WARM_S", "0.5")
+    res = _one_block()
+    assert res.record["worker_start"].startswith("forked from a warm template (ready in")
+    assert not before.alive(), "the template of the earlier environment was not closed"
+    kept = workbench.template.kept_template()
+    assert kept is not None
+    log_dir = kept.log_path.parent
+    deadline = time.monotonic() + 30  # idle for WORKBENCH_KEEP_WARM_S: it closes by itself
+    while time.monotonic() < deadline and kept.alive():
+        time.sleep(0.1)
+    assert not kept.alive() and workbench.template.kept_template() is None
+    assert not log_dir.exists(), "the template's log folder (workbench's own) was left behind"
+    # 0: none is kept at all.
+    monkeypatch.setenv("WORKBENCH_KEEP_WARM_S", "0")
+    _one_block()
+    assert workbench.template.kept_template() is None and not left_behind()
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_a_bad_keep_warm_setting_is_refused_before_anything_runs(monkeypatch, value):
+    monkeypatch.setenv("WORKBENCH_KEEP_WARM_S", value)
+    with pytest.raises(ValueError, match=r"WORKBENCH_KEEP_WARM_S must be a number of seconds >= 0 .*got '"):
+        wb.plan(model="mlp")
+    monkeypatch.setenv("WORKBENCH_KEEP_WARM_S", " 30 ")
+    assert workbench.template.keep_warm_s() == 30.0

@@ -223,8 +223,8 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
         assert (out / name).exists(), name
     assert wb.load_results(out).best == {"no_pause": {}}
     # One warm template served the calibration and every round (each would import torch again).
-    assert json.loads((out / "round-0" / "results.json").read_text())["worker_start"].startswith(
-        "forked from a warm template lent by the caller"
+    assert json.loads((out / "round-0" / "results.json").read_text())["worker_start"] == (
+        "forked from a warm template kept from an earlier run in this Python process"
     )
     # The same call again resumes: the rounds are read back, nothing measured is run again.
     rounds_before = json.loads((out / "tune.json").read_text())["rounds"]

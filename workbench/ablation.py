@@ -82,7 +82,7 @@ from workbench.techniques import (
     technique_context,
 )
 from workbench.telemetry import Sampler, competing_load, usable_cores
-from workbench.template import WarmTemplate, start_template
+from workbench.template import WarmTemplate, acquire_template, keep_warm_s, release_template
 from workbench.worker import BlockSpec
 
 
@@ -167,6 +167,8 @@ def _check_where_it_runs(run: RunConfig) -> torch.device:
             f"ablate: world_size={run.world_size} needs one GPU per rank on this machine; "
             f"it has {torch.cuda.device_count()} (use torchrun across machines, see the README)"
         )
+    if run.start == "template":
+        keep_warm_s()  # the environment's setting for the template kept between runs, checked up front
     if run.executor == "slurm":
         if Torchrun.detect() is not None:
             raise ValueError(
@@ -356,11 +358,8 @@ def _run_in_folder(
     on_event: Callable[[dict], None] | None,
     stop: threading.Event | None,
     launcher: Torchrun | None,
-    template: WarmTemplate | None = None,
 ) -> Results:
-    """Run a prepared ablation into ``out`` (False: a temporary folder, removed afterwards).
-    ``template``: a warm template to fork the processes from, lent by a caller that runs several
-    ablations in a row (the tuner's rounds) and closes it itself; None: the run starts its own."""
+    """Run a prepared ablation into ``out`` (False: a temporary folder, removed afterwards)."""
     temporary = None
     if out is False:
         temporary = tempfile.TemporaryDirectory(prefix="workbench-")
@@ -382,7 +381,6 @@ def _run_in_folder(
             stop,
             kept=temporary is None,
             launcher=launcher,
-            lent_template=template,
         )
         results = runner.run(progress)
     finally:
@@ -468,7 +466,6 @@ class _Runner:
         stop: threading.Event | None,
         kept: bool = True,
         launcher: Torchrun | None = None,
-        lent_template: WarmTemplate | None = None,
         only_block: int | None = None,
     ):
         self.prepared, self.run_config = prepared, prepared.run
@@ -479,7 +476,6 @@ class _Runner:
         self.units: list[dict] = []
         self.stopped = False
         self.template: WarmTemplate | None = None  # while the run goes on (workbench.template)
-        self.lent_template = lent_template  # a caller's template: used, never closed, by this run
         self.block_records: list[dict] = []
         self.done: set[tuple[int, str]] = set()
         self.failed: dict[str, str] = {}  # arm -> why: its later blocks are skipped, not rerun
@@ -599,33 +595,36 @@ class _Runner:
         try:
             work(bar)
         except (Interrupted, KeyboardInterrupt):
+            return self._stopped(bar, planned)
+        finally:  # however the run ends, its template is given back and its sampler stopped
             self._close_template()
             self.sampler.stop()
-            bar.close()
-            self.stopped = True
-            results = self.save(complete=False)
-            where = (
-                f"are saved in {self.folder}. The same call again, with the same out, resumes."
-                if self.kept
-                else "are in the returned results only (out=False)."
-            )
-            if self._on_slurm():  # this run's Slurm jobs were cancelled (workbench.slurm)
-                done = run.blocks - len(self._blocks_not_done())
-                print(
-                    f"\nStopped, its Slurm jobs cancelled: {done} of {run.blocks} blocks {where}", flush=True
-                )
-            else:
-                print(f"\nStopped: {len(self.done)} of {planned} processes {where}", flush=True)
-            self.on_event({"type": "stopped", "out": str(self.folder)})
-            if self.stop is not None and self.stop.is_set():
-                return results
-            raise KeyboardInterrupt from None
-        self._close_template()
-        self.sampler.stop()
         bar.close()
         results = self.save(complete=True)
         self.on_event({"type": "done", "out": str(self.folder)})
         return results
+
+    def _stopped(self, bar: Progress, planned: int) -> Results:
+        """Ctrl-C or Stop: keep what finished, say how to resume; Ctrl-C goes on up as itself."""
+        run = self.run_config
+        self.sampler.stop()
+        bar.close()
+        self.stopped = True
+        results = self.save(complete=False)
+        where = (
+            f"are saved in {self.folder}. The same call again, with the same out, resumes."
+            if self.kept
+            else "are in the returned results only (out=False)."
+        )
+        if self._on_slurm():  # this run's Slurm jobs were cancelled (workbench.slurm)
+            done = run.blocks - len(self._blocks_not_done())
+            print(f"\nStopped, its Slurm jobs cancelled: {done} of {run.blocks} blocks {where}", flush=True)
+        else:
+            print(f"\nStopped: {len(self.done)} of {planned} processes {where}", flush=True)
+        self.on_event({"type": "stopped", "out": str(self.folder)})
+        if self.stop is not None and self.stop.is_set():
+            return results
+        raise KeyboardInterrupt from None
 
     # --- on a Slurm cluster (workbench.slurm) -------------------------------------------------
 
@@ -732,18 +731,13 @@ class _Runner:
         if self.run_config.start == "spawn":
             self.record["worker_start"] = "plain spawn, as asked (start='spawn')"
             return None
-        if self.lent_template is not None and self.lent_template.alive():
-            self.record["worker_start"] = "forked from a warm template lent by the caller (the tuner's)"
-            return self.lent_template
         bar.show("importing torch once for the run's processes")
-        template, how = start_template(self.folder / "logs" / "template.log")
-        self.files.file("logs/template.log")
+        template, how = acquire_template()  # kept warm from an earlier run, or started now
         self.record["worker_start"] = how
         return template
 
     def _close_template(self) -> None:
-        if self.template is not None and self.template is not self.lent_template:
-            self.template.close()
+        release_template(self.template)  # it waits for the next run a while (workbench.template)
         self.template = None
 
     def _jobs(self, block: int) -> list[Job]:

@@ -11,6 +11,14 @@ torch state, which ends with its block; what it shares with the others is the im
 read-only, as after any fork. The template itself never runs a tensor operation, so no thread
 pool and no CUDA context exists when it forks (it checks, and refuses to serve otherwise).
 
+The template outlives its run for a while: the next run in the same Python process (the next
+cell of a notebook, the panel's next Run, the tuner's next round, the next test) forks from it
+instead of importing torch again. It closes ``WORKBENCH_KEEP_WARM_S`` seconds (300 unless set;
+0 closes it with each run) after the last run using it ended, when the Python process exits,
+or at ``close_kept_template()``. It is started afresh when anything it imported could differ:
+another interpreter, ``sys.path``, working directory or environment (bar ``PYTEST_CURRENT_TEST``),
+or an edited workbench source file.
+
 It falls back to a plain spawn (``python -m workbench.worker`` per process), and the results
 say so, where forking is unsafe or unavailable: on platforms other than Linux, when the
 template cannot start, or when the run asks for it (``start="spawn"``).
@@ -24,15 +32,21 @@ its message pipe and its log); the template answers ``{"pid": N}``, and ``{"exit
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 READY_TIMEOUT_S = 120.0  # importing torch cold (first run after install) takes 5-10 s here
@@ -84,6 +98,7 @@ class WarmTemplate:
         self._children: dict[int, ForkedWorker] = {}
         self._early_exits: dict[int, int] = {}
         self.log_path = log_path
+        self.temporary_dir: str | None = None  # a folder workbench made for the log, removed at the end
         ready = self._read_line(READY_TIMEOUT_S)
         if ready.get("ready") is not True:
             self.close()
@@ -166,19 +181,168 @@ class WarmTemplate:
             self.process.wait()
 
 
+def _no_fork_reason() -> str | None:
+    if sys.platform.startswith("linux"):
+        return None
+    return (
+        f"plain spawn: the warm template forks, which workbench does only on Linux (this is {sys.platform})"
+    )
+
+
 def start_template(log_path: Path) -> tuple[WarmTemplate | None, str]:
     """A running template, or None and why the run's workers start as plain processes instead."""
-    if not sys.platform.startswith("linux"):
-        return (
-            None,
-            f"plain spawn: the warm template forks, which workbench does only on Linux (this is {sys.platform})",
-        )
+    if _no_fork_reason():
+        return None, _no_fork_reason()
     started = time.perf_counter()
     try:
         template = WarmTemplate(log_path)
     except Exception as error:
         return None, f"plain spawn: the warm template did not start ({error})"
     return template, f"forked from a warm template (ready in {time.perf_counter() - started:.1f} s)"
+
+
+# --- one template kept warm between the runs of a Python process ------------------------------
+
+KEEP_WARM_S = 300.0  # the default of WORKBENCH_KEEP_WARM_S
+# pytest rewrites it before every test; workers get the current environment with each request
+# anyway, so it cannot change what the template imported.
+NOT_FINGERPRINTED = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def keep_warm_s() -> float:
+    """How long the kept template waits for the next run (WORKBENCH_KEEP_WARM_S, in seconds)."""
+    text = os.environ.get("WORKBENCH_KEEP_WARM_S", "").strip()
+    if not text:
+        return KEEP_WARM_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also refuses nan
+        raise ValueError(
+            "WORKBENCH_KEEP_WARM_S must be a number of seconds >= 0 (how long the warm template waits "
+            f"for the next run; 0 closes it after each run); got {text!r}"
+        )
+    return seconds
+
+
+@dataclass
+class _Kept:
+    template: WarmTemplate
+    fingerprint: tuple
+    log_dir: str  # made by workbench for this template's log, removed with it
+    users: int = 0  # runs using it now (the tuner holds one use for its whole search)
+    timer: threading.Timer | None = None
+
+
+_kept: _Kept | None = None
+_kept_lock = threading.Lock()
+# The template gets SIGTERM when the *thread* that started it ends (PR_SET_PDEATHSIG), so a
+# template kept between runs is started by this long-lived thread, not by a run's own thread
+# (the panel runs each ablation in a thread that ends with it).
+_starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-template-starter")
+
+
+def _fingerprint() -> tuple:
+    """What the template's imports depend on; any change means a fresh template."""
+    package = Path(__file__).resolve().parent
+    folders = [package]
+    datasets = importlib.util.find_spec("workbench.datasets")  # installed from datasets/, beside it
+    if datasets is not None and datasets.submodule_search_locations:
+        folders += [Path(folder) for folder in datasets.submodule_search_locations]
+    sources = max((f.stat().st_mtime_ns for folder in folders for f in folder.rglob("*.py")), default=0)
+    environment = tuple(sorted((k, v) for k, v in os.environ.items() if k not in NOT_FINGERPRINTED))
+    return (sys.executable, tuple(sys.path), os.getcwd(), environment, sources)
+
+
+def acquire_template() -> tuple[WarmTemplate | None, str]:
+    """A template for a run's processes, and how its workers start (for the results). It is the
+    kept one when that still fits, else a new one, kept if nothing else is using the old one.
+    None (plain spawns) where a template cannot start. Give it back with ``release_template``."""
+    global _kept
+    keep_warm_s()  # a bad WORKBENCH_KEEP_WARM_S is refused before the run, not after it
+    if _no_fork_reason():
+        return None, _no_fork_reason()
+    with _kept_lock:
+        fingerprint = _fingerprint()
+        if _kept is not None and _kept.users == 0:
+            if _kept.fingerprint != fingerprint or not _kept.template.alive():
+                _close_kept_locked()
+        if _kept is not None and _kept.fingerprint == fingerprint and _kept.template.alive():
+            if _kept.timer is not None:
+                _kept.timer.cancel()
+                _kept.timer = None
+            _kept.users += 1
+            return (
+                _kept.template,
+                "forked from a warm template kept from an earlier run in this Python process",
+            )
+        log_dir = tempfile.mkdtemp(prefix="workbench-template-")
+        template, how = _starter.submit(start_template, Path(log_dir) / "template.log").result()
+        if template is None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif _kept is None:  # kept for the runs after this one
+            _kept = _Kept(template, fingerprint, log_dir, users=1)
+        else:  # the kept one is busy with another environment: this one ends with its run
+            template.temporary_dir = log_dir
+        return template, how
+
+
+def release_template(template: WarmTemplate | None) -> None:
+    """A run is done with ``template``: the kept one waits for the next run, another one closes."""
+    global _kept
+    if template is None:
+        return
+    with _kept_lock:
+        if _kept is None or template is not _kept.template:
+            template.close()
+            if template.temporary_dir:
+                shutil.rmtree(template.temporary_dir, ignore_errors=True)
+            return
+        _kept.users -= 1
+        if _kept.users > 0:
+            return
+        wait_s = keep_warm_s()
+        if wait_s == 0 or not _kept.template.alive():
+            _close_kept_locked()
+            return
+        kept = _kept
+        kept.timer = threading.Timer(wait_s, _close_if_idle, args=(kept,))
+        kept.timer.daemon = True
+        kept.timer.start()
+
+
+def _close_if_idle(kept: _Kept) -> None:
+    with _kept_lock:
+        if _kept is kept and kept.users == 0:
+            _close_kept_locked()
+
+
+def _close_kept_locked() -> None:
+    global _kept
+    if _kept is None:
+        return
+    if _kept.timer is not None:
+        _kept.timer.cancel()
+    _kept.template.close()
+    shutil.rmtree(_kept.log_dir, ignore_errors=True)
+    _kept = None
+
+
+def close_kept_template() -> None:
+    """Close the template kept between runs now, if it is idle (it closes by itself anyway)."""
+    with _kept_lock:
+        if _kept is not None and _kept.users == 0:
+            _close_kept_locked()
+
+
+def kept_template() -> WarmTemplate | None:
+    """The template kept between runs, if one is running (for tests and diagnostics)."""
+    with _kept_lock:
+        return _kept.template if _kept is not None and _kept.template.alive() else None
+
+
+atexit.register(close_kept_template)
 
 
 # --- the template's side -----------------------------------------------------------------------

@@ -53,7 +53,7 @@ from workbench.config import TUNER_DECIDES, RunConfig, takes_run_options
 from workbench.results import LOSS_DRIFT, Results
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.techniques import Technique, all_techniques, get_technique, parse_techniques, settings_of
-from workbench.template import WarmTemplate, start_template
+from workbench.template import WarmTemplate, acquire_template, release_template
 
 # Settings the tuner decides for each round itself; the advisor's own run fixes some more.
 MAX_CANDIDATES = 24
@@ -304,9 +304,11 @@ class _Search:
         self.reserve: list[Candidate] = []  # runnable beyond max_candidates: only combining adds them
         self.excluded: list[dict] = []  # combinations that cannot run here, with the reason
         self.costs: Costs | None = None
-        # One warm template for the calibration and every round: each round's ablation would
-        # otherwise import torch again before its first block (about 3.5 s on a 2-core machine).
+        # The search holds the kept warm template (workbench.template) from its calibration to its
+        # end, so every round forks from it: otherwise a round could import torch again before its
+        # first block (about 3.5 s on a 2-core machine).
         self.template: WarmTemplate | None = None
+        self.holds_template = False
         self.started = time.monotonic()
         self.spent_before = 0.0  # what earlier runs of this search spent (resuming)
 
@@ -341,22 +343,21 @@ class _Search:
             raise
 
     def close(self) -> None:
-        if self.template is not None:
-            self.template.close()
-            self.template = None
+        if self.holds_template:
+            release_template(self.template)
+            self.template, self.holds_template = None, False
         if self.folder is not None:
             self.folder.unlock()
 
-    def _warm_template(self) -> WarmTemplate | None:
-        """The search's template, started on first use (None: each round starts its own, or spawns;
-        on Slurm, each job starts its own on its node)."""
-        if self.run_config.executor == "slurm":
-            return None
-        if self.template is None and self.run_config.start != "spawn":
-            self.template, how = start_template(self.folder.path / "logs" / "template.log")
-            self.folder.file("logs/template.log")
-            self.state["worker_start"] = how
-        return self.template if self.template is not None and self.template.alive() else None
+    def _hold_template(self) -> None:
+        """Hold the warm template for the rest of the search, started on first use, so that each
+        round's ablation finds it kept (none with start='spawn'; on Slurm each job starts its own
+        on its node)."""
+        if self.holds_template or self.run_config.executor == "slurm" or self.run_config.start == "spawn":
+            return
+        self.template, how = acquire_template()
+        self.holds_template = True
+        self.state["worker_start"] = how
 
     def _fingerprint(self, techniques, advice, max_candidates) -> dict:
         settings = {
@@ -430,13 +431,13 @@ class _Search:
         calibration = advice.results if advice is not None else None
         if calibration is None or techniques is not None:
             self._say("calibrating: one block of the baseline alone, to learn what a process costs here")
-            self._warm_template()  # part of the search's cost, but not of a round's: timed apart
+            self._hold_template()  # part of the search's cost, but not of a round's: timed apart
             began = time.monotonic()
             alone = RunConfig(
                 **{**self.run_config.to_json(), "blocks": 1, "control": False, "isolate": False}
             )
             calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, {}, alone), False, False,
-                                         False, self.progress, None, None, None, self._warm_template())  # fmt: skip
+                                         False, self.progress, None, None, None)  # fmt: skip
         wall = time.monotonic() - began
         unit = next(u for u in calibration.record["units"] if u["arm"] == "baseline")
         if unit["status"] != "ok":
@@ -565,6 +566,7 @@ class _Search:
         run = RunConfig(**{**self.run_config.to_json(), "blocks": blocks, "mode": "one-at-a-time",
                            "loader_arms": False, "profile_steps": 0, "trace_dir": None})  # fmt: skip
         prepared = prepare(self.model, self.data, self.loss_fn, {}, run, {c.name: c.pairs for c in alive})
+        self._hold_template()  # held already, unless this search resumed: not part of the round's cost
         deadline = threading.Event()
         timer = threading.Timer(max(self.left_s, 0.0), deadline.set)
         relay = threading.Thread(target=self._relay_stop, args=(deadline,), daemon=True)
@@ -584,9 +586,7 @@ class _Search:
         sub = f"round-{index}"
         where = self.folder.nest(sub)  # an ablation's folder of its own, inside the search's
         try:
-            results = _run_in_folder(
-                prepared, where, False, False, self.progress, watch, deadline, None, self._warm_template()
-            )
+            results = _run_in_folder(prepared, where, False, False, self.progress, watch, deadline, None)
         finally:
             timer.cancel()
             deadline.set()  # ends the relay thread
