@@ -280,10 +280,10 @@ def acquire_template() -> tuple[WarmTemplate | None, str]:
         log_dir = tempfile.mkdtemp(prefix="workbench-template-")
         template, how = _starter.submit(start_template, Path(log_dir) / "template.log").result()
         if template is None:
-            shutil.rmtree(log_dir, ignore_errors=True)
+            pass  # its log stays where ``how`` points, for whoever reads why it did not start
         elif _kept is None:  # kept for the runs after this one
             _kept = _Kept(template, fingerprint, log_dir, users=1)
-        else:  # the kept one is busy with another environment: this one ends with its run
+        else:  # the kept one is busy with another run (another environment): this one ends with its run
             template.temporary_dir = log_dir
         return template, how
 
@@ -302,7 +302,10 @@ def release_template(template: WarmTemplate | None) -> None:
         _kept.users -= 1
         if _kept.users > 0:
             return
-        wait_s = keep_warm_s()
+        try:
+            wait_s = keep_warm_s()
+        except ValueError:  # set to nonsense during the run (it was checked before): keep nothing
+            wait_s = 0.0
         if wait_s == 0 or not _kept.template.alive():
             _close_kept_locked()
             return
