@@ -623,3 +623,18 @@ def test_resume_reruns_blocks_with_failed_arms_only_when_asked(faults, tmp_path)
     again = wb.ablate(**arguments, on_event=record, retry_failed=True)
     assert [e["arms"] for e in started] == [["baseline", "raises"]]  # the whole block, side by side
     assert set(again.table.status) == {"ok"} and set(again.table.blocks) == {1}
+
+
+def test_a_smoke_run_ran_the_cut_budget_and_says_so_first(monkeypatch):
+    """Under WORKBENCH_SMOKE=1 the run records the steps it ran, and its first warning says that
+    these figures test the code, not the speed (the summary, the plot's title and the report show it)."""
+    monkeypatch.setenv("WORKBENCH_SMOKE", "1")
+    res = wb.ablate(
+        model="mlp", techniques={}, steps=50, warmup=4, blocks=1, control=False, out=False, **QUIET
+    )
+    assert (res.config["steps"], res.config["warmup"]) == (3, 2)
+    assert set(res.table.status) == {"ok"}
+    assert (
+        res.warnings()[0].startswith("WORKBENCH_SMOKE=1 was set") and "not for decisions" in res.warnings()[0]
+    )
+    assert "WORKBENCH_SMOKE=1" in res.summary()

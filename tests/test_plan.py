@@ -246,3 +246,20 @@ def test_the_worker_receives_the_run_that_ablate_checked(monkeypatch):
     settings = {"steps": 7, "warmup": 2, "blocks": 1, "rounds": 3, "batch_size": 16, "seed": 5, "lr": 0.01}
     wb.ablate("mlp", techniques={}, out=False, progress=False, optimizer="sgd", **settings)
     assert sent and all(spec.run == RunConfig(device="cpu", optimizer="sgd", **settings) for spec in sent)
+
+
+def test_smoke_budgets_cut_steps_and_warm_up_but_keep_blocks(monkeypatch):
+    """WORKBENCH_SMOKE=1 (the notebooks tier) cuts every run's steps and warm-up; blocks stay as
+    written, since a notebook's plan and tables show them. A value that is neither on nor off is
+    refused, naming both."""
+    asked = {"steps": 150, "warmup": 5, "blocks": 3}
+    monkeypatch.setenv("WORKBENCH_SMOKE", "1")
+    cut = RunConfig.from_options("ablate", asked)
+    assert (cut.steps, cut.warmup, cut.blocks) == (3, 2, 3)
+    assert RunConfig.from_options("ablate", {"steps": 2, "warmup": 1}).steps == 2  # never raised
+    assert set(wb.plan(model="mlp", techniques={}, **asked, device="cpu").blocks) == {3}
+    monkeypatch.setenv("WORKBENCH_SMOKE", "0")
+    assert RunConfig.from_options("ablate", asked).steps == 150
+    monkeypatch.setenv("WORKBENCH_SMOKE", "maybe")
+    with pytest.raises(ValueError, match=r"WORKBENCH_SMOKE must be 1 .* or 0 .*; got 'maybe'"):
+        wb.plan(model="mlp", techniques={}, device="cpu")

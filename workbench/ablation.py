@@ -64,7 +64,7 @@ from workbench.arms import (
     slug,
     sweep_names,
 )
-from workbench.config import RunConfig, SlurmOptions, takes_run_options
+from workbench.config import SMOKE_NOTE, RunConfig, SlurmOptions, smoke_test, takes_run_options
 from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun
@@ -492,6 +492,8 @@ class _Runner:
             "config": prepared.config,
             "environment": environment(),
         }
+        if smoke_test():  # RunConfig.from_options cut the budget: say so wherever results are shown
+            self.record["smoke_test"] = SMOKE_NOTE
 
     # --- bookkeeping ------------------------------------------------------------------------
 

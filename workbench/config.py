@@ -11,14 +11,43 @@ import difflib
 import inspect
 import math
 import numbers
+import os
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 MODES = ("one-at-a-time", "leave-one-out", "grid")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 OPTIMIZERS = ("adamw", "sgd")
+
+# WORKBENCH_SMOKE=1 cuts every run to a smoke test's budget: enough to run every line of a
+# notebook (the notebooks tier sets it: notebooks/conftest.py), far too little to decide anything.
+# Blocks stay as given: they are what a notebook's plan and tables show. Two warm-up steps, not
+# one: PowerSGD all-reduces in full before its start_iter (2), and those steps must stay untimed.
+SMOKE_ENV = "WORKBENCH_SMOKE"
+SMOKE_CAPS = {"steps": 3, "warmup": 2}
+SMOKE_BUDGET_S = 30.0  # a search's budget (wb.tune) under WORKBENCH_SMOKE=1
+SMOKE_NOTE = (
+    f"{SMOKE_ENV}=1 was set: every run was cut to at most {SMOKE_CAPS['steps']} steps and "
+    f"{SMOKE_CAPS['warmup']} warm-up steps (a search to {SMOKE_BUDGET_S:.0f} s) to check that the code "
+    "runs; these figures are not for decisions"
+)
+
+
+def smoke_test() -> bool:
+    """Whether WORKBENCH_SMOKE asks for smoke-test budgets; a value that is neither on nor off
+    is refused, naming both, rather than read as either."""
+    text = os.environ.get(SMOKE_ENV, "").strip().lower()
+    if text in ("", "0", "off", "false", "no"):
+        return False
+    if text in ("1", "on", "true", "yes"):
+        return True
+    raise ValueError(
+        f"{SMOKE_ENV} must be 1 (cut every run to a smoke test's budget: at most "
+        f"{SMOKE_CAPS['steps']} steps and {SMOKE_CAPS['warmup']} warm-up steps) or 0 (the budgets "
+        f"as given); got {os.environ[SMOKE_ENV]!r}"
+    )
 
 
 def unknown_name_error(kind: str, name: object, valid: Iterable[str]) -> ValueError:
@@ -544,7 +573,10 @@ class RunConfig:
         for name in options:
             if name not in valid:
                 raise unknown_name_error(f"{caller} argument", name, [*also, *valid])
-        return cls(**options)
+        run = cls(**options)
+        if smoke_test():
+            run = replace(run, **{name: min(getattr(run, name), cap) for name, cap in SMOKE_CAPS.items()})
+        return run
 
     def to_json(self) -> dict:
         """JSON-ready; ``RunConfig(**run.to_json()) == run``."""

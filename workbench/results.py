@@ -572,7 +572,7 @@ class Results:
     def warnings(self) -> list[str]:
         """What makes this run's figures less trustworthy, most important first: a control arm
         that failed its own A/A check, then other processes competing for the machine."""
-        found = []
+        found = [self.record["smoke_test"]] if self.record.get("smoke_test") else []
         table = self.table
         control = table[(table.arm == "baseline (control)") & table.speedup.notna()]
         for row in control.itertuples():

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from workbench.ablation import Prepared, _default_out, _run_in_folder, prepare, refuse_a_different_run
-from workbench.config import TUNER_DECIDES, RunConfig, takes_run_options
+from workbench.config import SMOKE_BUDGET_S, TUNER_DECIDES, RunConfig, smoke_test, takes_run_options
 from workbench.results import LOSS_DRIFT, Results
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.techniques import Technique, all_techniques, get_technique, parse_techniques, settings_of
@@ -270,6 +270,8 @@ def tune(
     checked = prepare(
         model, data, loss_fn, {}, run
     )  # bad model, data or settings: refused before anything runs
+    if smoke_test():  # WORKBENCH_SMOKE=1 (workbench.config): the rounds are cut, so is the search
+        budget_s = min(budget_s, SMOKE_BUDGET_S)
     search = _Search(checked, data, settings, float(budget_s), progress, on_event, stop)
     temporary = tempfile.TemporaryDirectory(prefix="workbench-tune-") if out is False else None
     folder_path = Path(
