@@ -492,7 +492,7 @@ def test_ctrl_c_keeps_finished_blocks_on_disk_and_leaves_no_orphans(tmp_path):
         "--warmup",
         "2",
         "--blocks",
-        "3",
+        "2",  # the first finishes, Ctrl-C lands in the second, and the resume runs that one again
         "--out",
         str(out),
         "--no-progress",

@@ -265,7 +265,7 @@ def test_a_saved_run_opens_in_the_panel(tmp_path):
 @pytest.mark.slow  # a real ablation in fresh processes
 def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
     panel = wb.panel(
-        model="mlp", techniques={"amp": True}, steps=200, warmup=2, blocks=2, out=tmp_path / "panel"
+        model="mlp", techniques={"amp": True}, steps=40, warmup=2, blocks=2, out=tmp_path / "panel"
     )
     assert panel.run() is True
     assert panel.run() is False and "already in progress" in panel.status.value
