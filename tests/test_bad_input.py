@@ -209,3 +209,13 @@ def test_the_old_name_of_blocks_still_works_and_says_so():
     with pytest.warns(DeprecationWarning, match="repeats= is now blocks="):
         table = wb.plan(model="mlp", techniques={}, repeats=2, device="cpu")
     assert set(table.blocks) == {2}
+
+
+def test_a_warm_up_shorter_than_powersgds_start_iter_is_refused():
+    """PowerSGD all-reduces in full until start_iter; a warm-up that ends earlier would time those
+    steps, so plan (and ablate) refuse it, naming the warm-up that would do."""
+    techniques = {"ddp_compression": {"hook": "powersgd", "start_iter": 3}}
+    with pytest.raises(ValueError, match=r"warmup=2 is too short for powersgd.*use warmup >= 3"):
+        wb.plan(model="mlp", techniques=techniques, world_size=2, warmup=2, device="cpu")
+    planned = wb.plan(model="mlp", techniques=techniques, world_size=2, warmup=3, device="cpu")
+    assert "ddp_compression" in set(planned.name)
