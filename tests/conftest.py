@@ -47,6 +47,42 @@ SLOW_MODULES = {
 }
 
 
+class NotebooksAtSmokeBudget:
+    """The notebooks tier (nbval) runs every cell at a smoke test's budget.
+
+    WORKBENCH_SMOKE=1 (workbench.config) cuts every ablation to a few steps and a search to half
+    a minute: the tier checks that each teaching notebook runs from top to bottom and that its
+    checked cells still print what they should, not its figures, which the committed outputs show
+    at the notebook's own budget. The kernel takes the variable from this process when nbval
+    starts it, at the notebook's first cell; the tests that follow measure at their own budgets.
+    Set WORKBENCH_SMOKE=0 to run the notebooks' own budgets. A command printed to rerun a run
+    shows the steps that ran, so notebooks/smoke_sanitize.cfg masks its step counts before nbval
+    compares it with the committed output.
+
+    A plugin registered here, not a notebooks/conftest.py: a second module named conftest would
+    shadow this one for ``from conftest import ...`` in the tests.
+    """
+
+    set_by_us = "WORKBENCH_SMOKE" not in os.environ
+
+    def pytest_configure(self, config):
+        if getattr(config.option, "nbval_sanitize_with", "unset") is None:
+            sanitizer = Path(__file__).resolve().parent.parent / "notebooks" / "smoke_sanitize.cfg"
+            config.option.nbval_sanitize_with = str(sanitizer)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        if self.set_by_us:
+            if Path(str(item.fspath)).suffix == ".ipynb":
+                os.environ["WORKBENCH_SMOKE"] = "1"
+            else:
+                os.environ.pop("WORKBENCH_SMOKE", None)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(NotebooksAtSmokeBudget(), "workbench-notebooks-at-smoke-budget")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath))

@@ -22,7 +22,7 @@ DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 OPTIMIZERS = ("adamw", "sgd")
 
 # WORKBENCH_SMOKE=1 cuts every run to a smoke test's budget: enough to run every line of a
-# notebook (the notebooks tier sets it: notebooks/conftest.py), far too little to decide anything.
+# notebook (the notebooks tier sets it: tests/conftest.py), far too little to decide anything.
 # Blocks stay as given: they are what a notebook's plan and tables show. Two warm-up steps, not
 # one: PowerSGD all-reduces in full before its start_iter (2), and those steps must stay untimed.
 SMOKE_ENV = "WORKBENCH_SMOKE"
