@@ -570,8 +570,9 @@ class Results:
         return self.record.get("load") or {}
 
     def warnings(self) -> list[str]:
-        """What makes this run's figures less trustworthy, most important first: a control arm
-        that failed its own A/A check, then other processes competing for the machine."""
+        """What makes this run's figures less trustworthy, most important first: a budget cut for a
+        smoke test (WORKBENCH_SMOKE=1), a control arm that failed its own A/A check, other processes
+        competing for the machine, then blocks that ran at very different speeds."""
         found = [self.record["smoke_test"]] if self.record.get("smoke_test") else []
         table = self.table
         control = table[(table.arm == "baseline (control)") & table.speedup.notna()]
