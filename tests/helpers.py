@@ -98,18 +98,24 @@ def is_workbench_process(cmdline: list[str] | None) -> bool:
     return "workbench.worker" in joined or "workbench.template" in joined
 
 
-def left_behind() -> list:
-    """workbench's processes still running under this one, but for the warm template kept for the
-    next run (workbench.template): a worker forked from it is its child, so it is still found."""
-    import psutil
-
+def is_kept_template(pid: int) -> bool:
+    """Whether ``pid`` is the warm template kept for the next run (workbench.template), which a
+    check for leftovers passes over; a worker forked from it has a pid of its own, so is still found."""
     from workbench.template import kept_template
 
     kept = kept_template()
+    return kept is not None and pid == kept.process.pid
+
+
+def left_behind() -> list:
+    """workbench's processes still running under this one, but for the warm template kept for the
+    next run."""
+    import psutil
+
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if is_workbench_process(p.cmdline()) and (kept is None or p.pid != kept.process.pid)
+        if is_workbench_process(p.cmdline()) and not is_kept_template(p.pid)
     ]
 
 

@@ -11,13 +11,12 @@ import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import arm_result, block_spec, is_workbench_process
+from helpers import arm_result, block_spec, is_kept_template, is_workbench_process
 from torch import nn
 
 import workbench as wb
 from workbench.distributed import CommMeter, CommSettings, Link, free_port, wrap_ddp
 from workbench.process import run_in_fresh_process
-from workbench.template import kept_template
 
 WORLD = 2
 
@@ -158,10 +157,9 @@ TAG = f"WORKBENCH_TEST_SESSION_{os.getpid()}"
 def _workers() -> set[int]:
     """This session's workbench processes, but for the warm template kept for the next run (its
     workers, forked from it, are still found)."""
-    kept = kept_template()
     found = set()
     for p in psutil.process_iter(["cmdline"]):
-        if not is_workbench_process(p.info["cmdline"]) or (kept is not None and p.pid == kept.process.pid):
+        if not is_workbench_process(p.info["cmdline"]) or is_kept_template(p.pid):
             continue
         try:
             if p.environ().get(TAG) == "1":

@@ -594,13 +594,16 @@ class _Runner:
             self.sampler.start()
             self.template = self._start_template(bar)
             work = self._run_here
+        stopped = False
         try:
             work(bar)
         except (Interrupted, KeyboardInterrupt):
-            return self._stopped(bar, planned)
+            stopped = True
         finally:  # however the run ends, its template is given back and its sampler stopped
             self._close_template()
             self.sampler.stop()
+        if stopped:
+            return self._stopped(bar, planned)
         bar.close()
         results = self.save(complete=True)
         self.on_event({"type": "done", "out": str(self.folder)})
@@ -609,7 +612,6 @@ class _Runner:
     def _stopped(self, bar: Progress, planned: int) -> Results:
         """Ctrl-C or Stop: keep what finished, say how to resume; Ctrl-C goes on up as itself."""
         run = self.run_config
-        self.sampler.stop()
         bar.close()
         self.stopped = True
         results = self.save(complete=False)

@@ -191,8 +191,8 @@ def _no_fork_reason() -> str | None:
 
 def start_template(log_path: Path) -> tuple[WarmTemplate | None, str]:
     """A running template, or None and why the run's workers start as plain processes instead."""
-    if _no_fork_reason():
-        return None, _no_fork_reason()
+    if (reason := _no_fork_reason()) is not None:
+        return None, reason
     started = time.perf_counter()
     try:
         template = WarmTemplate(log_path)
@@ -261,8 +261,8 @@ def acquire_template() -> tuple[WarmTemplate | None, str]:
     None (plain spawns) where a template cannot start. Give it back with ``release_template``."""
     global _kept
     keep_warm_s()  # a bad WORKBENCH_KEEP_WARM_S is refused before the run, not after it
-    if _no_fork_reason():
-        return None, _no_fork_reason()
+    if (reason := _no_fork_reason()) is not None:
+        return None, reason
     with _kept_lock:
         fingerprint = _fingerprint()
         if _kept is not None and _kept.users == 0:
@@ -279,12 +279,11 @@ def acquire_template() -> tuple[WarmTemplate | None, str]:
             )
         log_dir = tempfile.mkdtemp(prefix="workbench-template-")
         template, how = _starter.submit(start_template, Path(log_dir) / "template.log").result()
-        if template is None:
-            pass  # its log stays where ``how`` points, for whoever reads why it did not start
-        elif _kept is None:  # kept for the runs after this one
+        # A template that did not start leaves its log where ``how`` points, for whoever reads why.
+        if template is not None and _kept is None:  # kept for the runs after this one
             _kept = _Kept(template, fingerprint, log_dir, users=1)
-        else:  # the kept one is busy with another run (another environment): this one ends with its run
-            template.temporary_dir = log_dir
+        elif template is not None:  # the kept one is busy with another run (another environment)
+            template.temporary_dir = log_dir  # so this one ends with its run, log folder and all
         return template, how
 
 
