@@ -634,7 +634,7 @@ def test_a_smoke_run_ran_the_cut_budget_and_says_so_first(monkeypatch):
     )
     assert (res.config["steps"], res.config["warmup"]) == (3, 2)
     assert set(res.table.status) == {"ok"}
-    assert (
-        res.warnings()[0].startswith("WORKBENCH_SMOKE=1 was set") and "not for decisions" in res.warnings()[0]
+    assert res.warnings()[0].startswith(
+        "a smoke test's budget, not for decisions (WORKBENCH_SMOKE=1): every run"
     )
     assert "WORKBENCH_SMOKE=1" in res.summary()

@@ -28,10 +28,11 @@ OPTIMIZERS = ("adamw", "sgd")
 SMOKE_ENV = "WORKBENCH_SMOKE"
 SMOKE_CAPS = {"steps": 3, "warmup": 2}
 SMOKE_BUDGET_S = 30.0  # a search's budget (wb.tune) under WORKBENCH_SMOKE=1
+# Its first clause is what a plot's title shows of it (workbench.plots keeps a warning's first clause).
 SMOKE_NOTE = (
-    f"{SMOKE_ENV}=1 was set: every run was cut to at most {SMOKE_CAPS['steps']} steps and "
-    f"{SMOKE_CAPS['warmup']} warm-up steps (a search to {SMOKE_BUDGET_S:.0f} s) to check that the code "
-    "runs; these figures are not for decisions"
+    f"a smoke test's budget, not for decisions ({SMOKE_ENV}=1): every run was cut to at most "
+    f"{SMOKE_CAPS['steps']} steps and {SMOKE_CAPS['warmup']} warm-up steps (a search to "
+    f"{SMOKE_BUDGET_S:.0f} s) to check that the code runs"
 )
 
 
