@@ -1,0 +1,543 @@
+"""Verify the GPU half of workbench on one CUDA machine, in stages, and record the figures.
+
+Run:  PYTHONPATH=. python benchmarks/gpu_suite.py --out DIR [--stage NAME ...] [--size short]
+
+Needs torch with CUDA; CuPy and nvidia-ml-py where present (their stages and columns say why
+not otherwise); the package need not be installed (PYTHONPATH=. is enough). Stages, in order:
+
+  env          the device, driver, CUDA, torch and optional packages; the techniques this GPU runs
+  tests        the GPU tests (pytest -m gpu), one line per test
+  models       an ablation of each built-in model with every technique that applies here
+  kernels      the CuPy fused kernels against the measured copy bandwidth, eager and compiled
+  cuda_graphs  CUDA Graphs against eager on a launch-bound step (mlp at batch 8)
+  precision    gpt-mini in strict float32, TF32, bfloat16 and float16 with loss scaling: speed,
+               loss parity, TFLOP/s and MFU
+
+Each stage runs in a process of its own and is stopped at its own time limit (the full size
+totals under 25 minutes, each stage under 9); whatever it had written by then is kept. DIR gets
+one NAME.json and NAME.log per stage, and summary.json and summary.md: what ran, what failed
+and why, and each goal met or missed. On a machine without CUDA every stage but env says so and
+is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda"  # --device cpu rehearses the suite itself on a machine without a GPU
+DEADLINE = float("inf")  # a stage's child: when its limit comes (time.time()), less a margin to write
+
+# Per stage: its time limit (seconds) and the work it does, at each size. "full" is the recorded
+# suite (24.5 minutes in all); "short" checks that everything runs, in under 7 minutes.
+SIZES = {
+    "full": {
+        "env": {"limit_s": 30},
+        "tests": {"limit_s": 360},
+        "models": {"limit_s": 420, "steps": 30, "warmup": 10, "blocks": 2},
+        "kernels": {"limit_s": 150, "rounds": 10, "end_to_end": True, "steps": 50, "blocks": 3},
+        "cuda_graphs": {"limit_s": 240, "steps": 200, "blocks": 5, "stack": True},
+        "precision": {"limit_s": 270, "steps": 50, "blocks": 5, "batch_size": 512},
+    },
+    "short": {
+        "env": {"limit_s": 20},
+        "tests": {"limit_s": 120},
+        "models": {"limit_s": 100, "steps": 5, "warmup": 5, "blocks": 1},
+        "kernels": {"limit_s": 40, "rounds": 5, "end_to_end": False},
+        "cuda_graphs": {"limit_s": 60, "steps": 100, "blocks": 3, "stack": False},
+        "precision": {"limit_s": 70, "steps": 30, "blocks": 3, "batch_size": 512},
+    },
+}
+STAGES = list(SIZES["full"])
+
+# The goals of issue 13, checked against the figures a stage wrote.
+GOALS = {
+    "bf16 autocast vs float32 (gpt-mini)": ("precision", "amp[dtype=bfloat16]", 2.2),
+    "fp16 + GradScaler vs float32 (gpt-mini)": ("precision", "amp[dtype=float16]", 2.2),
+    "TF32 vs strict float32 (gpt-mini)": ("precision", "tf32", 1.5),
+    "CUDA Graphs vs eager (mlp, batch 8)": ("cuda_graphs", "cuda_graphs[mode=manual]", 2.0),
+}
+KERNEL_GOAL_PCT = 85.0
+
+TABLE_COLUMNS = [
+    "arm", "status", "reason", "samples_per_s", "speedup", "speedup_low", "speedup_high", "noisy",
+    "step_ms", "forward_ms", "backward_ms", "optimizer_ms", "replay_ms", "peak_mem_mb", "startup_s",
+    "final_loss", "loss_vs_baseline", "tflops", "mfu_pct", "gpu_util_pct", "gpu_power_w", "sm_clock_mhz",
+    "notes",
+]  # fmt: skip
+
+
+# --- the stages, each run in a child process --------------------------------------------------------
+
+
+class Record:
+    """A stage's JSON, rewritten after each part so that a stage stopped at its limit keeps its parts."""
+
+    def __init__(self, path: Path, stage: str, settings: dict):
+        self.path = path
+        self.data = {"stage": stage, "settings": settings, "parts": {}, "errors": []}
+        self.write()
+
+    def part(self, name: str, value) -> None:
+        self.data["parts"][name] = value
+        self.write()
+
+    def error(self, where: str, error: BaseException) -> None:
+        self.data["errors"].append(
+            {"where": where, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        )
+        self.write()
+
+    def write(self) -> None:
+        temporary = self.path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(self.data, indent=1, default=str))
+        temporary.replace(self.path)
+
+
+def _rows(results) -> list[dict]:
+    table = results.table
+    columns = [column for column in TABLE_COLUMNS if column in table.columns]
+    return json.loads(table[columns].to_json(orient="records"))
+
+
+def _ablation(record: Record, name: str, **arguments) -> None:
+    """One ablation, its table kept as a part of the stage. Near the stage's limit it is stopped
+    the way the panel's Stop does it, keeping the blocks that finished."""
+    import workbench as wb
+
+    left_s = DEADLINE - time.time()
+    if left_s < 30:
+        record.part(name, {"not_started": f"only {left_s:.0f} s of the stage's time was left"})
+        return
+    stop = threading.Event()
+    timer = threading.Timer(left_s, stop.set)
+    timer.start()
+    started = time.perf_counter()
+    try:
+        results = wb.ablate(device=DEVICE, out=False, progress=False, stop=stop, **arguments)
+    except Exception as error:  # noqa: BLE001 - recorded; the stage's other parts go on
+        record.error(name, error)
+        return
+    finally:
+        timer.cancel()
+    print(results.summary(), flush=True)
+    settings = {key: value for key, value in arguments.items() if key != "techniques"}
+    record.part(
+        name,
+        {
+            "settings": {**settings, "techniques": str(arguments.get("techniques"))},
+            "seconds": round(time.perf_counter() - started, 1),
+            "stopped_at_the_limit": stop.is_set(),
+            "warnings": results.warnings(),
+            "table": _rows(results),
+        },
+    )
+
+
+def stage_env(record: Record, size: dict) -> None:
+    import torch
+
+    from workbench import optional
+    from workbench.environment import environment
+    from workbench.techniques import list_techniques
+
+    record.part("environment", environment())
+    record.part("optional_packages", optional.report())
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+             "--format=csv"],
+            capture_output=True, text=True, check=False, timeout=20,
+        )  # fmt: skip
+        record.part("nvidia_smi", smi.stdout.strip() or smi.stderr.strip())
+    except (OSError, subprocess.TimeoutExpired) as error:
+        record.part("nvidia_smi", f"not run: {error}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    table = list_techniques(device=device)
+    record.part("techniques", json.loads(table.to_json(orient="records")))
+    print(table.to_string(), flush=True)
+
+
+def stage_tests(record: Record, size: dict) -> None:
+    # Only the files that hold GPU tests are collected: the rest import notebook and browser
+    # packages a GPU machine need not have. addopts is cleared for the same reason (nbval's flags).
+    files = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"pytest\.mark\.gpu", path.read_text())
+    )
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider",
+               "-v", "-rfEs", "--timeout", "240", *files]  # fmt: skip
+    record.part("command", " ".join(command))
+    log = []
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outcomes = {}
+    line_pattern = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        log.append(line)
+        match = line_pattern.match(line)
+        if match:
+            outcomes[match.group(1)] = match.group(2).lower()
+            record.part("outcomes", outcomes)
+        if time.time() > DEADLINE:
+            process.kill()
+            break
+    process.wait()
+    counts: dict[str, int] = {}
+    for outcome in outcomes.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    record.part("counts", counts)
+    # pytest's short summary: the reason of each failure and skip, one line each.
+    summary = [line.rstrip() for line in log if re.match(r"^(FAILED|ERROR|SKIPPED) ", line)]
+    record.part("short_summary", summary)
+    record.part("exit_code", process.returncode)
+    if process.returncode not in (0, None):
+        raise SystemExit(f"pytest -m gpu exited with {process.returncode}: {counts}")
+
+
+def stage_models(record: Record, size: dict) -> None:
+    from workbench.models import list_models
+
+    for model in list_models()["name"]:
+        _ablation(
+            record,
+            model,
+            model=model,
+            techniques=None,  # every technique, its defaults; those that do not apply say why
+            steps=size["steps"],
+            warmup=size["warmup"],
+            blocks=size["blocks"],
+        )
+
+
+def stage_kernels(record: Record, size: dict) -> None:
+    import torch
+
+    from workbench import raw_kernels
+    from workbench.kernel_bench import copy_bandwidth, measure_kernels
+
+    reason = raw_kernels.cupy_unavailable_reason()
+    if reason:
+        raise SystemExit(f"skipped: {reason}")
+    record.part("copy_bandwidth_gbs", copy_bandwidth())
+    for dtype in ("float32", "bfloat16"):
+        try:
+            table = measure_kernels(rounds=size["rounds"], dtype=getattr(torch, dtype))
+        except Exception as error:  # noqa: BLE001
+            record.error(f"kernels {dtype}", error)
+            continue
+        print(table.to_string(), flush=True)
+        record.part(f"kernels_{dtype}", json.loads(table.to_json(orient="records")))
+    if size.get("end_to_end"):
+        _ablation(
+            record,
+            "end_to_end",
+            model="gpt-mini",
+            techniques={"cupy_fusion": True, "compile": True},
+            steps=size["steps"],
+            warmup=10,
+            blocks=size["blocks"],
+            batch_size=64,
+        )
+
+
+def stage_cuda_graphs(record: Record, size: dict) -> None:
+    _ablation(
+        record,
+        "launch_bound",
+        model="mlp",
+        techniques={"cuda_graphs": {"mode": ["manual", "compile"]}},
+        batch_size=8,
+        steps=size["steps"],
+        warmup=10,
+        blocks=size["blocks"],
+    )
+    if size.get("stack"):
+        _ablation(
+            record,
+            "full_stack",
+            model="gpt-mini",
+            techniques={"amp": {"dtype": "bfloat16"}, "compile": True, "cuda_graphs": True},
+            mode="leave-one-out",
+            batch_size=32,
+            steps=50,
+            warmup=10,
+            blocks=3,
+        )
+
+
+def stage_precision(record: Record, size: dict) -> None:
+    # The baseline is strict float32: PyTorch's default matmul precision ("highest"); the tf32 arm
+    # turns TensorFloat-32 on for its own windows only.
+    _ablation(
+        record,
+        "gpt_mini",
+        model="gpt-mini",
+        techniques={"tf32": True, "amp": {"dtype": ["bfloat16", "float16"]}},
+        batch_size=size["batch_size"],
+        steps=size["steps"],
+        warmup=10,
+        blocks=size["blocks"],
+    )
+
+
+STAGE_FUNCTIONS = {
+    "env": stage_env,
+    "tests": stage_tests,
+    "models": stage_models,
+    "kernels": stage_kernels,
+    "cuda_graphs": stage_cuda_graphs,
+    "precision": stage_precision,
+}
+
+
+def run_stage(name: str, out: Path, size: dict) -> int:
+    """The child's side: one stage, its JSON written as it goes; exit 0, 1 (failed) or 3 (skipped)."""
+    import torch
+
+    record = Record(out / f"{name}.json", name, size)
+    if name != "env" and DEVICE == "cuda" and not torch.cuda.is_available():
+        record.data["skipped"] = "needs a CUDA device; torch sees none on this machine"
+        record.write()
+        return 3
+    try:
+        STAGE_FUNCTIONS[name](record, size)
+    except SystemExit as stop:
+        text = str(stop.code)
+        if text.startswith("skipped: "):
+            record.data["skipped"] = text.removeprefix("skipped: ")
+            record.write()
+            return 3
+        record.data["errors"].append({"where": name, "error": text})
+        record.write()
+        return 1
+    except Exception as error:  # noqa: BLE001
+        record.error(name, error)
+        return 1
+    if record.data["errors"]:
+        return 1
+    parts = record.data["parts"].values()
+    return 4 if any(isinstance(part, dict) and part.get("stopped_at_the_limit") for part in parts) else 0
+
+
+# --- the parent: stages in order, each stopped at its limit; the summary -------------------------
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End a stage and every process it started (arms, templates, pytest): its own process group."""
+    for sig, wait in ((signal.SIGINT, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch(name: str, out: Path, size_name: str, limit_s: float) -> dict:
+    log_path = out / f"{name}.log"
+    deadline = time.time() + limit_s - 25  # the child stops its own work then, leaving time to write
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out),
+               "--size", size_name, "--deadline", str(deadline), "--device", DEVICE]  # fmt: skip
+    started = time.perf_counter()
+    print(f"\n=== {name} (limit {limit_s:.0f} s) ===", flush=True)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_child_env()
+        )
+        timed_out = False
+        try:
+            process.wait(limit_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop(process)
+    seconds = time.perf_counter() - started
+    record = _read(out / f"{name}.json")
+    if timed_out:
+        status, reason = "timed out", f"stopped at its {limit_s:.0f} s limit; what it wrote by then is kept"
+    elif process.returncode == 0:
+        status, reason = "passed", ""
+    elif process.returncode == 4:
+        status, reason = (
+            "timed out",
+            "an ablation was stopped at the stage's limit; its finished blocks are kept",
+        )
+    elif process.returncode == 3:
+        status, reason = "skipped", record.get("skipped", "")
+    else:
+        status = "failed"
+        errors = record.get("errors") or []
+        reason = "; ".join(error["error"] for error in errors) or _tail(log_path)
+    print(f"--- {name}: {status} in {seconds:.0f} s {('- ' + reason) if reason else ''}", flush=True)
+    return {
+        "stage": name,
+        "status": status,
+        "seconds": round(seconds, 1),
+        "limit_s": limit_s,
+        "reason": reason,
+    }
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    # The arms' processes import workbench too: the package need not be installed.
+    paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _arm(record: dict, part: str, arm: str) -> dict | None:
+    for row in (record.get("parts", {}).get(part) or {}).get("table", []):
+        if row.get("arm") == arm:
+            return row
+    return None
+
+
+def goals(out: Path) -> list[dict]:
+    """Each goal of issue 13 with the figure measured: met, missed, or not measured (and why)."""
+    checked = []
+    for goal, (stage, arm, target) in GOALS.items():
+        record = _read(out / f"{stage}.json")
+        parts = record.get("parts", {})
+        row = next((r for part in parts for r in [_arm(record, part, arm)] if r), None)
+        entry = {"goal": goal, "target": f">= {target}x"}
+        if row is None or row.get("speedup") is None:
+            entry.update(
+                result="not measured", reason=(row or {}).get("reason") or "the stage wrote no such arm"
+            )
+        else:
+            entry.update(
+                result="met" if row["speedup"] >= target else "missed",
+                speedup=row["speedup"],
+                interval=[row.get("speedup_low"), row.get("speedup_high")],
+                loss_vs_baseline=row.get("loss_vs_baseline"),
+                mfu_pct=row.get("mfu_pct"),
+            )
+        checked.append(entry)
+    kernels = _read(out / "kernels.json").get("parts", {})
+    for key in ("kernels_float32", "kernels_bfloat16"):
+        for row in kernels.get(key, []):
+            share = row.get("pct_of_copy")
+            checked.append(
+                {
+                    "goal": f"{row.get('operator')} {row.get('pass')} ({row.get('dtype')}) bandwidth",
+                    "target": f">= {KERNEL_GOAL_PCT:g}% of copy",
+                    "result": "not measured" if share is None else ("met" if share >= KERNEL_GOAL_PCT else "missed"),
+                    "pct_of_copy": share,
+                }
+            )  # fmt: skip
+    return checked
+
+
+def write_summary(out: Path, stages: list[dict], size_name: str, revision: str | None) -> None:
+    env = _read(out / "env.json").get("parts", {}).get("environment", {})
+    machine = {
+        key: env.get(key)
+        for key in (
+            "gpus",
+            "driver_version",
+            "cuda_version",
+            "cudnn_version",
+            "torch",
+            "cupy",
+            "python",
+            "cpu",
+        )
+    }
+    summary = {"size": size_name, "revision": revision or env.get("git_revision"), "machine": machine,
+               "stages": stages, "goals": goals(out)}  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    lines = [f"# GPU suite ({size_name} size), revision {summary['revision'] or 'unknown'}", ""]
+    lines += [f"- {key}: {value}" for key, value in machine.items()]
+    lines += ["", "| stage | status | seconds | limit | why |", "| --- | --- | --- | --- | --- |"]
+    lines += [
+        f"| {s['stage']} | {s['status']} | {s['seconds']} | {s['limit_s']:.0f} | {s['reason']} |"
+        for s in stages
+    ]
+    lines += ["", "| goal | target | result | figure |", "| --- | --- | --- | --- |"]
+    for goal in summary["goals"]:
+        if "speedup" in goal:
+            low, high = goal["interval"]
+            figure = (
+                f"{goal['speedup']:.2f}x ({low:.2f} to {high:.2f})"
+                if low is not None
+                else f"{goal['speedup']:.2f}x"
+            )
+        elif goal.get("pct_of_copy") is not None:
+            figure = f"{goal['pct_of_copy']:.0f}%"
+        else:
+            figure = goal.get("reason", "")
+        lines.append(f"| {goal['goal']} | {goal['target']} | {goal['result']} | {figure} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", required=True, help="folder for the stages' JSON and logs (created; must be empty)"
+    )
+    parser.add_argument(
+        "--stage", action="append", help=f"run only these stages, in the order given: {', '.join(STAGES)}"
+    )
+    parser.add_argument("--size", default="full", help=f"how much each stage runs: {' or '.join(SIZES)}")
+    parser.add_argument("--revision", help="the git revision measured, where the tree has no .git")
+    parser.add_argument(
+        "--device", default="cuda", choices=["cuda", "cpu"],
+        help="cpu rehearses the suite itself where there is no GPU: the stages that can run do, on the CPU",
+    )  # fmt: skip
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.size not in SIZES:
+        parser.error(f"--size must be one of {', '.join(SIZES)}; got {args.size!r}")
+    stages = args.stage or STAGES
+    unknown = [name for name in stages if name not in STAGES]
+    if unknown:
+        parser.error(f"unknown stage {', '.join(map(repr, unknown))}; the stages are {', '.join(STAGES)}")
+    out = Path(args.out)
+    global DEVICE
+    DEVICE = args.device
+    if args.child:
+        global DEADLINE
+        DEADLINE = args.deadline or DEADLINE
+        return run_stage(args.child, out, SIZES[args.size][args.child])
+    if out.exists() and any(out.iterdir()):
+        parser.error(f"--out {out} is not empty: the suite writes a fresh folder and never overwrites a run")
+    out.mkdir(parents=True, exist_ok=True)
+    results = [launch(name, out, args.size, SIZES[args.size][name]["limit_s"]) for name in stages]
+    write_summary(out, results, args.size, args.revision)
+    return 0 if all(stage["status"] in ("passed", "skipped") for stage in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
