@@ -12,9 +12,29 @@ only what training needs (torch), not pandas or matplotlib.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+
+def _find_subpackages_in_the_source_tree() -> None:
+    """Installed, datasets/ and kernels/ become workbench.datasets and workbench.kernels
+    (pyproject's package-dir). From a source tree on PYTHONPATH, with nothing installed (the GPU
+    suite on a machine that has torch but not workbench), they sit beside the package instead:
+    look for them there too."""
+    source_tree = Path(__file__).resolve().parent.parent
+    if (
+        not (source_tree / "pyproject.toml").is_file()
+        or not (source_tree / "datasets" / "__init__.py").is_file()
+    ):
+        return
+    if importlib.util.find_spec("workbench.datasets") is None:
+        __path__.append(str(source_tree))
+
+
+_find_subpackages_in_the_source_tree()
 
 _EXPORTS = {
     "ablate": "workbench.ablation",
