@@ -182,7 +182,8 @@ def stage_tests(record: Record, size: dict) -> None:
     log = []
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outcomes = {}
-    line_pattern = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+    # Test ids hold spaces ("[(1, 1)-torch.float64]"): the outcome is the word before "[ NN%]".
+    line_pattern = re.compile(r"^(tests/.+?::.+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+\[\s*\d+%\]")
     for line in process.stdout:
         print(line, end="", flush=True)
         log.append(line)
@@ -201,6 +202,8 @@ def stage_tests(record: Record, size: dict) -> None:
     # pytest's short summary: the reason of each failure and skip, one line each.
     summary = [line.rstrip() for line in log if re.match(r"^(FAILED|ERROR|SKIPPED) ", line)]
     record.part("short_summary", summary)
+    final = [line.strip(" =\n") for line in log if re.match(r"^=+ .*\d+ (passed|failed|error)", line)]
+    record.part("pytest_says", final[-1] if final else "pytest printed no final count")
     record.part("exit_code", process.returncode)
     if process.returncode not in (0, None):
         raise SystemExit(f"pytest -m gpu exited with {process.returncode}: {counts}")
@@ -326,6 +329,20 @@ def run_stage(name: str, out: Path, size: dict) -> int:
         record.error(name, error)
         return 1
     if record.data["errors"]:
+        return 1
+    # An ablation that ran but whose arms failed is a failed stage, not a passed one.
+    failed = [
+        f"{part_name}: {row['arm']}: {row.get('reason')}"
+        for part_name, part in record.data["parts"].items()
+        if isinstance(part, dict)
+        for row in part.get("table", [])
+        if row.get("status") in ("failed", "error", "oom", "crashed")
+    ]
+    if failed:
+        record.data["errors"].append(
+            {"where": name, "error": f"{len(failed)} arms failed; first: {failed[0]}"}
+        )
+        record.write()
         return 1
     parts = record.data["parts"].values()
     return 4 if any(isinstance(part, dict) and part.get("stopped_at_the_limit") for part in parts) else 0

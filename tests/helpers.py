@@ -31,7 +31,7 @@ def block_spec(
         loss_fn=overrides.pop("loss_fn", None),
         arms=[ArmSpec(name, parse_techniques(chosen)) for name, chosen in arms.items()],
         run=RunConfig(
-            steps=steps, warmup=warmup, batch_size=batch_size, device="cpu", **{"rounds": 1, **settings}
+            steps=steps, warmup=warmup, batch_size=batch_size, **{"device": "cpu", "rounds": 1, **settings}
         ),
     )
     for key, value in overrides.items():

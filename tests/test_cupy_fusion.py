@@ -135,3 +135,17 @@ def test_fused_adamw_settings():
         1e-6,
         (0.9, 0.999),
     )
+
+
+def test_the_kernel_benchmark_speedup_pairs_the_interleaved_rounds():
+    # Pure arithmetic, so it runs here although the benchmark itself needs a GPU (the first GPU
+    # run found it calling a stats function that no longer existed).
+    from workbench.kernel_bench import _speedup
+
+    eager = [2.0e-3, 2.2e-3, 1.9e-3, 2.1e-3, 2.0e-3]  # seconds per call, one per round
+    fused = [1.0e-3, 1.1e-3, 0.95e-3, 1.05e-3, 1.0e-3]  # the same rounds, each exactly 2x faster
+    point, low, high = _speedup(eager, fused)
+    assert point == pytest.approx(2.0, rel=1e-6)
+    assert low <= point <= high
+    point, low, high = _speedup(eager, [2 * s for s in eager[::-1]])
+    assert point < 1 and low < high

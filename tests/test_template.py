@@ -153,3 +153,19 @@ def test_a_bad_keep_warm_setting_is_refused_before_anything_runs(monkeypatch, va
         wb.plan(model="mlp")
     monkeypatch.setenv("WORKBENCH_KEEP_WARM_S", " 30 ")
     assert workbench.template.keep_warm_s() == 30.0
+
+
+def test_the_fork_safety_check_leaves_cuda_untouched(monkeypatch):
+    # Counting CUDA devices (is_available, device_count) in the template marks it so that no
+    # forked worker can use CUDA: on an H200 every worker failed with "Cannot re-initialize CUDA
+    # in forked subprocess" while the check called is_available().
+    import torch
+
+    def touched(*_args, **_kwargs):
+        raise AssertionError("the template counted CUDA devices before forking")
+
+    monkeypatch.setattr(torch.cuda, "is_available", touched)
+    monkeypatch.setattr(torch.cuda, "device_count", touched)
+    assert workbench.template._check_fork_safe() is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "CUDA was initialized" in workbench.template._check_fork_safe()

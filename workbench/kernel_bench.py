@@ -59,8 +59,12 @@ def copy_bandwidth(megabytes: int = 512, rounds: int = 10, calls: int = 20) -> f
 
 
 def _speedup(baseline: list[float], arm: list[float]) -> tuple[float, float, float]:
-    windows = lambda seconds: [stats.Window(1 / s, []) for s in seconds]  # noqa: E731
-    return stats.speedup_interval(windows(baseline), windows(arm))
+    """How many times faster ``arm`` is than ``baseline`` (seconds per call, one per round), with
+    its 95% interval. The rounds interleave both in one process, so they pair up: one block whose
+    windows are the rounds (workbench.stats)."""
+    rounds = lambda seconds: stats.Side([[s] for s in seconds], samples_per_step=1.0)  # noqa: E731
+    speedup = stats.combine_blocks([stats.block_ratio(rounds(baseline), rounds(arm), paired=True)])
+    return speedup.point, speedup.low, speedup.high
 
 
 def _cases(rows: int, cols: int, dtype: torch.dtype, dropout: float):

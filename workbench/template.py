@@ -393,7 +393,10 @@ def _reap(control: socket.socket) -> None:
 def _check_fork_safe() -> str | None:
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # is_initialized alone: is_available() counts the devices, which marks this process so that
+    # no forked child can use CUDA ("Cannot re-initialize CUDA in forked subprocess", seen on an
+    # H200 where every worker failed so).
+    if torch.cuda.is_initialized():
         return "CUDA was initialized while importing; a forked child could not use it"
     return None
 
