@@ -137,9 +137,12 @@ def test_graphed_step_equals_the_eager_step(model, amp, extra):
     graphed = train(
         model, {**techniques, "cuda_graphs": {"warmup_steps": 2}}, steps=10, warmup=3, device="cuda"
     )
-    torch.testing.assert_close(
-        torch.tensor(graphed["losses"]), torch.tensor(eager["losses"]), rtol=1e-4, atol=1e-5
-    )
+    # Under capture cuBLAS may pick other GEMM kernels (another workspace), which add in another
+    # order: in float32 the losses agree to 1e-4, in bfloat16 to a few of its units in the last
+    # place (0.3% at most on an H200). A replay that skipped or repeated an update would be off
+    # by far more: mlp's loss falls from 2.2 to 0.6 over these 13 steps (on a CPU).
+    tolerance = {"rtol": 1e-2, "atol": 1e-3} if amp else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(torch.tensor(graphed["losses"]), torch.tensor(eager["losses"]), **tolerance)
     assert graphed["phase_ms"]["replay"] > 0 and graphed["phase_ms"]["forward"] == 0
 
 

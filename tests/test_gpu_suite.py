@@ -1,0 +1,101 @@
+"""benchmarks/gpu_suite.py, the one command that verifies the GPU half, checked where there is no
+GPU: its refusals, its time limits, its goals and a rehearsal of its stages on the CPU."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import left_behind
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        (["--stage", "kernel"], "env, tests, models, kernels, cuda_graphs, precision"),
+        (["--size", "tiny"], "full, short"),
+        (["--device", "tpu"], "'cuda', 'cpu'"),
+    ],
+)
+def test_bad_choices_are_refused_naming_the_valid_ones(suite, tmp_path, capsys, arguments, named):
+    with pytest.raises(SystemExit) as stopped:
+        suite.main(["--out", str(tmp_path / "run"), *arguments])
+    assert stopped.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_with_anything_in_it_is_never_written_over(suite, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        suite.main(["--out", str(tmp_path), "--stage", "env"])
+    assert "is not empty" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_stage_past_its_limit_is_stopped_with_its_processes_and_the_summary_says_so(
+    suite, tmp_path, monkeypatch
+):
+    # pytest alone takes longer than this to collect the GPU tests.
+    monkeypatch.setitem(suite.SIZES["short"], "tests", {"limit_s": 2})
+    code = suite.main(["--out", str(tmp_path), "--size", "short", "--stage", "tests", "--device", "cpu"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (stage,) = summary["stages"]
+    assert code == 1
+    assert stage["status"] == "timed out" and "2 s limit" in stage["reason"]
+    assert stage["seconds"] < 30
+    assert not [p for p in left_behind() if "gpu_suite" in " ".join(p.cmdline())]
+    assert "| tests | timed out |" in (tmp_path / "summary.md").read_text()
+
+
+def _stage(folder: Path, name: str, parts: dict) -> None:
+    (folder / f"{name}.json").write_text(json.dumps({"stage": name, "parts": parts, "errors": []}))
+
+
+def test_goals_are_met_missed_or_not_measured_with_the_reason(suite, tmp_path):
+    rows = [
+        {"arm": "baseline", "speedup": 1.0},
+        {"arm": "amp[dtype=bfloat16]", "speedup": 2.5, "speedup_low": 2.3, "speedup_high": 2.7},
+        {"arm": "amp[dtype=float16]", "speedup": 1.4, "speedup_low": 1.3, "speedup_high": 1.5},
+        {"arm": "tf32", "status": "failed", "speedup": None, "reason": "block 1: it broke"},
+    ]
+    _stage(tmp_path, "precision", {"gpt_mini": {"table": rows}})
+    _stage(tmp_path, "kernels", {"kernels_float32": [{"operator": "AdamW step", "pass": "optimizer",
+                                                       "dtype": "float32", "pct_of_copy": 91.0}]})  # fmt: skip
+    results = {goal["goal"]: goal for goal in suite.goals(tmp_path)}
+    assert results["bf16 autocast vs float32 (gpt-mini)"]["result"] == "met"
+    assert results["fp16 + GradScaler vs float32 (gpt-mini)"]["result"] == "missed"
+    tf32 = results["TF32 vs strict float32 (gpt-mini)"]
+    assert tf32["result"] == "not measured" and tf32["reason"] == "block 1: it broke"
+    assert results["CUDA Graphs vs eager (mlp, batch 8)"]["result"] == "not measured"
+    assert results["AdamW step optimizer (float32) bandwidth"]["result"] == "met"
+
+
+@pytest.mark.slow
+def test_a_rehearsal_on_the_cpu_runs_the_stages_that_can_run_and_skips_the_rest(tmp_path):
+    # As on a GPU machine: a child interpreter with nothing but this tree on its path for workbench.
+    import subprocess
+
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--out", str(tmp_path),
+               "--size", "short", "--device", "cpu", "--stage", "env", "--stage", "tests", "--stage", "kernels"]  # fmt: skip
+    subprocess.run(command, check=True, cwd=tmp_path, timeout=300, capture_output=True)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(s["stage"], s["status"]) for s in summary["stages"]] == [
+        ("env", "passed"), ("tests", "passed"), ("kernels", "skipped")
+    ]  # fmt: skip
+    assert "CUDA" in summary["stages"][2]["reason"]
+    tests = json.loads((tmp_path / "tests.json").read_text())["parts"]
+    # Every GPU test was collected, and each one skipped here with its reason.
+    assert tests["counts"]["skipped"] >= 30 and set(tests["counts"]) == {"skipped"}
+    assert summary["machine"]["torch"]
