@@ -1,5 +1,6 @@
 """The measuring instruments: clocks, memory, utilization, sampler."""
 
+import math
 import time
 
 import pytest
@@ -140,3 +141,23 @@ def test_steal_time_is_named_as_other_virtual_machines():
     no_steal = [{"others_cpu_cores": 0.6, "steal_cpu_cores": 0.0, "load_avg_1m": 0.5}] * 5
     assert "steal" not in competing_load(no_steal, cores=2)["warning"]
     assert "steal_cpu_cores" in CompetingLoad().read()  # measured here, even when it is 0
+
+
+def test_a_graphed_step_counts_the_pool_its_graph_holds_once():
+    # A replayed CUDA graph allocates nothing in the windows; what it holds is its private pool,
+    # gradients included. The arithmetic is the same on any device, so it is checked here.
+    model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 1024)).sum().backward()  # 4 MiB of gradients, which the pool holds
+    pool = 20 * 2**20
+
+    def step():
+        return None
+
+    eager_peak, _ = ArmMemory(torch.device("cpu")).measure_step(step, model, optimizer)
+    graphed_peak, activations = ArmMemory(torch.device("cpu")).measure_step(
+        step, model, optimizer, graphed=True, graph_pool_bytes=pool
+    )
+    assert eager_peak == pytest.approx(8, abs=0.1)  # weights and gradients
+    assert graphed_peak == pytest.approx(4 + 20, abs=0.1)  # weights, and the pool with the gradients
+    assert math.isnan(activations)

@@ -287,6 +287,7 @@ class BlockArm:
                 trainer.model,
                 trainer.optimizer,
                 graphed=self.setup.graph_step is not None,
+                graph_pool_bytes=getattr(self.setup.graph_step, "pool_bytes", 0),
             )
             flops = (
                 {} if self.spec.loader_only else self._count_flops({} if flop_counts is None else flop_counts)

@@ -105,6 +105,7 @@ class GraphedStep:
         self.static_inputs: Any = None
         self.static_targets: torch.Tensor | None = None
         self.static_loss: torch.Tensor | None = None
+        self.pool_bytes = 0  # what the graph's private memory pool holds for its lifetime
 
     def __call__(self, trainer, inputs: Any, targets: torch.Tensor, clock: StepClock) -> torch.Tensor:
         if self.graph is None and self.eager_steps_left > 0:
@@ -134,6 +135,11 @@ class GraphedStep:
         self.static_targets = _clone(targets)
         trainer.optimizer.zero_grad(set_to_none=True)  # gradients are then allocated in the graph's pool
         graph = torch.cuda.CUDAGraph()
+        # Capture allocates only from the graph's new private pool, and the caching allocator
+        # gives no memory back meanwhile: what it reserves in between is that pool.
+        device = next((p.device for p in trainer.model.parameters()), None)
+        torch.cuda.synchronize(device)
+        reserved_before = torch.cuda.memory_reserved(device)
         try:
             with torch.cuda.graph(graph):
                 self.static_loss = trainer.compute(self.static_inputs, self.static_targets, _NoClock())
@@ -141,6 +147,7 @@ class GraphedStep:
             if "captur" in str(error).lower() or "not permitted" in str(error).lower():
                 raise RuntimeError(f"cuda_graphs: {SYNC_HINT} ({error})") from error
             raise
+        self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved_before)
         self.graph = graph
 
     def _check_shapes(self, inputs: Any, targets: torch.Tensor) -> None:
