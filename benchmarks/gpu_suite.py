@@ -346,8 +346,17 @@ def run_stage(name: str, out: Path, size: dict) -> int:
         )
         record.write()
         return 1
-    parts = record.data["parts"].values()
-    return 4 if any(isinstance(part, dict) and part.get("stopped_at_the_limit") for part in parts) else 0
+    # Out of time: an ablation stopped at the limit (its finished blocks kept), or never started.
+    short = [
+        f"{part_name}: {'stopped at the limit' if part.get('stopped_at_the_limit') else part['not_started']}"
+        for part_name, part in record.data["parts"].items()
+        if isinstance(part, dict) and (part.get("stopped_at_the_limit") or part.get("not_started"))
+    ]
+    if short:
+        record.data["out_of_time"] = short
+        record.write()
+        return 4
+    return 0
 
 
 # --- the parent: stages in order, each stopped at its limit; the summary -------------------------
@@ -391,10 +400,7 @@ def launch(name: str, out: Path, size_name: str, limit_s: float) -> dict:
     elif process.returncode == 0:
         status, reason = "passed", ""
     elif process.returncode == 4:
-        status, reason = (
-            "timed out",
-            "an ablation was stopped at the stage's limit; its finished blocks are kept",
-        )
+        status, reason = "timed out", "; ".join(record.get("out_of_time", []))
     elif process.returncode == 3:
         status, reason = "skipped", record.get("skipped", "")
     else:

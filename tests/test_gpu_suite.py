@@ -99,3 +99,15 @@ def test_a_rehearsal_on_the_cpu_runs_the_stages_that_can_run_and_skips_the_rest(
     # Every GPU test was collected, and each one skipped here with its reason.
     assert tests["counts"]["skipped"] >= 30 and set(tests["counts"]) == {"skipped"}
     assert summary["machine"]["torch"]
+
+
+def test_an_ablation_with_too_little_time_left_is_not_started_and_the_stage_says_so(
+    suite, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(suite, "DEVICE", "cpu")
+    monkeypatch.setattr(suite, "DEADLINE", __import__("time").time() + 5)
+    monkeypatch.setitem(suite.STAGE_FUNCTIONS, "models", lambda record, size: suite._ablation(record, "mlp"))
+    assert suite.run_stage("models", tmp_path, {}) == 4  # the parent reports it as timed out
+    record = json.loads((tmp_path / "models.json").read_text())
+    assert "not_started" in record["parts"]["mlp"]
+    assert record["out_of_time"] == [f"mlp: {record['parts']['mlp']['not_started']}"]
