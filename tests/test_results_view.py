@@ -74,7 +74,9 @@ def test_numbers_are_never_in_scientific_notation(value):
     assert float(text.replace(",", "")) == pytest.approx(value, rel=0.01, abs=1e-9)
 
 
-@pytest.mark.parametrize(("low", "high"), [(0.11, 1.16), (0.95, 9.3), (0.62, 1.42)])
+@pytest.mark.parametrize(
+    ("low", "high"), [(0.11, 1.16), (0.95, 9.3), (0.62, 1.42), (0.98, 7.07), (1.0, 19.1)]
+)
 def test_the_speedup_axis_has_a_number_beyond_its_farthest_interval(low, high):
     import matplotlib
 

@@ -62,6 +62,19 @@ def plot_results(results) -> ResultsFigure:
     return figure
 
 
+def plot_speedups(table, title: str) -> ResultsFigure:
+    """The throughput panel of ``plot_results`` alone, from a table with ``arm``, ``status``,
+    ``speedup``, ``speedup_low`` and ``speedup_high``: for figures recorded elsewhere and read back
+    as a DataFrame, such as the GPU suite's (benchmarks/results/gpu), which keep no Results."""
+    table = table.iloc[::-1].reset_index(drop=True)  # first arm at the top
+    figure = ResultsFigure(figsize=(8, 1.2 + 0.42 * max(len(table), 3)), layout="constrained")
+    axes = figure.subplots()
+    _plot_speedups(axes, table, np.arange(len(table)))
+    _legend_below(axes)
+    figure.suptitle(title, fontsize=10)
+    return figure
+
+
 def _plot_speedups(axes, table, y) -> None:
     """Speedup: point and 95% interval per arm, on a log axis (0.5x and 2x are equally far from
     1x); rows that did not run say why."""
@@ -233,13 +246,39 @@ def readable_log_ticks(axis, lows, highs) -> None:
 
     finite = [v for v in [*lows, *highs, 1.0] if np.isfinite(v) and v > 0]
     low, high = min(finite), max(finite)
-    candidates = [0.1, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 5, 10, 20]
+    # 6 and 8: with only 5 and 10 above 4, CUDA Graphs' 6.7x on an H200 had no number near it.
+    candidates = [
+        0.1,
+        0.2,
+        0.25,
+        0.33,
+        0.5,
+        0.67,
+        0.8,
+        0.9,
+        1.0,
+        1.1,
+        1.25,
+        1.5,
+        2,
+        3,
+        4,
+        5,
+        6,
+        8,
+        10,
+        15,
+        20,
+        30,
+        50,
+    ]
     ticks = [t for t in candidates if low / 1.15 <= t <= high * 1.15] or [1.0]
-    # Labels need room: on a wide axis, 0.8, 1 and 1.25 sit too close to be read. Keep 1, then,
-    # nearest to 1 first, only ticks at least a ninth of the axis (in log terms) from every tick kept.
+    # Labels need room: on a wide axis, 0.8, 1 and 1.25 sit too close to be read. Keep 1, then the
+    # outermost ticks (a number beyond each end of the intervals), then, nearest to 1 first, only
+    # ticks at least a ninth of the axis (in log terms) from every tick kept.
     gap = math.log(max(high, 1.0) * 1.08 / (min(low, 1.0) / 1.08)) / 9
     kept = [1.0] if 1.0 in ticks else []
-    for tick in sorted(ticks, key=lambda t: abs(math.log(t))):
+    for tick in [max(ticks), min(ticks), *sorted(ticks, key=lambda t: abs(math.log(t)))]:
         if all(abs(math.log(tick / other)) >= gap for other in kept):
             kept.append(tick)
     ticks = sorted(kept) or ticks
