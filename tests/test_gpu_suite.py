@@ -111,3 +111,12 @@ def test_an_ablation_with_too_little_time_left_is_not_started_and_the_stage_says
     record = json.loads((tmp_path / "models.json").read_text())
     assert "not_started" in record["parts"]["mlp"]
     assert record["out_of_time"] == [f"mlp: {record['parts']['mlp']['not_started']}"]
+
+
+def test_the_tests_stage_stops_pytest_at_its_own_deadline_and_keeps_what_it_saw(suite, tmp_path, monkeypatch):
+    monkeypatch.setattr(suite, "DEVICE", "cpu")
+    monkeypatch.setattr(suite, "DEADLINE", 0.0)  # long past: pytest is stopped at its first line
+    assert suite.run_stage("tests", tmp_path, {}) == 4
+    record = json.loads((tmp_path / "tests.json").read_text())
+    assert record["out_of_time"] == ["pytest: stopped at the limit"]
+    assert record["parts"]["exit_code"] != 0 and not record["errors"]
