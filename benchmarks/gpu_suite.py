@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +73,8 @@ GOALS = {
     "CUDA Graphs vs eager (mlp, batch 8)": ("cuda_graphs", "cuda_graphs[mode=manual]", 2.0),
 }
 KERNEL_GOAL_PCT = 85.0
+FAILED_STATUSES = ("failed", "oom")  # of workbench.results.STATUSES: the arm measured nothing
+PRECISION_ARMS = {"tf32": True, "amp": {"dtype": ["bfloat16", "float16"]}}
 
 TABLE_COLUMNS = [
     "arm", "status", "reason", "samples_per_s", "speedup", "speedup_low", "speedup_high", "noisy",
@@ -103,9 +106,9 @@ class Record:
         self.write()
 
     def write(self) -> None:
-        temporary = self.path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(self.data, indent=1, default=str))
-        temporary.replace(self.path)
+        from workbench.results_folder import write_json_atomic
+
+        write_json_atomic(self.path, self.data)
 
 
 def _rows(results) -> list[dict]:
@@ -200,9 +203,7 @@ def stage_tests(record: Record, size: dict) -> None:
             stopped = True
             break
     process.wait()
-    counts: dict[str, int] = {}
-    for outcome in outcomes.values():
-        counts[outcome] = counts.get(outcome, 0) + 1
+    counts = dict(Counter(outcomes.values()))
     record.part("counts", counts)
     # pytest's short summary: the reason of each failure and skip, one line each.
     summary = [line.rstrip() for line in log if re.match(r"^(FAILED|ERROR|SKIPPED) ", line)]
@@ -294,7 +295,7 @@ def stage_precision(record: Record, size: dict) -> None:
         record,
         "gpt_mini",
         model="gpt-mini",
-        techniques={"tf32": True, "amp": {"dtype": ["bfloat16", "float16"]}},
+        techniques=PRECISION_ARMS,
         batch_size=size["batch_size"],
         steps=size["steps"],
         warmup=10,
@@ -305,7 +306,7 @@ def stage_precision(record: Record, size: dict) -> None:
             record,
             "gpt_mini_large_batch",
             model="gpt-mini",
-            techniques={"tf32": True, "amp": {"dtype": ["bfloat16", "float16"]}},
+            techniques=PRECISION_ARMS,
             batch_size=size["large_batch_size"],
             steps=20,
             warmup=10,
@@ -324,7 +325,8 @@ STAGE_FUNCTIONS = {
 
 
 def run_stage(name: str, out: Path, size: dict) -> int:
-    """The child's side: one stage, its JSON written as it goes; exit 0, 1 (failed) or 3 (skipped)."""
+    """The child's side: one stage, its JSON written as it goes; exit 0 (passed), 1 (failed),
+    3 (skipped) or 4 (out of time: an ablation stopped at the limit or not started)."""
     import torch
 
     record = Record(out / f"{name}.json", name, size)
@@ -354,7 +356,7 @@ def run_stage(name: str, out: Path, size: dict) -> int:
         for part_name, part in record.data["parts"].items()
         if isinstance(part, dict)
         for row in part.get("table", [])
-        if row.get("status") in ("failed", "error", "oom", "crashed")
+        if row.get("status") in FAILED_STATUSES
     ]
     if failed:
         record.data["errors"].append(
@@ -512,6 +514,8 @@ def goals(out: Path) -> list[dict]:
 
 
 def write_summary(out: Path, stages: list[dict], size_name: str, revision: str | None) -> None:
+    from workbench.results_folder import write_json_atomic
+
     env = _read(out / "env.json").get("parts", {}).get("environment") or _environment()
     machine = {
         key: env.get(key)
@@ -528,7 +532,7 @@ def write_summary(out: Path, stages: list[dict], size_name: str, revision: str |
     }
     summary = {"size": size_name, "revision": revision or env.get("git_revision"), "machine": machine,
                "stages": stages, "goals": goals(out)}  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    write_json_atomic(out / "summary.json", summary)
     lines = [f"# GPU suite ({size_name} size), revision {summary['revision'] or 'unknown'}", ""]
     lines += [f"- {key}: {value}" for key, value in machine.items()]
     lines += ["", "| stage | status | seconds | limit | why |", "| --- | --- | --- | --- | --- |"]

@@ -4,6 +4,7 @@ GPU: its refusals, its time limits, its goals and a rehearsal of its stages on t
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def test_an_ablation_with_too_little_time_left_is_not_started_and_the_stage_says
     suite, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(suite, "DEVICE", "cpu")
-    monkeypatch.setattr(suite, "DEADLINE", __import__("time").time() + 5)
+    monkeypatch.setattr(suite, "DEADLINE", time.time() + 5)
     monkeypatch.setitem(suite.STAGE_FUNCTIONS, "models", lambda record, size: suite._ablation(record, "mlp"))
     assert suite.run_stage("models", tmp_path, {}) == 4  # the parent reports it as timed out
     record = json.loads((tmp_path / "models.json").read_text())

@@ -247,31 +247,8 @@ def readable_log_ticks(axis, lows, highs) -> None:
     finite = [v for v in [*lows, *highs, 1.0] if np.isfinite(v) and v > 0]
     low, high = min(finite), max(finite)
     # 6 and 8: with only 5 and 10 above 4, CUDA Graphs' 6.7x on an H200 had no number near it.
-    candidates = [
-        0.1,
-        0.2,
-        0.25,
-        0.33,
-        0.5,
-        0.67,
-        0.8,
-        0.9,
-        1.0,
-        1.1,
-        1.25,
-        1.5,
-        2,
-        3,
-        4,
-        5,
-        6,
-        8,
-        10,
-        15,
-        20,
-        30,
-        50,
-    ]
+    candidates = [0.1, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5,
+                  2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50]  # fmt: skip
     ticks = [t for t in candidates if low / 1.15 <= t <= high * 1.15] or [1.0]
     # Labels need room: on a wide axis, 0.8, 1 and 1.25 sit too close to be read. Keep 1, then the
     # outermost ticks (a number beyond each end of the intervals), then, nearest to 1 first, only
