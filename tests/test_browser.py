@@ -378,6 +378,9 @@ def _check_the_panel_before_the_run(page) -> None:
     for toggle in switched:  # back to the notebook's job: amp and grad_accum on mlp
         toggle.uncheck()
     _type_into(page, "world_size", "1")
+    # The notebook's 200 steps take a minute here (bf16 autocast is emulated on this CPU); 60 still
+    # give the live plot several frames and the status line its time left, as in test_widgets.
+    _type_into(page, "steps", "60")
     _choose(page, "data", "digits (mlp's own)")
     page.wait_for_selector(".workbench-technique-ddp_compression input[disabled]", timeout=60_000)
     page.wait_for_timeout(500)
