@@ -164,14 +164,25 @@ def _shares_a_block(name: str) -> tuple[str, dict] | None:
     return model, settings
 
 
+# "Beyond the noise" (issue 22): twin arms in one process differ by up to about 2% here for the whole
+# process (where their weights landed in memory), and 3 blocks cannot always average that out. Over
+# eight techniques per CI run, the control's interval missed 1.0 by that much: at 1.005-1.008 with
+# half-widths of 0.3% (BENCHMARKS.md, A/A), and at 0.982 [0.977, 0.987] beside the DataLoader arm.
+# So the control must agree with the baseline to within that noise, not to within its own interval.
+IN_PROCESS_NOISE = 0.02
+
+
 def _aa_with(name: str, model: str, settings: dict, seed: int) -> wb.Results:
     # Three blocks, so that the control's interval is the honest one across processes. Inside one
     # process, where each arm's weights and buffers landed in memory (decided by the build order)
     # moves one eager arm against its twin by 1-3% for the whole process; with compile beside them
     # a single block's control missed 1.0 in 2 of 10 runs at one seed, and retries at the same seed
     # repeat the same build order. A fresh seed per attempt makes the attempts independent.
+    # resnet-mini at a batch of 8, not its 32: a quarter of the step (44 s of CI for channels_last),
+    # and the batch size has no part in whether an arm leaves work or state behind.
+    batch = {"batch_size": 8} if model == "resnet-mini" else {}
     return wb.ablate(
-        model=model, techniques={name: settings}, steps=30, warmup=3, blocks=3, seed=seed, **QUIET
+        model=model, techniques={name: settings}, steps=30, warmup=3, blocks=3, seed=seed, **batch, **QUIET
     )
 
 
@@ -192,8 +203,11 @@ def test_adding_an_arm_to_a_block_does_not_change_what_the_others_measure(name):
             name, "notes"
         ]
         control = table.loc["baseline (control)"]
-        if not control.speedup_low <= 1.0 <= control.speedup_high:
-            return f"the control's interval [{control.speedup_low:.3f}, {control.speedup_high:.3f}] misses 1"
+        low, high = control.speedup_low, control.speedup_high
+        if high < 1.0 - IN_PROCESS_NOISE or low > 1.0 + IN_PROCESS_NOISE:
+            return (
+                f"the control's interval [{low:.3f}, {high:.3f}] is more than {IN_PROCESS_NOISE:.0%} from 1"
+            )
         if "slows the other arms" in table.loc[name, "notes"]:
             return table.loc[name, "notes"]
         return ""

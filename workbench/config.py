@@ -25,6 +25,8 @@ OPTIMIZERS = ("adamw", "sgd")
 # notebook (the notebooks tier sets it: tests/conftest.py), far too little to decide anything.
 # Blocks stay as given: they are what a notebook's plan and tables show. Two warm-up steps, not
 # one: PowerSGD all-reduces in full before its start_iter (2), and those steps must stay untimed.
+# A run's processes also share one compiled-code cache (workbench.ablation), so only its first
+# block pays torch.compile's cold start.
 SMOKE_ENV = "WORKBENCH_SMOKE"
 SMOKE_CAPS = {"steps": 3, "warmup": 2}
 SMOKE_BUDGET_S = 30.0  # a search's budget (wb.tune) under WORKBENCH_SMOKE=1
@@ -32,7 +34,7 @@ SMOKE_BUDGET_S = 30.0  # a search's budget (wb.tune) under WORKBENCH_SMOKE=1
 SMOKE_NOTE = (
     f"a smoke test's budget, not for decisions ({SMOKE_ENV}=1): every run was cut to at most "
     f"{SMOKE_CAPS['steps']} steps and {SMOKE_CAPS['warmup']} warm-up steps (a search to "
-    f"{SMOKE_BUDGET_S:.0f} s) to check that the code runs"
+    f"{SMOKE_BUDGET_S:.0f} s), and its processes shared compiled code, to check that the code runs"
 )
 
 
