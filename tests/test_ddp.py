@@ -11,12 +11,11 @@ import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import arm_result, block_spec, is_kept_template, is_workbench_process
+from helpers import arm_result, block_spec, is_kept_template, is_workbench_process, run_spec
 from torch import nn
 
 import workbench as wb
 from workbench.distributed import CommMeter, CommSettings, Link, free_port, wrap_ddp
-from workbench.process import run_in_fresh_process
 
 WORLD = 2
 
@@ -51,7 +50,8 @@ def _gradients_with(hook: str, rank: int, port: int, queue) -> None:
 
 
 def _gradients(hook: str):
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")  # torch imported once per session: helpers.on_ranks
+    context.set_forkserver_preload(["torch", "torch.distributed", "helpers"])
     queue = context.Queue()
     port = free_port()
     processes = [
@@ -116,7 +116,7 @@ def _buckets_per_step(no_sync: bool) -> float:
         warmup=2,
         batch_size=16,
     )
-    answer = run_in_fresh_process(spec, log_path=_log(f"no-sync-{no_sync}"), timeout_s=120, world_size=WORLD)
+    answer = run_spec(spec, WORLD, timeout_s=120, log_path=_log(f"no-sync-{no_sync}"))
     return arm_result(answer)["buckets_per_step"]
 
 
@@ -245,7 +245,7 @@ def test_the_simulated_link_delays_each_bucket_by_its_bytes():
         world_size=WORLD,
         link=link,
     )
-    answer = arm_result(run_in_fresh_process(spec, log_path=_log("link"), timeout_s=120, world_size=WORLD))
+    answer = arm_result(run_spec(spec, WORLD, timeout_s=120, log_path=_log("link")))
     wire = 2 * (WORLD - 1) / WORLD * answer["comm_bytes_per_step"]
     expected_ms = 1e3 * (answer["buckets_per_step"] * 0.002 + 8 * wire / 0.08e9)
     assert answer["comm_ms_per_step"] >= 0.9 * expected_ms

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import arm_result, block_spec, unavailable_here
+from helpers import arm_result, block_spec, run_spec, unavailable_here
 from technique_settings import TECHNIQUE_SETTINGS
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -36,7 +36,6 @@ from workbench.block import BlockArm
 from workbench.devices import synchronize
 from workbench.distributed import Rank
 from workbench.models import inspect_model
-from workbench.process import run_in_fresh_process
 from workbench.techniques import all_techniques, get_technique
 from workbench.telemetry import StepClock
 
@@ -336,10 +335,7 @@ def ddp_compression_sends_fewer_bytes() -> None:
     # What DDP's plain all-reduce sends per step: every float32 gradient, once (the baseline measures it).
     plain = sum(p.numel() * p.element_size() for p in instance.parameters() if p.requires_grad)
     spec = block_spec(model, {"ddp_compression": row["config"]}, steps=2, warmup=1)
-    with tempfile.TemporaryDirectory() as folder:
-        answer = run_in_fresh_process(
-            spec, log_path=Path(folder) / "unit.log", timeout_s=300, world_size=world_size
-        )
+    answer = run_spec(spec, world_size)
     sent = arm_result(answer)["comm_bytes_per_step"]  # what the comm hook handed to collectives (CommMeter)
     if hook in ("fp16", "bf16"):
         assert sent == pytest.approx(plain / 2), (
@@ -527,17 +523,13 @@ def amp_o2_casts_the_model_and_steps_float32_masters() -> None:
 
 def _ddp_answer(config: dict, world_size: int, **overrides) -> tuple[int, dict]:
     """(bytes a plain all-reduce sends per step, the arm's measurements) for a ddp_compression arm
-    of the mlp on ``world_size`` ranks, in fresh rank processes."""
+    of the mlp on ``world_size`` ranks, in fresh rank processes (forked from the warm template)."""
     instance, _ = inspect_model("mlp")
     plain = sum(p.numel() * p.element_size() for p in instance.parameters() if p.requires_grad)
     spec = block_spec(
         "mlp", {"ddp_compression": config}, steps=2, warmup=1, world_size=world_size, **overrides
     )
-    with tempfile.TemporaryDirectory() as folder:
-        answer = run_in_fresh_process(
-            spec, log_path=Path(folder) / "unit.log", timeout_s=300, world_size=world_size
-        )
-    return plain, arm_result(answer)
+    return plain, arm_result(run_spec(spec, world_size))
 
 
 def topk_sends_values_and_positions_of_a_few() -> None:

@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
-from helpers import arm_result, block_spec, train, unavailable_here
+from helpers import arm_result, block_spec, run_spec, train, unavailable_here
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from technique_settings import TECHNIQUE_SETTINGS
 
 from workbench.models import inspect_model
-from workbench.process import run_in_fresh_process
 from workbench.techniques import Context, all_techniques, get_technique, list_techniques, parse_techniques
 
 NAMES = [t.name for t in all_techniques()]
@@ -51,9 +50,7 @@ def test_technique_trains(name, model, tmp_path):
         pytest.skip(f"{name} is unavailable here: {reason}")
     if row.get("world_size", 1) > 1:
         spec = block_spec(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
-        answer = run_in_fresh_process(
-            spec, log_path=tmp_path / "unit.log", timeout_s=300, world_size=row["world_size"]
-        )
+        answer = run_spec(spec, row["world_size"], log_path=tmp_path / "unit.log")
         result = arm_result(answer)
     else:
         result = train(model, {name: row["config"]}, steps=3, warmup=1, data=row.get("data"))
