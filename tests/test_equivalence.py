@@ -128,9 +128,12 @@ def test_checkpointing_selector_on_a_user_module():
 
 
 def test_bf16_loss_stays_close_to_fp32():
-    """After 25 steps of gpt-mini, bf16 autocast's loss is within 3% of float32's."""
-    fp32 = train("gpt-mini", {}, steps=20, warmup=5, batch_size=16)
-    bf16 = train("gpt-mini", {"amp": {"dtype": "bfloat16"}}, steps=20, warmup=5, batch_size=16)
+    """After 25 steps of gpt-mini, bf16 autocast's loss is within 3% of float32's.
+
+    At a batch of 4: bf16 steps cost about 1 s at 16 on a CPU without bf16 instructions, and the
+    loss still falls from 5.5 to about 3.0 (bf16 within 0.01% of float32 here)."""
+    fp32 = train("gpt-mini", {}, steps=20, warmup=5, batch_size=4)
+    bf16 = train("gpt-mini", {"amp": {"dtype": "bfloat16"}}, steps=20, warmup=5, batch_size=4)
     final32, final16 = sum(fp32["losses"][-5:]) / 5, sum(bf16["losses"][-5:]) / 5
     assert final32 < fp32["losses"][0] - 0.5, "the model should actually be learning"
     assert abs(final16 - final32) / final32 < 0.03

@@ -8,8 +8,9 @@ import torch
 from workbench.data import resolve_data
 from workbench.environment import format_environment
 from workbench.loop import default_loss
-from workbench.mfu import achieved_tflops, compute_dtype, count_flops, mfu_percent, peak_tflops
+from workbench.mfu import compute_dtype, count_flops
 from workbench.models import build_model
+from workbench.peak_flops import achieved_tflops, mfu_percent, peak_tflops
 from workbench.results import summarize
 
 

@@ -14,7 +14,7 @@ import torch
 
 import workbench
 from workbench import optional
-from workbench.mfu import peak_tflops
+from workbench.peak_flops import peak_tflops
 from workbench.telemetry import usable_cores
 
 
@@ -128,7 +128,9 @@ def gpu_line(env: dict) -> str:
         if peak is not None:
             peaks.append(f"{dtype} {peak:g}")
     peak_text = (
-        f"dense peak TFLOP/s: {', '.join(peaks)}" if peaks else "peak unknown: no MFU (see workbench.mfu)"
+        f"dense peak TFLOP/s: {', '.join(peaks)}"
+        if peaks
+        else "peak unknown: no MFU (see workbench.peak_flops)"
     )
     memory = f", {env['gpu_memory_gib']} GiB" if env.get("gpu_memory_gib") else ""
     count = f"{len(env['gpus'])}x " if len(env["gpus"]) > 1 else ""

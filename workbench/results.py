@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from workbench import stats
-from workbench.mfu import achieved_tflops, mfu_percent, peak_tflops
+from workbench.peak_flops import achieved_tflops, mfu_percent, peak_tflops
 from workbench.plots import plot_results, plot_tune
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.results_view import LOSS_DRIFT, TERMINAL_WIDTH, results_html, results_text, verdicts
-from workbench.telemetry import PHASES
+from workbench.stats import PHASES
 
 SCHEMA = "workbench-results/2"  # 2: blocks (several arms per process) replaced one process per run
 READABLE_SCHEMAS = (SCHEMA, "workbench-results/1")
@@ -58,7 +58,7 @@ TABLE_COLUMNS = [
     "loss_vs_baseline",
     "cpu_util_pct",
     # Achieved model TFLOP/s on every device; MFU and NVML readings (GPU utilization, power
-    # and SM clock, averaged over the timed windows) on CUDA. See workbench/mfu.py.
+    # and SM clock, averaged over the timed windows) on CUDA. See workbench/mfu.py and workbench/peak_flops.py.
     "tflops",
     "mfu_pct",
     "gpu_util_pct",

@@ -65,6 +65,11 @@ BOOTSTRAP_SAMPLES = 2000
 CONFIDENCE = 0.95
 DISAGREEMENT = 3.0  # blocks disagree when their spread is this many times their own noise
 
+# The phases a step's time is split into (workbench.telemetry's StepClock measures them; the
+# results table shows each phase's ms). Here, without torch, for where results are only read.
+# "replay": a captured CUDA graph of the whole compute step (cuda_graphs), which has no inner phases.
+PHASES = ("data", "forward", "backward", "optimizer", "replay")
+
 
 def _all_steps(windows: Sequence[Sequence[float]]) -> np.ndarray:
     return np.concatenate([np.asarray(w, dtype=float) for w in windows]) if windows else np.array([])

@@ -53,8 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# "replay": a captured CUDA graph of the whole compute step (cuda_graphs), which has no inner phases.
-PHASES = ("data", "forward", "backward", "optimizer", "replay")
+from workbench.stats import PHASES
 
 
 class StepClock:
