@@ -23,12 +23,22 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
+import workbench.slurm
 from workbench.slurm import job_states
 
 pytestmark = pytest.mark.slurm
 
 TESTS = Path(__file__).resolve().parent
 SMALL = {"steps": 20, "warmup": 2, "blocks": 2, "device": "cpu", "executor": "slurm", "progress": False}
+# How often a submitting process asks Slurm about its jobs: POLL_S (2 s, a courtesy to a shared
+# controller) is waited between a job's end and the call seeing it, once or twice in every test.
+# No test depends on the cadence, so they poll this one-user cluster four times as often.
+POLL_S = 0.5
+
+
+@pytest.fixture(autouse=True)
+def _quick_polls(monkeypatch):
+    monkeypatch.setattr(workbench.slurm, "POLL_S", POLL_S)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,7 +74,10 @@ def _wait_for(condition, timeout_s: float = 180.0, what: str = "") -> None:
 def _submitter(out: Path, **settings) -> subprocess.Popen:
     """An ablate() through Slurm in a process of its own, to kill or watch from outside."""
     arguments = {**SMALL, **settings, "out": str(out)}
-    code = f"import workbench as wb; wb.ablate('mlp', techniques={{}}, **{arguments!r})"
+    code = (
+        f"import workbench as wb, workbench.slurm; workbench.slurm.POLL_S = {POLL_S}; "
+        f"wb.ablate('mlp', techniques={{}}, **{arguments!r})"
+    )
     return subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -75,36 +88,44 @@ def _no_jobs_left(out: Path) -> bool:
     return not any(s.state in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") for s in live.values())
 
 
-def test_two_blocks_through_slurm_give_the_arms_and_schema_of_a_local_run(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def amp_on_slurm(tmp_path_factory):
+    """Two blocks of the mlp with amp through Slurm, and their results folder: one ablation for
+    the tests that only read a finished run (a Slurm block costs some 20 s here, mostly start-up)."""
     import pickle
 
     def refuse(*args, **kwargs):
         raise AssertionError("results must come from JSON; submitit's pickles are transport only")
 
-    with monkeypatch.context() as patched:  # the submitting process never unpickles anything
+    out = tmp_path_factory.mktemp("amp") / "slurm"
+    with pytest.MonkeyPatch.context() as patched:  # the submitting process never unpickles anything
+        patched.setattr(workbench.slurm, "POLL_S", POLL_S)
         patched.setattr(pickle, "load", refuse)
         patched.setattr(pickle, "loads", refuse)
-        on_slurm = wb.ablate("mlp", techniques=["amp"], out=tmp_path / "slurm", **SMALL)
+        results = wb.ablate("mlp", techniques=["amp"], out=out, **SMALL)
+    return results, out
+
+
+def test_two_blocks_through_slurm_give_the_arms_and_schema_of_a_local_run(tmp_path, amp_on_slurm):
+    on_slurm, out = amp_on_slurm
     local = wb.ablate("mlp", techniques=["amp"], out=tmp_path / "local", **{**SMALL, "executor": "local"})
     assert on_slurm.complete and list(on_slurm.table.arm) == list(local.table.arm)
     assert list(on_slurm.table.columns) == list(local.table.columns)
     assert set(on_slurm.record) == set(local.record)
     ok = [u for u in on_slurm.record["units"] if u["status"] == "ok"]
     assert len(ok) == len([u for u in local.record["units"] if u["status"] == "ok"]) == 2 * 3
-    assert all((tmp_path / "slurm" / u["log"]).is_file() for u in ok), (
-        "each unit's log is in the results folder"
-    )
+    assert all((out / u["log"]).is_file() for u in ok), "each unit's log is in the results folder"
     # Each block: one node, one job; recorded where it ran.
     blocks = on_slurm.blocks
-    attempts = _state(tmp_path / "slurm")
+    attempts = _state(out)
     assert sorted(blocks.block) == [0, 1] and blocks.host.notna().all() and blocks.device_name.notna().all()
     assert sorted(blocks.slurm_job_id) == sorted(a["job_id"] for a in attempts)
     assert [a["state"] for a in attempts] == ["MERGED", "MERGED"]
     assert local.blocks.slurm_job_id.isna().all()
-    mode = stat.S_IMODE((tmp_path / "slurm" / "slurm").stat().st_mode)
+    mode = stat.S_IMODE((out / "slurm").stat().st_mode)
     assert mode == 0o700, f"the job folder (pickles) must be private; it is {oct(mode)}"
     # Loading the saved results reads JSON only (submitit's result pickles are never opened).
-    assert wb.load_results(tmp_path / "slurm").table.equals(on_slurm.table)
+    assert wb.load_results(out).table.equals(on_slurm.table)
 
 
 def test_a_job_cancelled_by_someone_else_is_recorded_and_its_block_retried(tmp_path):
@@ -212,11 +233,13 @@ def test_ctrl_c_cancels_this_runs_jobs_and_no_others(tmp_path):
             submitter.kill()
 
 
-def test_the_job_folder_is_workbenchs_to_clear_and_never_foreign(tmp_path):
+def test_the_job_folder_is_workbenchs_to_clear_and_never_foreign(tmp_path, amp_on_slurm):
     """submitit's files (scripts, pickles, logs) are owned as a tree: overwrite removes them,
-    and they never count as the user's files."""
+    and they never count as the user's files. On a copy of the shared two-block run's folder
+    (every path in its manifests is relative), so that clearing it leaves the original to the
+    tests that read it, in whatever order they run."""
     out = tmp_path / "run"
-    wb.ablate("mlp", techniques={}, out=out, **{**SMALL, "blocks": 1})
+    shutil.copytree(amp_on_slurm[1], out, symlinks=True)
     assert any((out / "slurm" / "jobs").iterdir())
     from workbench.results_folder import ResultsFolder
 
@@ -261,10 +284,26 @@ def test_the_panels_stop_cancels_this_runs_jobs(tmp_path):
 
 
 def test_tune_runs_its_rounds_as_slurm_jobs(tmp_path):
+    """What is checked is the first round's job, so the search is stopped as its second round
+    starts (that round's jobs are cancelled at once) instead of running on until its budget is
+    spent. A smaller budget_s cannot end it there: the tuner refuses a budget below its
+    calibration plus a screening round and a two-block final, 3.5 to 6 times its calibration
+    job's wall time (the earlier 45 s was refused on a busy 2-core machine). With the stop, the
+    budget only has to pass that check: a larger one adds blocks to the second round, which are
+    cancelled before they run, and does not lengthen the test."""
+    import threading
+
     out = tmp_path / "tune"
+    stop = threading.Event()
+
+    def after_the_first_round(event: dict) -> None:
+        if event["type"] == "tune_round" and event["round"] >= 1:
+            stop.set()
+
     wb.tune(
-        "mlp", techniques=["amp"], budget_s=45, out=out, **{k: v for k, v in SMALL.items() if k != "blocks"}
-    )
+        "mlp", techniques=["amp"], budget_s=120, out=out, on_event=after_the_first_round, stop=stop,
+        **{k: v for k, v in SMALL.items() if k != "blocks"},
+    )  # fmt: skip
     rounds = sorted(out.glob("round-*"))
     assert rounds, "the tuner ran no round"
     attempts = _state(rounds[0])
