@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import ipywidgets as w
 import pytest
+import torch
 from helpers import RUN_SETTINGS, result_row, synthetic_results
 
 import workbench as wb
@@ -264,8 +265,9 @@ def test_a_saved_run_opens_in_the_panel(tmp_path):
 
 @pytest.mark.slow  # a real ablation in fresh processes
 def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
+    # 10 steps: the live plot is drawn from the events of any run, and at the end whatever its length.
     panel = wb.panel(
-        model="mlp", techniques={"amp": True}, steps=40, warmup=2, blocks=2, out=tmp_path / "panel"
+        model="mlp", techniques={"amp": True}, steps=10, warmup=2, blocks=2, out=tmp_path / "panel"
     )
     assert panel.run() is True
     assert panel.run() is False and "already in progress" in panel.status.value
@@ -280,8 +282,11 @@ def test_run_shows_live_plots_and_results_and_refuses_a_second_run(tmp_path):
 
 @pytest.mark.slow  # a real ablation in fresh processes
 def test_stop_keeps_finished_blocks(tmp_path):
+    # Each block is a fresh process of three arms of 20 steps (with amp's emulated bfloat16 on a
+    # CPU: a second or more, process start included), so Stop, pressed within 0.2 s of the first
+    # block's results, lands while the two blocks left are in flight.
     panel = wb.panel(
-        model="mlp", techniques={"amp": True}, steps=150, warmup=2, blocks=3, out=tmp_path / "stop"
+        model="mlp", techniques={"amp": True}, steps=20, warmup=2, blocks=3, out=tmp_path / "stop"
     )
     panel.run()
     deadline = time.monotonic() + 120
@@ -503,9 +508,22 @@ def test_tune_is_refused_at_once_when_the_last_advice_recommends_nothing():
     assert "grad_accum" in panel.tune_arguments()["techniques"]
 
 
+def two_layers():
+    """A small launch-bound job: the advisor recommends compile for it, and every process of a
+    search compiles cold, in about a third of mlp's time (mlp: about 23 s on a 2-core machine)."""
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def eight_batches():
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator))
+            for _ in range(8)]  # fmt: skip
+
+
 @pytest.mark.slow  # the advisor's run and a search, in fresh processes
 def test_advise_then_tune_from_the_panel():
-    panel = wb.panel(model="mlp", batch_size=8, steps=20, warmup=2, out=False)
+    # The search waits for its screening block, compile's cold compile included, before Stop.
+    panel = wb.panel(model=two_layers, data=eight_batches(), batch_size=8, steps=20, warmup=2, out=False)
     panel.tabs.selected_index = 1
     assert panel.advise() is True
     advice = panel.wait(timeout=300)
