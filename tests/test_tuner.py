@@ -309,8 +309,8 @@ class NoSecondPause(Technique):
 def test_after_screening_the_techniques_that_helped_alone_are_combined(tmp_path):
     # Only the two singles fit the screening (max_candidates=2); each removes one pause, so each
     # helps alone, and both together remove both: a combination the screening never measured.
-    # The budget needs to hold the screening and the round the combination joins (three blocks of
-    # a few arms): SEARCH_BUDGET_S leaves room for both.
+    # The budget has to hold the screening and the next round, which the combination joins (a few
+    # blocks of four arms); SEARCH_BUDGET_S holds both and a final.
     for technique in (NoFirstPause(), NoSecondPause()):
         register_technique(technique)
     try:

@@ -13,9 +13,9 @@ the hardware's work.
 ``tflops`` = FLOPs per sample x samples/s (all ranks). ``mfu_pct`` = tflops / (peak x GPUs),
 where the peak is the dense (not 2:4-sparse) tensor throughput from NVIDIA's datasheets for
 the dtype the arm computes in: the autocast dtype under amp, TF32 when float32 matmuls run
-as TF32, float32 otherwise. A GPU missing from ``workbench.peak_flops.PEAK_TFLOPS`` (which holds this arithmetic, without
-torch, for where results are read) gets no MFU (the notes say
-so); add a row for it, in the process that calls ``ablate``, which is where MFU is computed.
+as TF32, float32 otherwise. The peaks and this arithmetic live in workbench.peak_flops, without
+torch, for where results are read. A GPU missing from its ``PEAK_TFLOPS`` gets no MFU (the notes
+say so); add a row for it, in the process that calls ``ablate``, which is where MFU is computed.
 """
 
 from __future__ import annotations
