@@ -192,20 +192,24 @@ def judged_on_a_quiet_machine(run_once, problem, attempts: int = 3):
     pytest.skip("the machine was too busy or unsteady to judge this timing check: " + "; ".join(busy + quiet))
 
 
+def rank_processes():
+    """The multiprocessing context that rank processes of the tests come from: a forkserver that
+    imports torch once for the whole test session (not this process, whose thread pools must not be
+    forked), so each rank does not pay a fresh interpreter and torch import (about 3 s here)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "helpers"])
+    return context
+
+
 def on_ranks(world_size: int, function, *args, timeout_s: float = 180.0) -> list:
     """``function(rank, *args)`` in ``world_size`` fresh processes, each with the environment
     torchrun gives a rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT...), so that it can join one process
     group; their return values (picklable), rank by rank. A rank that raises ends the others and
     raises here with its traceback. ``function`` must be importable (module-level): the processes
-    import it by name.
-
-    The processes come from multiprocessing's forkserver, which imports torch once for the whole
-    test session (not from this process, whose thread pools must not be forked), so each rank does
-    not pay a fresh interpreter and torch import (about 3 s here)."""
+    import it by name. They come from ``rank_processes()``."""
     from workbench.distributed import free_port
 
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "helpers"])
+    context = rank_processes()
     answers = context.Queue()
     port = free_port()
     processes = [

@@ -10,8 +10,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import arm_result, block_spec, is_kept_template, is_workbench_process, run_spec
+from helpers import arm_result, block_spec, is_kept_template, is_workbench_process, rank_processes, run_spec
 from torch import nn
 
 import workbench as wb
@@ -50,8 +49,7 @@ def _gradients_with(hook: str, rank: int, port: int, queue) -> None:
 
 
 def _gradients(hook: str):
-    context = mp.get_context("forkserver")  # torch imported once per session: helpers.on_ranks
-    context.set_forkserver_preload(["torch", "torch.distributed", "helpers"])
+    context = rank_processes()
     queue = context.Queue()
     port = free_port()
     processes = [
