@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import two_layers
 from torch import nn
 
 import workbench as wb
@@ -254,12 +255,6 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
 def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_work(known_techniques):
     with pytest.raises(ValueError, match=r"budget_s=1 is too small.*Pass budget_s=\d+ or more"):
         wb.tune(PausingNet, batches(), budget_s=1, techniques=known_techniques, out=False, **RUN, **QUIET)
-
-
-def two_layers():
-    """A launch-bound job, so the advisor recommends compile, that compiles in about a third of
-    mlp's time: each process of the search compiles cold (mlp: about 23 s on a 2-core machine)."""
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import ipywidgets as w
 import pytest
 import torch
-from helpers import RUN_SETTINGS, result_row, synthetic_results
+from helpers import RUN_SETTINGS, result_row, synthetic_results, two_layers
 
 import workbench as wb
 from workbench import live_run, optional
@@ -506,12 +506,6 @@ def test_tune_is_refused_at_once_when_the_last_advice_recommends_nothing():
     assert "search the techniques switched on in Ablate instead" in message
     panel.search_space.value = "chosen"  # the way out the message names still works
     assert "grad_accum" in panel.tune_arguments()["techniques"]
-
-
-def two_layers():
-    """A small launch-bound job: the advisor recommends compile for it, and every process of a
-    search compiles cold, in about a third of mlp's time (mlp: about 23 s on a 2-core machine)."""
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
 def eight_batches():
