@@ -1,5 +1,8 @@
+import fcntl
 import os
 import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,11 @@ SLOW_MODULES = {
 }
 
 
+# Notebooks whose cells check a wall-clock budget (a search must finish a round within its 30 s
+# under WORKBENCH_SMOKE=1): like a test marked timing, they run alone under xdist.
+TIMED_NOTEBOOKS = {"13_advise_and_tune.ipynb"}
+
+
 class NotebooksAtSmokeBudget:
     """The notebooks tier (nbval) runs every cell at a smoke test's budget.
 
@@ -79,8 +87,73 @@ class NotebooksAtSmokeBudget:
                 os.environ.pop("WORKBENCH_SMOKE", None)
 
 
+class TimingTestsHaveTheMachineToThemselves:
+    """Under pytest-xdist (``-n 2``, as .ci/run runs the suite): the workers share the cores, and a
+    timing test waits until it has the machine alone.
+
+    Most of the suite waits on fresh processes, compilers, Slurm and a browser, so one worker
+    leaves a core idle about 40% of the time; two workers fill it. But two torch processes that
+    each start a thread per core oversubscribe the machine, and OpenMP's spinning threads then
+    slow both far more than sharing would: each worker (and every process it starts, through
+    OMP_NUM_THREADS) gets its share of the cores instead.
+
+    A test marked ``timing`` checks the clock or the load against a known answer, and another
+    worker's test on the next core would move that answer. So the workers share a readers-writer
+    lock on files in the temporary folder: every test holds it shared, a timing test holds it
+    alone, and runs with every core's threads, as it would without xdist. A turnstile in front of
+    the lock lets a waiting timing test in before the next shared holder, so it is not starved.
+    """
+
+    def __init__(self, workers: int, run_id: str):
+        self.cores = len(os.sched_getaffinity(0))
+        self.share = max(1, self.cores // workers)
+        folder = Path(tempfile.gettempdir()) / f"workbench-pytest-{run_id}"
+        folder.mkdir(exist_ok=True)
+        self.turnstile = open(folder / "turnstile.lock", "a+")  # held for the session
+        self.machine = open(folder / "machine.lock", "a+")
+        self.own_setting = os.environ.get("OMP_NUM_THREADS")
+        self.threads(self.share)
+
+    def threads(self, count: int | None) -> None:
+        """``count`` threads here and in the processes a test starts; None: as without xdist."""
+        import torch
+
+        if count is not None:
+            os.environ["OMP_NUM_THREADS"] = str(count)
+        elif self.own_setting is None:
+            os.environ.pop("OMP_NUM_THREADS", None)  # DDP ranks then split the cores themselves
+        else:
+            os.environ["OMP_NUM_THREADS"] = self.own_setting
+        torch.set_num_threads(count or int(self.own_setting or self.cores))
+
+    @contextmanager
+    def holding(self, alone: bool):
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        try:
+            if alone:
+                self.threads(None)
+            yield
+        finally:
+            if alone:
+                self.threads(self.share)
+            fcntl.flock(self.machine, fcntl.LOCK_UN)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        with self.holding(alone=item.get_closest_marker("timing") is not None):
+            yield
+
+
 def pytest_configure(config):
     config.pluginmanager.register(NotebooksAtSmokeBudget(), "workbench-notebooks-at-smoke-budget")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "PYTEST_XDIST_TESTRUNUID" in os.environ:  # an xdist worker
+        plugin = TimingTestsHaveTheMachineToThemselves(workers, os.environ["PYTEST_XDIST_TESTRUNUID"])
+        config.pluginmanager.register(plugin, "workbench-timing-tests-alone")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -88,6 +161,8 @@ def pytest_collection_modifyitems(config, items):
         path = Path(str(item.fspath))
         if path.suffix == ".ipynb":
             item.add_marker(pytest.mark.notebooks)
+            if path.name in TIMED_NOTEBOOKS:
+                item.add_marker(pytest.mark.timing)
         elif path.name == "test_browser.py":
             item.add_marker(pytest.mark.browser)
         elif path.name == "test_thirdparty.py":

@@ -110,6 +110,7 @@ def test_the_profile_counts_dispatched_operations_and_matmul_time():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_a_data_starved_job_is_called_data_bound(tmp_path):
     class SlowDataset(torch.utils.data.Dataset):
         def __len__(self):
@@ -142,6 +143,7 @@ def _tiny_mlp():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_a_tiny_mlp_at_batch_8_is_launch_bound():
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))] * 8
@@ -151,6 +153,7 @@ def test_a_tiny_mlp_at_batch_8_is_launch_bound():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_gpt_mini_on_a_large_batch_is_compute_bound():
     # Compute or launch comes from the steps at batch 64 and at 32 that follow the profile (20 of
     # each, whatever the settings), not from the timed steps; one profiled step gives the matmul share.

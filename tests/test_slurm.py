@@ -187,6 +187,7 @@ def test_resume_after_the_submitter_was_killed_submits_only_the_blocks_not_done(
     assert {u["status"] for u in results.record["units"]} == {"ok"}
 
 
+@pytest.mark.timing
 def test_a_slow_node_cancels_in_the_speedups_and_is_warned_about(tmp_path, monkeypatch):
     """One block runs on a 'slow node' (its model sleeps in every step): both of its arms slow
     down alike, so the control's speedup stays near 1, which a split by arm would not give."""

@@ -211,6 +211,7 @@ SEARCH_BUDGET_S = 30
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes(known_techniques, tmp_path):
     out = tmp_path / "search"
     budget = SEARCH_BUDGET_S
@@ -252,12 +253,14 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_work(known_techniques):
     with pytest.raises(ValueError, match=r"budget_s=1 is too small.*Pass budget_s=\d+ or more"):
         wb.tune(PausingNet, batches(), budget_s=1, techniques=known_techniques, out=False, **RUN, **QUIET)
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_the_tuner_starts_from_the_advisors_ranking(tmp_path):
     job = {"batch_size": 16, "steps": 20, "warmup": 2, "device": "cpu", "control": False}
     advice = wb.advise(two_layers, batches(), **job, progress=False)
@@ -301,6 +304,7 @@ class NoSecondPause(Technique):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_after_screening_the_techniques_that_helped_alone_are_combined(tmp_path):
     # Only the two singles fit the screening (max_candidates=2); each removes one pause, so each
     # helps alone, and both together remove both: a combination the screening never measured.
