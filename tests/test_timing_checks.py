@@ -46,3 +46,47 @@ def test_a_pass_ends_the_retries():
     verdicts = iter(["missed", ""])
     res = judged_on_a_quiet_machine(lambda: next(runs), lambda res: next(verdicts))
     assert res.load["others_cpu_cores_p90"] == 0.0
+
+
+def test_under_xdist_a_timing_test_waits_for_the_machine_alone_and_is_not_starved(tmp_path, monkeypatch):
+    """Three workers' locks, in threads of this process (flock locks belong to each open file, so
+    they exclude each other here as across processes): a timing test waits for a shared holder to
+    finish, and a test that arrives while it waits goes after it, not before."""
+    import threading
+    import time
+
+    import torch
+    from conftest import TimingTestsHaveTheMachineToThemselves as Workers
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored after the test
+    threads = torch.get_num_threads()
+    try:
+        first, timed, later = (Workers(workers=2, run_id="test") for _ in range(3))
+    finally:
+        torch.set_num_threads(threads)
+    order: list[str] = []
+
+    def run(worker, name: str, alone: bool, hold_s: float) -> threading.Thread:
+        def body():
+            with worker.holding(alone=alone):
+                order.append(f"{name} in")
+                time.sleep(hold_s)
+                order.append(f"{name} out")
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        return thread
+
+    try:
+        running = [run(first, "shared", alone=False, hold_s=0.5)]
+        while not order:
+            time.sleep(0.01)
+        running.append(run(timed, "timing", alone=True, hold_s=0.3))
+        time.sleep(0.1)  # the timing test is now waiting in the turnstile
+        running.append(run(later, "later", alone=False, hold_s=0.0))
+        for thread in running:
+            thread.join(timeout=10)
+    finally:
+        torch.set_num_threads(threads)
+    assert order == ["shared in", "shared out", "timing in", "timing out", "later in", "later out"]
