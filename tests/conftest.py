@@ -99,16 +99,18 @@ class TimingTestsHaveTheMachineToThemselves:
 
     A test marked ``timing`` checks the clock or the load against a known answer, and another
     worker's test on the next core would move that answer. So the workers share a readers-writer
-    lock on files in the temporary folder: every test holds it shared, a timing test holds it
-    alone, and runs with every core's threads, as it would without xdist. A turnstile in front of
-    the lock lets a waiting timing test in before the next shared holder, so it is not starved.
+    lock: two files in a folder that the xdist controller makes before it starts them and removes
+    after they end (``LOCKS`` names it in their environment). Every test holds the lock shared; a
+    timing test holds it alone, and runs with every core's threads, as it would without xdist. A
+    turnstile in front of the lock lets a waiting timing test in before the next shared holder,
+    so it is not starved.
     """
 
-    def __init__(self, workers: int, run_id: str):
+    LOCKS = "WORKBENCH_TEST_LOCKS"  # the folder of the lock files, made by the xdist controller
+
+    def __init__(self, workers: int, folder: Path):
         self.cores = len(os.sched_getaffinity(0))
         self.share = max(1, self.cores // workers)
-        folder = Path(tempfile.gettempdir()) / f"workbench-pytest-{run_id}"
-        folder.mkdir(exist_ok=True)
         self.turnstile = open(folder / "turnstile.lock", "a+")  # held for the session
         self.machine = open(folder / "machine.lock", "a+")
         self.own_setting = os.environ.get("OMP_NUM_THREADS")
@@ -150,10 +152,22 @@ class TimingTestsHaveTheMachineToThemselves:
 
 def pytest_configure(config):
     config.pluginmanager.register(NotebooksAtSmokeBudget(), "workbench-notebooks-at-smoke-budget")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and "PYTEST_XDIST_TESTRUNUID" in os.environ:  # an xdist worker
-        plugin = TimingTestsHaveTheMachineToThemselves(workers, os.environ["PYTEST_XDIST_TESTRUNUID"])
-        config.pluginmanager.register(plugin, "workbench-timing-tests-alone")
+    Workers = TimingTestsHaveTheMachineToThemselves
+    if hasattr(config, "workerinput"):  # an xdist worker
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        if workers > 1 and Workers.LOCKS in os.environ:
+            plugin = Workers(workers, Path(os.environ[Workers.LOCKS]))
+            config.pluginmanager.register(plugin, "workbench-timing-tests-alone")
+    elif getattr(config.option, "numprocesses", None):  # the xdist controller: workers inherit the folder
+        os.environ[Workers.LOCKS] = tempfile.mkdtemp(prefix="workbench-test-locks-")
+
+
+def pytest_unconfigure(config):
+    folder = os.environ.get(TimingTestsHaveTheMachineToThemselves.LOCKS)
+    if folder and not hasattr(config, "workerinput"):  # the controller, after its workers ended
+        for name in ("turnstile.lock", "machine.lock"):
+            Path(folder, name).unlink(missing_ok=True)
+        Path(folder).rmdir()
 
 
 def pytest_collection_modifyitems(config, items):

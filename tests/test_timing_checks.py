@@ -58,11 +58,10 @@ def test_under_xdist_a_timing_test_waits_for_the_machine_alone_and_is_not_starve
     import torch
     from conftest import TimingTestsHaveTheMachineToThemselves as Workers
 
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored after the test
     threads = torch.get_num_threads()
     try:
-        first, timed, later = (Workers(workers=2, run_id="test") for _ in range(3))
+        first, timed, later = (Workers(workers=2, folder=tmp_path) for _ in range(3))
     finally:
         torch.set_num_threads(threads)
     order: list[str] = []
