@@ -159,12 +159,19 @@ def pytest_configure(config):
             plugin = Workers(workers, Path(os.environ[Workers.LOCKS]))
             config.pluginmanager.register(plugin, "workbench-timing-tests-alone")
     elif getattr(config.option, "numprocesses", None):  # the xdist controller: workers inherit the folder
-        os.environ[Workers.LOCKS] = tempfile.mkdtemp(prefix="workbench-test-locks-")
+        config.stash[LOCK_FOLDER] = os.environ[Workers.LOCKS] = tempfile.mkdtemp(
+            prefix="workbench-test-locks-"
+        )
+
+
+# Only the controller that made the folder removes it: a pytest that a test starts (the GPU suite's
+# tests stage) inherits the variable, not the folder.
+LOCK_FOLDER = pytest.StashKey[str]()
 
 
 def pytest_unconfigure(config):
-    folder = os.environ.get(TimingTestsHaveTheMachineToThemselves.LOCKS)
-    if folder and not hasattr(config, "workerinput"):  # the controller, after its workers ended
+    folder = config.stash.get(LOCK_FOLDER, None)
+    if folder:  # the controller, after its workers ended
         for name in ("turnstile.lock", "machine.lock"):
             Path(folder, name).unlink(missing_ok=True)
         Path(folder).rmdir()
