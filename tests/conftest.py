@@ -150,6 +150,11 @@ class TimingTestsHaveTheMachineToThemselves:
             yield
 
 
+# Only the controller that made the folder removes it: a pytest that a test starts (the GPU suite's
+# tests stage) inherits the variable, not the folder.
+LOCK_FOLDER = pytest.StashKey[str]()
+
+
 def pytest_configure(config):
     config.pluginmanager.register(NotebooksAtSmokeBudget(), "workbench-notebooks-at-smoke-budget")
     Workers = TimingTestsHaveTheMachineToThemselves
@@ -162,11 +167,6 @@ def pytest_configure(config):
         config.stash[LOCK_FOLDER] = os.environ[Workers.LOCKS] = tempfile.mkdtemp(
             prefix="workbench-test-locks-"
         )
-
-
-# Only the controller that made the folder removes it: a pytest that a test starts (the GPU suite's
-# tests stage) inherits the variable, not the folder.
-LOCK_FOLDER = pytest.StashKey[str]()
 
 
 def pytest_unconfigure(config):
