@@ -15,7 +15,7 @@ import time
 import pytest
 
 import workbench as wb
-from workbench.results_folder import LOCK, MANIFEST, FolderInUse, ResultsFolder
+from workbench.results_folder import LOCK, MANIFEST, TAKEOVER, FolderInUse, ResultsFolder
 
 TINY = {"model": "mlp", "techniques": {"amp": True}, "steps": 4, "warmup": 1, "blocks": 1, "progress": False}
 
@@ -205,6 +205,38 @@ def test_of_runs_that_lock_at_once_exactly_one_wins(tmp_path):
     ]
     said = [racer.communicate(timeout=60)[0].strip() for racer in racers]
     assert sorted(said) == ["lost"] * 5 + ["won"], said
+
+
+def test_a_run_that_found_the_lock_stale_leaves_alone_the_lock_taken_since(tmp_path):
+    # The interleaving behind a rare double win in the race above, made certain: the slow run
+    # reads a dead run's lock, and before it removes that lock a faster run takes it over.
+    out = tmp_path / "race"
+    out.mkdir()
+    (out / LOCK).write_text(json.dumps({"pid": 999999999, "host": socket.gethostname(), "since": 0}))
+    slow, fast = ResultsFolder(out), ResultsFolder(out)
+    read = slow._read_lock
+
+    def read_and_then_lose_the_race():
+        seen = read()
+        if fast._holder is None:
+            assert fast.lock() is not None  # took over the dead run's lock
+        return seen
+
+    slow._read_lock = read_and_then_lose_the_race
+    with pytest.raises(FolderInUse, match="in use by another workbench run"):
+        slow.lock()
+    assert json.loads((out / LOCK).read_text()) == fast._holder
+    fast.unlock()
+    assert sorted(p.name for p in out.iterdir()) == []  # nor is the takeover's side file left
+
+
+def test_a_takeover_file_left_by_a_killed_run_is_workbenchs_own(tmp_path):
+    out = tmp_path / "run"
+    folder = ResultsFolder(out)
+    folder.lock()
+    (out / TAKEOVER).write_text("")  # a run killed while it took over a dead run's lock
+    assert folder.foreign_files() == []
+    folder.unlock()
 
 
 def test_out_that_is_a_file_is_bad_input(tmp_path):

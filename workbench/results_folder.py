@@ -17,10 +17,16 @@ Two promises rest on this module:
   who holds it: host, process ID and that process's start time. A second run fails at once,
   naming the holder. A lock whose holder ran on this host and no longer exists is taken over;
   one held from another host is never guessed dead: the message says which file to remove.
+  Runs that find the same dead holder take turns to remove its lock (``flock`` on a side file,
+  ``.workbench-lock.takeover``; every contender runs on the dead holder's host, so a per-node
+  ``flock`` is enough), and each looks again inside its turn, so none removes a lock that a
+  faster contender has just taken.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -35,6 +41,7 @@ import numpy as np
 
 MANIFEST = ".workbench-manifest.json"
 LOCK = ".workbench-lock"
+TAKEOVER = LOCK + ".takeover"  # held (flock) while a dead holder's lock is removed
 
 
 class FolderInUse(ValueError):
@@ -107,15 +114,21 @@ class ResultsFolder:
         return holder if isinstance(holder, dict) else {}
 
     def _remove_stale_lock(self) -> bool:
-        """Move the stale lock aside under a name of our own, then delete it: of two runs that both
-        found it stale, only one rename succeeds, so only one of them can remove it."""
-        aside = self.path / f"{LOCK}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        try:
-            os.rename(self.path / LOCK, aside)
-        except FileNotFoundError:
-            return False
-        aside.unlink(missing_ok=True)
-        return True
+        """Remove the lock if its holder is still gone, in a turn of our own.
+
+        Without turns, two runs that both found the lock stale could both remove "it": the
+        slower one would remove the lock that the faster one had taken in between, and both
+        would run. Inside the turn the lock is read again, and it cannot change before we
+        remove it: only a run in its turn removes a lock, and none is created while one exists.
+        """
+        with _turn(self.path / TAKEOVER):
+            left = self._read_lock()
+            if left is None:
+                return False
+            if left and (left.get("host") != socket.gethostname() or _is_alive(left)):
+                return False  # another run took it before our turn
+            (self.path / LOCK).unlink()
+            return True
 
     # --- the manifest -----------------------------------------------------------------------
 
@@ -166,7 +179,7 @@ class ResultsFolder:
             if not (path.is_file() or path.is_symlink()):
                 continue
             name = path.relative_to(self.path).as_posix()
-            if name in (MANIFEST, LOCK) or name in self._owned or self._is_own_temporary(name):
+            if name in (MANIFEST, LOCK, TAKEOVER) or name in self._owned or self._is_own_temporary(name):
                 continue
             if any(name.startswith(inner + "/") for inner in [*nested, *self._trees()]):
                 continue
@@ -187,7 +200,7 @@ class ResultsFolder:
         for inner in self._nested():
             folder = ResultsFolder(self.path / inner)
             folder.clear()
-            for leftover in (MANIFEST, LOCK):
+            for leftover in (MANIFEST, LOCK, TAKEOVER):
                 (folder.path / leftover).unlink(missing_ok=True)
             if folder.path.is_dir() and not any(folder.path.iterdir()):
                 folder.path.rmdir()
@@ -251,6 +264,36 @@ def _create_exclusively(path: Path, text: str) -> bool:
         return True
     finally:
         os.unlink(private)
+
+
+@contextlib.contextmanager
+def _turn(path: Path):
+    """Hold an exclusive ``flock`` on ``path`` (made if missing), and remove the file as the turn ends.
+
+    A run that opened the file before the holder removed it gets a lock on a file that no longer
+    has that name, so after each ``flock`` the name is checked to still be this file; if not,
+    it opens the name again. One turn at a time, and no file left behind."""
+    while True:
+        handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            if os.stat(path).st_ino == os.fstat(handle).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        except OSError as error:  # a filesystem without flock
+            os.close(handle)
+            raise FolderInUse(
+                f"out={str(path.parent)!r} holds a lock left by a run that no longer exists, and this "
+                f"filesystem cannot lock {path.name} to take it over safely ({error.strerror or error}); "
+                f"remove {path.parent / LOCK} if no run is using the folder"
+            ) from None
+        os.close(handle)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the lock is released: a waiter then sees the name gone
+        os.close(handle)
 
 
 def _is_alive(holder: dict) -> bool:
