@@ -230,6 +230,24 @@ def test_a_run_that_found_the_lock_stale_leaves_alone_the_lock_taken_since(tmp_p
     assert sorted(p.name for p in out.iterdir()) == []  # nor is the takeover's side file left
 
 
+def test_without_flock_a_dead_runs_lock_is_named_for_removal_not_guessed(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    out = tmp_path / "nolocks"
+    out.mkdir()
+    dead = json.dumps({"pid": 999999999, "host": socket.gethostname(), "since": 0})
+    (out / LOCK).write_text(dead)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(FolderInUse, match=re.escape(f"remove {out / LOCK}")):
+        ResultsFolder(out).lock()
+    assert (out / LOCK).read_text() == dead
+    assert [p.name for p in out.iterdir()] == [LOCK]
+
+
 def test_a_takeover_file_left_by_a_killed_run_is_workbenchs_own(tmp_path):
     out = tmp_path / "run"
     folder = ResultsFolder(out)

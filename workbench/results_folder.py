@@ -281,8 +281,9 @@ def _turn(path: Path):
                 break
         except FileNotFoundError:
             pass
-        except OSError as error:  # a filesystem without flock
+        except OSError as error:  # a filesystem without flock: no run can hold a turn here
             os.close(handle)
+            path.unlink(missing_ok=True)
             raise FolderInUse(
                 f"out={str(path.parent)!r} holds a lock left by a run that no longer exists, and this "
                 f"filesystem cannot lock {path.name} to take it over safely ({error.strerror or error}); "
