@@ -107,13 +107,13 @@ class TimingTestsHaveTheMachineToThemselves:
     """
 
     LOCKS = "WORKBENCH_TEST_LOCKS"  # the folder of the lock files, made by the xdist controller
-    TURNSTILE, MACHINE = "turnstile.lock", "machine.lock"  # the files in it
+    FILES = ("turnstile.lock", "machine.lock")  # the files in it
 
     def __init__(self, workers: int, folder: Path):
         self.cores = len(os.sched_getaffinity(0))
         self.share = max(1, self.cores // workers)
-        self.turnstile = open(folder / self.TURNSTILE, "a+")  # held for the session
-        self.machine = open(folder / self.MACHINE, "a+")
+        # The turnstile is held only while a test queues; the machine while it runs.
+        self.turnstile, self.machine = (open(folder / name, "a+") for name in self.FILES)
         self.own_setting = os.environ.get("OMP_NUM_THREADS")
         self.threads(self.share)
 
@@ -173,10 +173,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     folder = config.stash.get(LOCK_FOLDER, None)
     if folder:  # the controller, after its workers ended
-        for name in (
-            TimingTestsHaveTheMachineToThemselves.TURNSTILE,
-            TimingTestsHaveTheMachineToThemselves.MACHINE,
-        ):
+        for name in TimingTestsHaveTheMachineToThemselves.FILES:
             Path(folder, name).unlink(missing_ok=True)
         Path(folder).rmdir()
 
