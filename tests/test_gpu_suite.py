@@ -121,3 +121,28 @@ def test_the_tests_stage_stops_pytest_at_its_own_deadline_and_keeps_what_it_saw(
     record = json.loads((tmp_path / "tests.json").read_text())
     assert record["out_of_time"] == ["pytest: stopped at the limit"]
     assert record["parts"]["exit_code"] != 0 and not record["errors"]
+
+
+def test_the_precision_arms_train_gpt_mini_on_the_same_batches_held_in_memory(suite, tmp_path, monkeypatch):
+    """The precision stage holds the input pipeline out of the step: each arm's process cuts the
+    same batches of gpt-mini's own text once and serves them from memory."""
+    make_batches = suite.gpt_mini_batches_in_memory(batch_size=8, count=3)
+    batches, again = make_batches(), make_batches()
+    assert len(batches) == 3 and all(inputs.shape == (8, 64) for inputs, _ in batches)
+    for (inputs, targets), (inputs_again, targets_again) in zip(batches, again, strict=True):
+        assert inputs.equal(inputs_again) and targets.equal(targets_again)
+    assert not batches[0][0].equal(batches[1][0])  # batches, not one batch repeated
+
+    monkeypatch.setattr(suite, "DEVICE", "cpu")
+    monkeypatch.setattr(suite, "DEADLINE", time.time() + 600)
+    monkeypatch.setattr(suite, "PRECISION_ARMS", {"checkpointing": True})  # runs on a CPU, unlike amp here
+    record = suite.Record(tmp_path / "precision.json", "precision", {})
+    suite.stage_precision(record, {"batch_size": 8, "steps": 2, "blocks": 1})
+    written = json.loads((tmp_path / "precision.json").read_text())
+    assert written["errors"] == [] and list(written["parts"]) == ["gpt_mini"]  # no large batch asked for
+    part = written["parts"]["gpt_mini"]
+    settings = part["settings"]
+    assert (settings["model"], settings["data"]) == ("gpt_mini_model", "gpt_mini_text_in_memory")
+    rows = {row["arm"]: row for row in part["table"]}
+    assert rows["checkpointing"]["status"] == "ok", rows["checkpointing"]["reason"]
+    assert rows["checkpointing"]["final_loss"] > 0 and "data_ms" in rows["baseline"]
