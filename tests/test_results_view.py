@@ -14,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import workbench as wb
 from workbench.config import RunConfig
-from workbench.results_view import plain_number, text_table
+from workbench.results_view import plain_number, text_table, wrap_cell
 
 SCIENTIFIC = re.compile(r"\d(\.\d+)?e[+-]?\d")
 
@@ -135,6 +135,16 @@ def test_long_text_wraps_in_its_column_left_aligned():
     summary_at = lines[0].index("summary")
     assert all(line[summary_at - 2 : summary_at] == "  " for line in lines[2:] if len(line) > summary_at)
     assert lines[2].startswith("dataloader")  # left-aligned, not right-aligned
+
+
+def test_an_arm_named_by_its_settings_breaks_between_them_not_inside_a_word():
+    assert wrap_cell("amp[dtype=bfloat16]", 10) == ["amp[dtype=", "bfloat16]"]
+    assert wrap_cell("dataloader[num_workers=2, pin_memory=True]", 14) == [
+        "dataloader[", "num_workers=2,", "pin_memory=", "True]"
+    ]  # fmt: skip
+    assert wrap_cell("baseline (control)", 9) == ["baseline", "(control)"]
+    assert wrap_cell("abcdefghijk", 4) == ["abcd", "efgh", "ijk"]  # a piece longer than a line: cut
+    assert wrap_cell("", 5) == [""]
 
 
 def _cli(*args, env=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -280,8 +281,7 @@ def text_table(
     between rows when some run over several lines, to show where each one ends."""
     widths = _fit_widths(headings, rows, numeric, width - gap * (len(headings) - 1))
     wrapped_rows = [
-        [textwrap.wrap(cell, w, break_long_words=True) or [""] for cell, w in zip(cells, widths, strict=True)]
-        for cells in [headings, *rows]
+        [wrap_cell(cell, w) for cell, w in zip(cells, widths, strict=True)] for cells in [headings, *rows]
     ]
     spaced = spaced and any(max(len(parts) for parts in wrapped) > 1 for wrapped in wrapped_rows[1:])
     lines = []
@@ -299,6 +299,31 @@ def text_table(
         if index == 0:
             lines.append((" " * gap).join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# Inside a word, a line may end after these: an arm named by its settings, amp[dtype=bfloat16],
+# then reads "amp[dtype=" / "bfloat16]" in a narrow column rather than "amp[dtyp" / "e=bfloat" / "16]".
+_NATURAL_PIECES = re.compile(r"[^\[=,-]*[\[=,-]|[^\[=,-]+")
+
+
+def wrap_cell(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters: broken at spaces, then after ``[``,
+    ``=``, ``,`` and ``-`` inside a word, and only a piece longer than a line at any character."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        for index, piece in enumerate(_NATURAL_PIECES.findall(word)):
+            joined = f"{line} {piece}" if line and index == 0 else line + piece
+            if len(joined) <= width:
+                line = joined
+                continue
+            if line:
+                lines.append(line)
+            while len(piece) > width:
+                lines.append(piece[:width])
+                piece = piece[width:]
+            line = piece
+    return [*lines, line] if line or not lines else lines
 
 
 def _fit_widths(headings: list[str], rows: list[list[str]], numeric: list[bool], room: int) -> list[int]:
