@@ -9,6 +9,10 @@ training process itself only waits in both.
 Run:  python benchmarks/dali_loader.py [--images-per-class 200 --size 256 --crop 224]
       [--json benchmarks/results/dali-loader.json]
 The goal is DALI >= 1.5x the DataLoader at equal threads.
+
+On a GPU machine, ``--device cuda --threads 2 8 --training`` runs DALI's GPU pipeline (nvJPEG's
+mixed decode, batches left on the GPU) and adds the training arms beside their loader-only
+twins. benchmarks/dali_gpu_wheels.sh says how to bring DALI to a machine that lacks it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the arms run")
+    parser.add_argument(
+        "--training", action="store_true", help="also the arms that train mlp, beside the loader-only ones"
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
@@ -51,12 +59,12 @@ def main() -> None:
                 "dataloader": {"num_workers": list(args.threads)},
                 "dali": {"threads": list(args.threads)},
             },
-            loader_arms="only",
+            loader_arms=True if args.training else "only",
             steps=args.steps,
             warmup=5,
             blocks=args.blocks,
             batch_size=args.batch_size,
-            device="cpu",
+            device=args.device,
             out=False,
             control=False,
         )
@@ -75,9 +83,11 @@ def main() -> None:
 
     rows = []
     for threads in args.threads:
+        # An arm's name carries its setting only when the setting is swept (several values).
+        swept = len(args.threads) > 1
         loader_arm, dali_arm = (
-            f"loader: dataloader[num_workers={threads}]",
-            f"loader: dali[threads={threads}]",
+            f"loader: dataloader[num_workers={threads}]" if swept else "loader: dataloader",
+            f"loader: dali[threads={threads}]" if swept else "loader: dali",
         )
         loader, dali = blocks(loader_arm), blocks(dali_arm)
         paired = sorted(set(loader) & set(dali))  # both pipelines ran alone, in the same block
@@ -123,6 +133,7 @@ def main() -> None:
             "steps": args.steps,
             "blocks": args.blocks,
             "batch_size": args.batch_size,
+            "device": args.device,
             "comparison": rows,
             "table": json.loads(results.table[columns].to_json(orient="records")),
             "machine": machine_summary(),
