@@ -299,10 +299,10 @@ def gpt_mini_batches_in_memory(batch_size: int, count: int = 8):
     and then served from memory, the same batches for every arm.
 
     The precision arms change only the GPU's arithmetic, so the input pipeline is held out of
-    their steps. Through the single-process DataLoader a batch of 4096 sequences takes 65 ms to
-    collate on the H100 machine's CPU (84 ms here), more than the GPU's whole float32 step: an
-    H100 run spent 65 of its 121 ms per step there, which capped every arm's speedup. Faster
-    loading is the dataloader technique's question, measured elsewhere.
+    their steps. Through the single-process DataLoader a batch of 4096 sequences took 65 ms to
+    fetch and collate on the H100 machine's CPU (84 ms here), more than the GPU's whole float32
+    step: an H100 run spent 65 of its 121 ms per step there, which capped every arm's speedup.
+    Faster loading is the dataloader technique's question, measured elsewhere.
     """
 
     def gpt_mini_text_in_memory():

@@ -303,12 +303,13 @@ def text_table(
 
 # Inside a word, a line may end after these: an arm named by its settings, amp[dtype=bfloat16],
 # then reads "amp[dtype=" / "bfloat16]" in a narrow column rather than "amp[dtyp" / "e=bfloat" / "16]".
-_NATURAL_PIECES = re.compile(r"[^\[=,-]*[\[=,-]|[^\[=,-]+")
+# A hyphen counts only between letters (gpt-mini, leave-one-out), never a minus sign.
+_NATURAL_PIECES = re.compile(r"[^\[=,]*?(?:[\[=,]|(?<=[A-Za-z])-(?=[A-Za-z]))|[^\[=,]+")
 
 
 def wrap_cell(text: str, width: int) -> list[str]:
     """``text`` in lines of at most ``width`` characters: broken at spaces, then after ``[``,
-    ``=``, ``,`` and ``-`` inside a word, and only a piece longer than a line at any character."""
+    ``=``, ``,`` and a hyphen inside a word, and only a piece longer than a line anywhere."""
     lines: list[str] = []
     line = ""
     for word in text.split():
