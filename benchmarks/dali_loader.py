@@ -81,14 +81,19 @@ def main() -> None:
             if u["arm"] == arm and u["status"] == "ok"
         }
 
+    def loader_only_arm(technique: str, setting: str, value: int) -> str:
+        """The loader-only arm that runs ``technique`` with ``setting=value``, found by its
+        recorded settings (its name carries the value only when several were swept)."""
+        return next(
+            arm["name"]
+            for arm in results.record["arms"]
+            if arm["kind"] == "loader" and arm["settings"].get(technique, {}).get(setting) == value
+        )
+
     rows = []
     for threads in args.threads:
-        # An arm's name carries its setting only when the setting is swept (several values).
-        swept = len(args.threads) > 1
-        loader_arm, dali_arm = (
-            f"loader: dataloader[num_workers={threads}]" if swept else "loader: dataloader",
-            f"loader: dali[threads={threads}]" if swept else "loader: dali",
-        )
+        loader_arm = loader_only_arm("dataloader", "num_workers", threads)
+        dali_arm = loader_only_arm("dali", "threads", threads)
         loader, dali = blocks(loader_arm), blocks(dali_arm)
         paired = sorted(set(loader) & set(dali))  # both pipelines ran alone, in the same block
         speedup = stats.combine_blocks(
