@@ -324,7 +324,7 @@ def wrap_cell(text: str, width: int) -> list[str]:
                 lines.append(piece[:width])
                 piece = piece[width:]
             line = piece
-    return [*lines, line] if line or not lines else lines
+    return [*lines, line]  # line is empty only when text has no words: then [""]
 
 
 def _fit_widths(headings: list[str], rows: list[list[str]], numeric: list[bool], room: int) -> list[int]:
