@@ -148,6 +148,31 @@ def test_an_arm_named_by_its_settings_breaks_between_them_not_inside_a_word():
     assert wrap_cell("", 5) == [""]
 
 
+def test_a_table_too_wide_for_the_terminal_leaves_out_columns_rather_than_cut_names():
+    # The H100 precision stage's table: with MFU it needs 86 characters at full-word widths.
+    # Cutting words made "refere" / "nce" and "amp[" / "dtype=" / "bfloat16" / "]".
+    figures = dict(samples_per_s=138948.0, step_ms=29.5, activation_mb=5224.0, mfu_pct=36.2)
+    results = _results(
+        [
+            _row("baseline", speedup=1.0, low=1.0, high=1.0, **figures),
+            _row("baseline (control)", speedup=0.99, low=0.97, high=1.01, **figures),
+            _row("amp[dtype=bfloat16]", speedup=1.95, low=1.94, high=1.96, **figures),
+            _row("dataloader[num_workers=8]", speedup=11.08, low=5.99, high=20.47, **figures),
+        ],
+        ROLES,
+    )
+    text = results.summary(width=80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "reference" in text and "refere\n" not in text  # the verdict whole
+    assert any(line.startswith("amp[dtype=") for line in lines)  # broken only between settings
+    assert "MFU %" not in lines[0] and "step" not in lines[0] and "activ." in lines[0]
+    assert "Left out to fit 80 characters: step ms, MFU %" in " ".join(text.split())
+    wide = results.summary(width=120)
+    assert all(heading in wide.splitlines()[0] for heading in ("step", "MFU", "activ."))
+    assert "Left out" not in wide
+
+
 def _cli(*args, env=None):
     return subprocess.run(
         [sys.executable, "-m", "workbench", *args], capture_output=True, text=True, timeout=300,

@@ -327,9 +327,12 @@ def wrap_cell(text: str, width: int) -> list[str]:
     return [*lines, line]  # line is empty only when text has no words: then [""]
 
 
-def _fit_widths(headings: list[str], rows: list[list[str]], numeric: list[bool], room: int) -> list[int]:
+def _fit_widths(
+    headings: list[str], rows: list[list[str]], numeric: list[bool], room: int, break_words: bool = True
+) -> list[int]:
     """Each column's width: its longest cell, then narrowed (text columns first, the widest
-    first; numbers only when text alone cannot make room) until the row fits ``room``."""
+    first; numbers only when text alone cannot make room) until the row fits ``room``.
+    Without ``break_words`` the widths may sum past ``room``: no text word is broken."""
     longest = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headings)]
     # A column never gets narrower than the longest word of its heading, nor than its whole
     # figures (numbers) or its longest word up to LONGEST_UNBROKEN characters (text).
@@ -343,7 +346,8 @@ def _fit_widths(headings: list[str], rows: list[list[str]], numeric: list[bool],
         floor.append(max(shortest, *(len(word) for word in heading.split())))
     widths = list(longest)
     # Text first, then numbers; last, text words are broken (a long arm name) rather than overflow.
-    for pass_numeric, floors in ((False, floor), (True, floor), (False, [min(f, 6) for f in floor])):
+    passes = [(False, floor), (True, floor)] + [(False, [min(f, 6) for f in floor])] * break_words
+    for pass_numeric, floors in passes:
         while sum(widths) > room:
             candidates = [
                 i for i in range(len(widths)) if numeric[i] == pass_numeric and widths[i] > floors[i]
@@ -355,10 +359,41 @@ def _fit_widths(headings: list[str], rows: list[list[str]], numeric: list[bool],
     return widths
 
 
+def fits_unbroken(
+    headings: list[str], rows: list[list[str]], numeric: list[bool], width: int, gap: int = 2
+) -> bool:
+    """Whether ``text_table`` can lay these columns within ``width`` without breaking a word of text."""
+    room = width - gap * (len(headings) - 1)
+    return sum(_fit_widths(headings, rows, numeric, room, break_words=False)) <= room
+
+
+# Where the reader's table is too wide for the terminal, these columns give way, first to
+# last, before an arm's name or its verdict is cut inside a word ("refere" / "nce"): the step
+# time says again what samples/s says, and all three stay in Results.table.
+GIVES_WAY_FIRST = ("step", "mfu", "activations")
+
+
+def _columns_that_fit(columns: list[str], rows: list[ReaderRow], width: int) -> tuple[list[str], list[str]]:
+    """``columns`` less those of GIVES_WAY_FIRST it takes, in order, to fit ``width`` with no
+    word broken; and the headings of those left out."""
+    columns, left_out = list(columns), []
+    for column in GIVES_WAY_FIRST:
+        headings = [_heading(c).heading for c in columns]
+        cells = [[row.cells[c] for c in columns] for row in rows]
+        if fits_unbroken(headings, cells, [_heading(c).numeric for c in columns], width):
+            break
+        if column in columns:
+            columns.remove(column)
+            left_out.append(_heading(column).heading)
+    return columns, left_out
+
+
 def results_text(table, width: int | None = None, colour: bool = False) -> str:
-    """The reader's table of ``Results.table`` as aligned text, then its legend."""
+    """The reader's table of ``Results.table`` as aligned text, then its legend. Where it is
+    too wide for ``width``, the columns of GIVES_WAY_FIRST are left out, and a line says so."""
     width = width or TERMINAL_WIDTH
     columns, rows = reader_rows(table)
+    columns, left_out = _columns_that_fit(columns, rows, width)
     headings = [_heading(c).heading for c in columns]
     numeric = [_heading(c).numeric for c in columns]
     cells = [[row.cells[c] for c in columns] for row in rows]
@@ -369,4 +404,10 @@ def results_text(table, width: int | None = None, colour: bool = False) -> str:
             for row in rows
         ]
     text = text_table(headings, cells, numeric, width, paint=paint)
+    if left_out:
+        text += "\n" + textwrap.fill(
+            f"Left out to fit {width} characters: {', '.join(left_out)}; summary(width=...) with more "
+            "room shows them, and Results.table holds them.",
+            width,
+        )
     return text + "\n\n" + textwrap.fill(legend(rows), width)
