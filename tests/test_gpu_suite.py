@@ -27,6 +27,7 @@ def suite():
         (["--stage", "kernel"], "env, tests, models, kernels, cuda_graphs, precision"),
         (["--size", "tiny"], "full, short"),
         (["--device", "tpu"], "'cuda', 'cpu'"),
+        (["--limit-s", "10"], "at least 60 seconds"),
     ],
 )
 def test_bad_choices_are_refused_naming_the_valid_ones(suite, tmp_path, capsys, arguments, named):
@@ -58,6 +59,15 @@ def test_a_stage_past_its_limit_is_stopped_with_its_processes_and_the_summary_sa
     assert stage["seconds"] < 30
     assert not [p for p in left_behind() if "gpu_suite" in " ".join(p.cmdline())]
     assert "| tests | timed out |" in (tmp_path / "summary.md").read_text()
+
+
+def test_limit_s_shortens_a_stage_and_never_lengthens_one(suite, tmp_path, monkeypatch):
+    launched = []
+    monkeypatch.setattr(suite, "launch", lambda name, out, size, limit_s: launched.append((name, limit_s)) or
+                        {"stage": name, "status": "passed", "seconds": 1.0, "limit_s": limit_s, "reason": ""})  # fmt: skip
+    suite.main(["--out", str(tmp_path), "--stage", "env", "--stage", "models", "--limit-s", "300"])
+    assert launched == [("env", suite.SIZES["full"]["env"]["limit_s"]), ("models", 300)]
+    assert "| models | passed | 1.0 | 300 |" in (tmp_path / "summary.md").read_text()
 
 
 def _stage(folder: Path, name: str, parts: dict) -> None:
