@@ -7,12 +7,16 @@
 # all, into .dali/wheels (ignored by git), and cuts one tar of them into .dali/part-NN files of
 # 56 MiB: one part per device call, with the working tree beside it under the 64 MiB limit.
 #
-# On the device: call after call, each within the warm machine's idle time, carry one part
-# (carry: [".dali/part-00"], then ".dali/part-01", ...); ignored files persist there between
-# calls. In the last call, join and install them, then run the benchmark:
-#   cat .dali/part-* | tar -xf - -C /tmp && python3 -m pip install -q --no-index --no-deps \
+# On the device: call after call, each within the warm machine's idle time (30 s), carry one
+# part (carry: [".dali/part-00"], then ".dali/part-01", ...) and move it out of the tree at once,
+# since a carried path replaces what the last call left under .dali/:
+#   mkdir -p /tmp/dali && mv .dali/part-* /tmp/dali/
+# In the last call, after that move, join and install them, then run the benchmark:
+#   cat /tmp/dali/part-* | tar -xf - -C /tmp && python3 -m pip install -q --no-index --no-deps \
 #     --no-compile --target /tmp/site /tmp/wheels/*.whl && export PYTHONPATH=/tmp/site:. && \
 #   python benchmarks/dali_loader.py --device cuda --threads 2 8 --training --json $OUT/dali-gpu.json
+# This ran on an H100 (BENCHMARKS.md, "DALI's GPU pipeline against the DataLoader"): the five
+# carries took about 10 s of device time each, the install and the benchmark two minutes.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 
