@@ -12,6 +12,7 @@ not otherwise); the package need not be installed (PYTHONPATH=. is enough). Stag
   cuda_graphs  CUDA Graphs against eager on a launch-bound step (mlp at batch 8)
   precision    gpt-mini in strict float32, TF32, bfloat16 and float16 with loss scaling: speed,
                loss parity, TFLOP/s and MFU, on batches held in memory (the loader held out)
+  overhead     the harness against a hand-written CUDA loop (benchmarks/overhead.py --device cuda)
 
 Each stage runs in a process of its own and is stopped at its own time limit (the full size
 totals under 25 minutes, each stage under 9); whatever it had written by then is kept. DIR gets
@@ -41,27 +42,30 @@ DEVICE = "cuda"  # --device cpu rehearses the suite itself on a machine without 
 DEADLINE = float("inf")  # a stage's child: when its limit comes (time.time()), less a margin to write
 
 # Per stage: its time limit (seconds) and the work it does, at each size. "full" is the recorded
-# suite (24.5 minutes in all); "short" checks that everything runs, in under 8 minutes.
+# suite (24 minutes in all); "short" checks that everything runs, in under 9 minutes.
 SIZES = {
     "full": {
         "env": {"limit_s": 30},
-        "tests": {"limit_s": 240},  # 63 s on an H200
-        "models": {"limit_s": 420, "steps": 30, "warmup": 10, "blocks": 2},
+        "tests": {"limit_s": 180},  # 63 s on an H200, 111 s on an H100
+        "models": {"limit_s": 330, "steps": 30, "warmup": 10, "blocks": 2},  # 244 s on an H100
         "kernels": {"limit_s": 150, "rounds": 10, "end_to_end": True, "steps": 50, "blocks": 3},
         # The stack compiles three of its arms in each of its 3 blocks (about 17 s each on an
         # H200): 240 s stopped it after 2 blocks.
         "cuda_graphs": {"limit_s": 360, "steps": 200, "blocks": 5, "stack": True},
         # At batch 512 gpt-mini's float32 step took 13 ms with the GPU busy about half the time;
         # a batch 8x larger shows the gain once the GPU's work, not the launches, sets the pace.
-        "precision": {"limit_s": 270, "steps": 50, "blocks": 5, "batch_size": 512, "large_batch_size": 4096},
+        "precision": {"limit_s": 180, "steps": 50, "blocks": 5, "batch_size": 512, "large_batch_size": 4096},
+        # Each round: a bare-loop process, a harness process, and one process alternating both.
+        "overhead": {"limit_s": 210, "model": "mlp", "rounds": 4, "steps": 200, "pairs": 6},
     },
     "short": {
         "env": {"limit_s": 20},
         "tests": {"limit_s": 120},
-        "models": {"limit_s": 150, "steps": 5, "warmup": 5, "blocks": 1},
+        "models": {"limit_s": 120, "steps": 5, "warmup": 5, "blocks": 1},  # 51 s for two models on an H200
         "kernels": {"limit_s": 40, "rounds": 5, "end_to_end": False},
         "cuda_graphs": {"limit_s": 60, "steps": 100, "blocks": 3, "stack": False},
         "precision": {"limit_s": 70, "steps": 30, "blocks": 3, "batch_size": 512},
+        "overhead": {"limit_s": 90, "model": "mlp", "rounds": 2, "steps": 50, "pairs": 2, "cost_steps": 1000},
     },
 }
 STAGES = list(SIZES["full"])
@@ -74,6 +78,7 @@ GOALS = {
     "CUDA Graphs vs eager (mlp, batch 8)": ("cuda_graphs", "cuda_graphs[mode=manual]", 2.0),
 }
 KERNEL_GOAL_PCT = 85.0
+OVERHEAD_GOAL = 0.99  # harness throughput over the hand-written loop's
 FAILED_STATUSES = ("failed", "oom")  # of workbench.results.STATUSES: the arm measured nothing
 PRECISION_ARMS = {"tf32": True, "amp": {"dtype": ["bfloat16", "float16"]}}
 
@@ -346,6 +351,28 @@ def stage_precision(record: Record, size: dict) -> None:
             )
 
 
+def stage_overhead(record: Record, size: dict) -> None:
+    """benchmarks/overhead.py on this device: its own processes, stopped at the stage's deadline."""
+    import tempfile
+
+    figures = Path(tempfile.mkdtemp()) / "overhead.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--device", DEVICE,
+               "--model", size["model"], "--rounds", str(size["rounds"]), "--steps", str(size["steps"]),
+               "--pairs", str(size["pairs"]), "--cost-steps", str(size.get("cost_steps", 5000)),
+               "--json", str(figures)]  # fmt: skip
+    # A session of its own, so that at the deadline its child processes end with it.
+    process = subprocess.Popen(command, env=_child_env(), start_new_session=True)
+    try:
+        process.wait(max(1.0, DEADLINE - time.time()))
+    except subprocess.TimeoutExpired:
+        _stop(process)
+        record.part("overhead", {"stopped_at_the_limit": True})
+        return
+    if process.returncode != 0:
+        raise SystemExit(f"benchmarks/overhead.py exited with {process.returncode}")
+    record.part("overhead", json.loads(figures.read_text()))
+
+
 STAGE_FUNCTIONS = {
     "env": stage_env,
     "tests": stage_tests,
@@ -353,6 +380,7 @@ STAGE_FUNCTIONS = {
     "kernels": stage_kernels,
     "cuda_graphs": stage_cuda_graphs,
     "precision": stage_precision,
+    "overhead": stage_overhead,
 }
 
 
@@ -530,6 +558,23 @@ def goals(out: Path) -> list[dict]:
                 mfu_pct=row.get("mfu_pct"),
             )
         checked.append(entry)
+    overhead = _read(out / "overhead.json").get("parts", {}).get("overhead", {})
+    entry = {"goal": "harness vs hand-written loop (in-process)", "target": f">= {OVERHEAD_GOAL}x"}
+    paired = overhead.get("in_process")
+    if paired:
+        implied = overhead.get("per_step_cost", {}).get("implied_ratio")
+        # Four decimals: the goal is about 1%, which two would round away.
+        figure = f"{paired['ratio']:.4f} ({paired['low']:.4f} to {paired['high']:.4f})"
+        entry.update(
+            result="met" if paired["ratio"] >= OVERHEAD_GOAL else "missed",
+            speedup=paired["ratio"],
+            interval=[paired["low"], paired["high"]],
+            implied_by_per_step_cost=implied,
+            figure=figure + (f"; the per-step cost implies {implied:.4f}" if implied is not None else ""),
+        )
+    else:
+        entry.update(result="not measured", reason="the overhead stage wrote no figures")
+    checked.append(entry)
     kernels = _read(out / "kernels.json").get("parts", {})
     for key in ("kernels_float32", "kernels_bfloat16"):
         for row in kernels.get(key, []):
@@ -574,7 +619,9 @@ def write_summary(out: Path, stages: list[dict], size_name: str, revision: str |
     ]
     lines += ["", "| goal | target | result | figure |", "| --- | --- | --- | --- |"]
     for goal in summary["goals"]:
-        if "speedup" in goal:
+        if goal.get("figure"):
+            figure = goal["figure"]
+        elif "speedup" in goal:
             low, high = goal["interval"]
             figure = (
                 f"{goal['speedup']:.2f}x ({low:.2f} to {high:.2f})"

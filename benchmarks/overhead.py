@@ -25,7 +25,12 @@ per-step cost
     in microseconds, set against the bare loop's step time on the benchmark model, gives
     the throughput ratio that cost implies: bare_step / (bare_step + cost).
 
-Run:  python benchmarks/overhead.py [--model mlp] [--rounds 10] [--json benchmarks/results/overhead-mlp.json]
+On a GPU, ``--device cuda`` runs all three on CUDA: the bare loop moves each batch to the
+device as the harness does, and synchronizes the device before each clock read, as any honest
+loop must (the harness's timed window does the same).
+
+Run:  python benchmarks/overhead.py [--model mlp] [--rounds 10] [--device cpu|cuda]
+      [--json benchmarks/results/overhead-mlp.json]
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import time
 import numpy as np
 
 
-def _bare_setup(model_name: str, batch_size: int, seed: int):
+def _bare_setup(model_name: str, batch_size: int, seed: int, device):
     import torch
 
     from workbench.block import seed_everything
@@ -48,22 +53,31 @@ def _bare_setup(model_name: str, batch_size: int, seed: int):
     from workbench.models import build_model
     from workbench.worker import _initialize_runtime
 
-    _initialize_runtime(torch.device("cpu"))  # the harness pays this outside its clock too
+    _initialize_runtime(device)  # the harness pays this outside its clock too
     seed_everything(seed)
     source = resolve_data(None, model_name, seed)
-    model = build_model(model_name, source.spec)
+    model = build_model(model_name, source.spec).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = endless_batches(source, batch_size, seed, {})
     return model, optimizer, batches
 
 
-def bare_window(model, optimizer, batches, steps: int) -> float:
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_window(model, optimizer, batches, steps: int, device) -> float:
     """The loop a person would write. Nothing of workbench runs between the clock reads."""
     import torch.nn.functional as F
 
+    _synchronize(device)  # work queued before the window is not the window's
     t0 = time.perf_counter()
     for _ in range(steps):
         inputs, targets = next(batches)
+        inputs, targets = inputs.to(device), targets.to(device)  # a no-op on the CPU
         outputs = model(inputs)
         loss = (
             F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
@@ -73,40 +87,40 @@ def bare_window(model, optimizer, batches, steps: int) -> float:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    _synchronize(device)  # the window ends when the GPU has done its work, not when it was queued
     return time.perf_counter() - t0
 
 
 def run_bare_process(args) -> None:
     """Child mode for end-to-end rounds: warm up, time one window, print samples/s as JSON."""
-    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0)
-    bare_window(model, optimizer, batches, args.warmup)
-    wall = bare_window(model, optimizer, batches, args.steps)
+    device = _device(args)
+    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0, device)
+    bare_window(model, optimizer, batches, args.warmup, device)
+    wall = bare_window(model, optimizer, batches, args.steps, device)
     print(json.dumps({"samples_per_s": args.steps * args.batch_size / wall}))
 
 
 def run_paired_process(args) -> None:
     """Child mode for in-process rounds: alternate bare and harness windows on one model."""
-    import torch
 
     from workbench.block import timed_window
     from workbench.loop import Trainer, TrainSetup, default_loss
     from workbench.telemetry import StepClock
 
-    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0)
-    setup = TrainSetup(
-        model=model, device=torch.device("cpu"), loss_fn=default_loss, make_optimizer=lambda _: optimizer
-    )
+    device = _device(args)
+    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0, device)
+    setup = TrainSetup(model=model, device=device, loss_fn=default_loss, make_optimizer=lambda _: optimizer)
     trainer = Trainer(setup, batches)
-    bare_window(model, optimizer, batches, args.warmup)
+    bare_window(model, optimizer, batches, args.warmup, device)
     ratios = []
     for pair in range(args.pairs):
         order = ("bare", "harness") if pair % 2 == 0 else ("harness", "bare")
         walls = {}
         for kind in order:
             if kind == "bare":
-                walls[kind] = bare_window(model, optimizer, batches, args.steps)
+                walls[kind] = bare_window(model, optimizer, batches, args.steps, device)
             else:
-                walls[kind] = timed_window(trainer, StepClock(torch.device("cpu")), args.steps, [])
+                walls[kind] = timed_window(trainer, StepClock(device), args.steps, [])
         ratios.append(walls["bare"] / walls["harness"])  # harness throughput / bare throughput
     print(json.dumps({"ratios": ratios}))
 
@@ -119,27 +133,26 @@ def run_cost_process(args) -> None:
     from workbench.loop import Trainer, TrainSetup, default_loss
     from workbench.telemetry import StepClock
 
+    device = _device(args)
     torch.set_num_threads(1)
-    model = torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(4, 2).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batch = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    batch = (torch.randn(8, 4, device=device), torch.randint(0, 2, (8,), device=device))
 
     class SameBatch:
         def __next__(self):
             return batch
 
     batches = SameBatch()
-    setup = TrainSetup(
-        model=model, device=torch.device("cpu"), loss_fn=default_loss, make_optimizer=lambda _: optimizer
-    )
+    setup = TrainSetup(model=model, device=device, loss_fn=default_loss, make_optimizer=lambda _: optimizer)
     trainer = Trainer(setup, batches)
-    steps = 5000
-    bare_window(model, optimizer, batches, steps)
-    timed_window(trainer, StepClock(torch.device("cpu")), steps, [])
+    steps = args.cost_steps
+    bare_window(model, optimizer, batches, steps, device)
+    timed_window(trainer, StepClock(device), steps, [])
     bare, harness = [], []
     for _ in range(10):
-        bare.append(bare_window(model, optimizer, batches, steps) / steps)
-        harness.append(timed_window(trainer, StepClock(torch.device("cpu")), steps, []) / steps)
+        bare.append(bare_window(model, optimizer, batches, steps, device) / steps)
+        harness.append(timed_window(trainer, StepClock(device), steps, []) / steps)
     print(
         json.dumps(
             {
@@ -152,10 +165,17 @@ def run_cost_process(args) -> None:
 
 def run_step_time_process(args) -> None:
     """Child mode: the bare loop's step time on the benchmark model."""
-    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0)
-    bare_window(model, optimizer, batches, args.warmup)
-    walls = [bare_window(model, optimizer, batches, args.steps) / args.steps for _ in range(3)]
+    device = _device(args)
+    model, optimizer, batches = _bare_setup(args.model, args.batch_size, 0, device)
+    bare_window(model, optimizer, batches, args.warmup, device)
+    walls = [bare_window(model, optimizer, batches, args.steps, device) / args.steps for _ in range(3)]
     print(json.dumps({"step_us": 1e6 * float(np.median(walls))}))
+
+
+def _device(args):
+    import torch
+
+    return torch.device(args.device)
 
 
 def _child(mode: str, args) -> dict:
@@ -173,6 +193,10 @@ def _child(mode: str, args) -> dict:
         str(args.batch_size),
         "--pairs",
         str(args.pairs),
+        "--device",
+        args.device,
+        "--cost-steps",
+        str(args.cost_steps),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -188,6 +212,7 @@ def _harness_round(args) -> float:
         warmup=args.warmup,
         blocks=1,
         batch_size=args.batch_size,
+        device=args.device,
         control=False,
         out=False,
         progress=False,
@@ -203,7 +228,7 @@ def _interval(log_ratios: list[float]) -> tuple[float, float, float]:
     return math.exp(values.mean()), math.exp(values.mean() - half), math.exp(values.mean() + half)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "mode",
@@ -217,8 +242,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--pairs", type=int, default=8, help="A/B window pairs per in-process round")
+    parser.add_argument(
+        "--cost-steps", type=int, default=5000, help="steps per window of the trivial model (per-step cost)"
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both loops run")
     parser.add_argument("--json", help="also write the figures to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda needs a CUDA device; torch sees none here (use --device cpu)")
     if args.mode == "bare-child":
         return run_bare_process(args)
     if args.mode == "paired-child":
@@ -255,6 +289,7 @@ def main() -> None:
     report = {
         "benchmark": "overhead",
         "model": args.model,
+        "device": args.device,
         "steps": args.steps,
         "warmup": args.warmup,
         "batch_size": args.batch_size,

@@ -1,5 +1,7 @@
 """Small builders shared by the tests (importable: tests/ is on sys.path via conftest)."""
 
+import contextlib
+import ctypes
 import os
 import traceback
 
@@ -147,6 +149,35 @@ def left_behind() -> list:
         for p in psutil.Process().children(recursive=True)
         if is_workbench_process(p.cmdline()) and not is_kept_template(p.pid)
     ]
+
+
+@contextlib.contextmanager
+def adopting_orphans():
+    """Inside the block, descendants whose parent dies are re-parented to this process (Linux's
+    child subreaper) instead of to init, so a look at this process's own children finds a
+    grandchild that a stopped process left running."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    set_child_subreaper = 36  # PR_SET_CHILD_SUBREAPER, <linux/prctl.h>
+    if libc.prctl(set_child_subreaper, 1, 0, 0, 0) != 0:
+        pytest.skip(f"prctl(PR_SET_CHILD_SUBREAPER) failed: errno {ctypes.get_errno()}")
+    try:
+        yield
+    finally:
+        libc.prctl(set_child_subreaper, 0, 0, 0, 0)
+
+
+def running_children(marker: str) -> list:
+    """This process's descendants, not yet exited, whose command line holds ``marker``."""
+    import psutil
+
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE and marker in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 def unsteady_machine(res) -> str:

@@ -4,11 +4,12 @@ GPU: its refusals, its time limits, its goals and a rehearsal of its stages on t
 import importlib.util
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from helpers import left_behind
+from helpers import adopting_orphans, left_behind, running_children
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +25,7 @@ def suite():
 @pytest.mark.parametrize(
     "arguments, named",
     [
-        (["--stage", "kernel"], "env, tests, models, kernels, cuda_graphs, precision"),
+        (["--stage", "kernel"], "env, tests, models, kernels, cuda_graphs, precision, overhead"),
         (["--size", "tiny"], "full, short"),
         (["--device", "tpu"], "'cuda', 'cpu'"),
         (["--limit-s", "10"], "at least 60 seconds"),
@@ -91,6 +92,15 @@ def test_goals_are_met_missed_or_not_measured_with_the_reason(suite, tmp_path):
     assert tf32["result"] == "not measured" and tf32["reason"] == "block 1: it broke"
     assert results["CUDA Graphs vs eager (mlp, batch 8)"]["result"] == "not measured"
     assert results["AdamW step optimizer (float32) bandwidth"]["result"] == "met"
+    assert results["harness vs hand-written loop (in-process)"]["result"] == "not measured"
+
+    _stage(tmp_path, "overhead", {"overhead": {"in_process": {"ratio": 0.9862, "low": 0.9811, "high": 0.9914},
+                                               "per_step_cost": {"implied_ratio": 0.9936}}})  # fmt: skip
+    overhead = {goal["goal"]: goal for goal in suite.goals(tmp_path)}[
+        "harness vs hand-written loop (in-process)"
+    ]
+    assert overhead["result"] == "missed"  # 0.986 < 0.99: four decimals, not a rounded 0.99
+    assert overhead["figure"] == "0.9862 (0.9811 to 0.9914); the per-step cost implies 0.9936"
 
 
 @pytest.mark.slow
@@ -131,6 +141,48 @@ def test_the_tests_stage_stops_pytest_at_its_own_deadline_and_keeps_what_it_saw(
     record = json.loads((tmp_path / "tests.json").read_text())
     assert record["out_of_time"] == ["pytest: stopped at the limit"]
     assert record["parts"]["exit_code"] != 0 and not record["errors"]
+
+
+@pytest.mark.slow
+def test_the_overhead_stage_runs_the_harness_against_a_hand_written_loop(suite, tmp_path, monkeypatch):
+    monkeypatch.setattr(suite, "DEVICE", "cpu")
+    monkeypatch.setattr(suite, "DEADLINE", time.time() + 240)
+    size = {"model": "mlp", "rounds": 2, "steps": 5, "pairs": 2, "cost_steps": 100}
+    assert suite.run_stage("overhead", tmp_path, size) == 0
+    figures = json.loads((tmp_path / "overhead.json").read_text())["parts"]["overhead"]
+    assert figures["device"] == "cpu" and figures["rounds"] == 2
+    for design in ("end_to_end", "in_process"):
+        assert figures[design]["low"] <= figures[design]["ratio"] <= figures[design]["high"]
+    assert figures["per_step_cost"]["model_bare_step_us"] > 0
+    assert 0 < figures["per_step_cost"]["implied_ratio"] <= 1.5
+
+
+@pytest.mark.slow
+def test_the_overhead_stage_is_stopped_at_its_deadline_with_its_processes(suite, tmp_path, monkeypatch):
+    monkeypatch.setattr(suite, "DEVICE", "cpu")
+    # By then overhead.py has started its own children (a bare loop, an ablation's workers), and
+    # is far from done (37 s in all on the CI VM).
+    monkeypatch.setattr(suite, "DEADLINE", time.time() + 15)
+    size = {"model": "mlp", "rounds": 2, "steps": 5, "pairs": 2}
+    seen, stopped = [], threading.Event()
+
+    def watch():  # the children overhead.py had running, seen while the stage ran
+        while not stopped.wait(0.2):
+            seen.extend(running_children("-child") + running_children("workbench.worker"))
+
+    with adopting_orphans():  # a child of overhead.py that outlived it is found below
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert suite.run_stage("overhead", tmp_path, size) == 4
+        finally:
+            stopped.set()
+            watcher.join()
+        time.sleep(0.5)
+        assert seen, "overhead.py started no child before its deadline: the check below would prove nothing"
+        assert not running_children("overhead.py") and not running_children("workbench.worker")
+    record = json.loads((tmp_path / "overhead.json").read_text())
+    assert record["out_of_time"] == ["overhead: stopped at the limit"]
 
 
 def test_the_precision_arms_train_gpt_mini_on_the_same_batches_held_in_memory(suite, tmp_path, monkeypatch):
