@@ -185,6 +185,36 @@ def test_the_overhead_stage_is_stopped_at_its_deadline_with_its_processes(suite,
     assert record["out_of_time"] == ["overhead: stopped at the limit"]
 
 
+def test_the_telemetry_goal_needs_1_hz_and_gpu_readings(suite, tmp_path):
+    def goal(telemetry):
+        _stage(tmp_path, "models", {"gpt-mini": {"table": []}, "gpt-mini_telemetry": telemetry})
+        return {g["goal"]: g for g in suite.goals(tmp_path)}["telemetry with GPU readings, plotted"]
+
+    plot = {"samples": 98, "plot": "gpt-mini-live.png"}
+    met = goal({**plot, "per_s": 0.9991, "gpu_readings": ["gpu0_util_percent"]})
+    assert met["result"] == "met"
+    assert met["figure"] == "1.00 Hz, 98 samples, gpu0_util_percent; gpt-mini-live.png"
+    assert goal({**plot, "per_s": 0.91, "gpu_readings": ["gpu0_util_percent"]})["result"] == "missed"
+    assert goal({**plot, "per_s": 1.0, "gpu_readings": []})["result"] == "missed"
+    assert (
+        goal({"samples": 1, "per_s": None, "gpu_readings": [], "plot": "x.png"})["result"] == "not measured"
+    )
+
+
+def test_an_ablation_with_a_live_view_keeps_the_panels_picture_and_its_telemetry_rate(
+    suite, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(suite, "DEVICE", "cpu")
+    monkeypatch.setattr(suite, "DEADLINE", time.time() + 600)
+    record = suite.Record(tmp_path / "models.json", "models", {})
+    suite._ablation(record, "mlp", live_view=True, model="mlp", techniques={}, steps=20, warmup=2, blocks=1)
+    parts = json.loads((tmp_path / "models.json").read_text())["parts"]
+    telemetry = parts["mlp_telemetry"]
+    assert telemetry["plot"] == "mlp-live.png" and telemetry["gpu_readings"] == []  # no GPU here
+    assert (tmp_path / "mlp-live.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert telemetry["samples"] >= 1  # the 1 Hz sampler ran while the block did
+
+
 def test_the_precision_arms_train_gpt_mini_on_the_same_batches_held_in_memory(suite, tmp_path, monkeypatch):
     """The precision stage holds the input pipeline out of the step: each arm's process cuts the
     same batches of gpt-mini's own text once and serves them from memory."""

@@ -1,5 +1,6 @@
 """The measuring instruments: clocks, memory, utilization, sampler."""
 
+import itertools
 import math
 import time
 
@@ -96,6 +97,34 @@ def test_sampler_collects_samples_in_the_background():
     assert len(samples) >= 4
     assert {"time", "cpu_percent", "memory_used_mib"} <= set(samples[0])
     assert all(0 <= s["cpu_percent"] <= 100 for s in samples)
+
+
+def test_the_sampler_keeps_its_cadence_however_long_a_reading_takes(monkeypatch):
+    """1 Hz stays 1 Hz: the wait after a reading is what is left of the interval. Run on a fake
+    clock, in this thread, where each reading takes 0.3 s."""
+    import types
+
+    import workbench.telemetry as telemetry
+
+    now = [100.0]
+    fake = types.SimpleNamespace(monotonic=lambda: now[0], time=lambda: now[0], perf_counter=lambda: now[0])
+    monkeypatch.setattr(telemetry, "time", fake)
+    waits = []
+
+    class StopAfterSixWaits:
+        def wait(self, timeout: float) -> bool:
+            waits.append(timeout)
+            now[0] += timeout
+            return len(waits) > 6
+
+    def slow_reading(sample: dict) -> None:
+        now[0] += 0.3
+
+    sampler = Sampler(interval_s=1.0, on_sample=slow_reading, gpu=False, _stop=StopAfterSixWaits())
+    sampler._sample_forever()
+    assert waits[0] == pytest.approx(1.0) and waits[1:] == pytest.approx([0.7] * 6)
+    times = [sample["time"] for sample in sampler.samples]
+    assert len(times) == 6 and all(b - a == pytest.approx(1.0) for a, b in itertools.pairwise(times))
 
 
 @pytest.mark.slow  # a real ablation in fresh processes

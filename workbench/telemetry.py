@@ -542,7 +542,14 @@ class Sampler:
         psutil.cpu_percent(interval=None)  # the first reading only primes the counter
         load = CompetingLoad()
         try:
-            while not self._stop.wait(self.interval_s):
+            # A fixed cadence: the time a reading takes (NVML, psutil) does not stretch the
+            # interval, so 1 Hz stays 1 Hz over a long run. A sampler that fell behind (a
+            # starved thread) skips ahead rather than catching up in a burst.
+            due = time.monotonic() + self.interval_s
+            while not self._stop.wait(max(0.0, due - time.monotonic())):
+                due += self.interval_s
+                if due < time.monotonic():
+                    due = time.monotonic() + self.interval_s
                 memory = psutil.virtual_memory()
                 sample = {
                     "time": time.time(),
