@@ -39,6 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+OVERHEAD_SCRIPT = ROOT / "benchmarks" / "overhead.py"
 DEVICE = "cuda"  # --device cpu rehearses the suite itself on a machine without a GPU
 DEADLINE = float("inf")  # a stage's child: when its limit comes (time.time()), less a margin to write
 
@@ -385,8 +386,12 @@ def stage_overhead(record: Record, size: dict) -> None:
     """benchmarks/overhead.py on this device: its own processes, stopped at the stage's deadline."""
     import tempfile
 
-    figures = Path(tempfile.mkdtemp()) / "overhead.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--device", DEVICE,
+    with tempfile.TemporaryDirectory() as scratch:
+        _run_overhead(record, size, Path(scratch) / "overhead.json")
+
+
+def _run_overhead(record: Record, size: dict, figures: Path) -> None:
+    command = [sys.executable, str(OVERHEAD_SCRIPT), "--device", DEVICE,
                "--model", size["model"], "--rounds", str(size["rounds"]), "--steps", str(size["steps"]),
                "--pairs", str(size["pairs"]), "--cost-steps", str(size.get("cost_steps", 5000)),
                "--json", str(figures)]  # fmt: skip

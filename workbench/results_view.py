@@ -408,8 +408,8 @@ def results_text(table, width: int | None = None, colour: bool = False) -> str:
     text = text_table(headings, cells, numeric, width, paint=paint)
     if left_out:
         text += "\n" + textwrap.fill(
-            f"Left out to fit {width} characters: {', '.join(left_out)}; summary(width=...) with more "
-            "room shows them, and Results.table holds them.",
+            f"Left out to fit {width} characters: {', '.join(left_out)}; table.csv, Results.table and "
+            "summary(width=120) show them.",
             width,
         )
     return text + "\n\n" + textwrap.fill(legend(rows), width)
