@@ -394,6 +394,7 @@ def _run_overhead(record: Record, size: dict, figures: Path) -> None:
     command = [sys.executable, str(OVERHEAD_SCRIPT), "--device", DEVICE,
                "--model", size["model"], "--rounds", str(size["rounds"]), "--steps", str(size["steps"]),
                "--pairs", str(size["pairs"]), "--cost-steps", str(size.get("cost_steps", 5000)),
+               "--cost-processes", str(size.get("cost_processes", 3)),
                "--json", str(figures)]  # fmt: skip
     # A session of its own, so that at the deadline its child processes end with it.
     process = subprocess.Popen(command, env=_child_env(), start_new_session=True)

@@ -245,9 +245,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cost-steps", type=int, default=5000, help="steps per window of the trivial model (per-step cost)"
     )
+    parser.add_argument(
+        "--cost-processes", type=int, default=3,
+        help="fresh processes for the per-step cost and for the model's step time (the median is kept)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both loops run")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
+    for name, least in (("rounds", 2), ("pairs", 1), ("steps", 1), ("cost_steps", 1), ("cost_processes", 1)):
+        if getattr(args, name) < least:  # two rounds at least: an interval needs two
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}; got {getattr(args, name)}")
     if args.device == "cuda":
         import torch
 
@@ -282,9 +289,11 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     e2e, paired = _interval(end_to_end), _interval(in_process)
-    costs = [_child("cost-child", args) for _ in range(3)]
+    costs = [_child("cost-child", args) for _ in range(args.cost_processes)]
     cost_us = float(np.median([c["cost_us"] for c in costs]))
-    step_us = float(np.median([_child("step-time-child", args)["step_us"] for _ in range(3)]))
+    step_us = float(
+        np.median([_child("step-time-child", args)["step_us"] for _ in range(args.cost_processes)])
+    )
     implied = step_us / (step_us + cost_us)
     report = {
         "benchmark": "overhead",

@@ -143,11 +143,27 @@ def test_the_tests_stage_stops_pytest_at_its_own_deadline_and_keeps_what_it_saw(
     assert record["parts"]["exit_code"] != 0 and not record["errors"]
 
 
+@pytest.mark.parametrize(
+    "arguments, says",
+    [
+        (["--rounds", "1"], "--rounds must be at least 2"),
+        (["--cost-processes", "0"], "--cost-processes must be at least 1"),
+    ],
+)
+def test_overhead_py_refuses_settings_that_measure_nothing(capsys, arguments, says):
+    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
+    overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overhead)
+    with pytest.raises(SystemExit) as stopped:
+        overhead.main(arguments)
+    assert stopped.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_overhead_stage_runs_the_harness_against_a_hand_written_loop(suite, tmp_path, monkeypatch):
     monkeypatch.setattr(suite, "DEVICE", "cpu")
     monkeypatch.setattr(suite, "DEADLINE", time.time() + 240)
-    size = {"model": "mlp", "rounds": 2, "steps": 5, "pairs": 2, "cost_steps": 100}
+    size = {"model": "mlp", "rounds": 2, "steps": 5, "pairs": 2, "cost_steps": 100, "cost_processes": 1}
     assert suite.run_stage("overhead", tmp_path, size) == 0
     figures = json.loads((tmp_path / "overhead.json").read_text())["parts"]["overhead"]
     assert figures["device"] == "cpu" and figures["rounds"] == 2
