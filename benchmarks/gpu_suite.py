@@ -173,12 +173,10 @@ def _ablation(record: Record, name: str, live_view: bool = False, **arguments) -
 
 def _keep_live_view(record: Record, name: str, snapshot: dict) -> None:
     """The panel's live view as a PNG beside the stage's JSON, and how often telemetry was sampled."""
-    from workbench.plots import plot_live
+    from workbench.plots import gpu_util_keys, plot_live
 
     samples = snapshot["telemetry"]
-    gpu_readings = sorted(
-        {key for sample in samples for key in sample if re.match(r"gpu\d+_util_percent$", key)}
-    )
+    gpu_readings = gpu_util_keys(samples)
     span_s = samples[-1]["time"] - samples[0]["time"] if len(samples) > 1 else 0.0
     picture = record.path.parent / f"{name}-live.png"
     plot_live(snapshot).savefig(picture, dpi=100)

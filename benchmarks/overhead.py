@@ -63,6 +63,8 @@ def _bare_setup(model_name: str, batch_size: int, seed: int, device):
 
 
 def _synchronize(device) -> None:
+    # torch's own call, as a person would write it, rather than workbench.devices.synchronize:
+    # the bare loop runs no workbench code inside its window.
     import torch
 
     if device.type == "cuda":

@@ -476,7 +476,8 @@ def test_a_block_stopped_midway_is_run_again_whole(tmp_path):
 
 def _interrupt_after_the_first_block(out, steps: int):
     """Start ``workbench ablate`` into ``out``, press Ctrl-C once its first block is on disk; return
-    (command, its output, whether it was still running when the signal went, its processes then)."""
+    (command, its output, whether it was still running when the signal went, its exit code, its
+    processes then)."""
     command = [
         sys.executable,
         "-m",

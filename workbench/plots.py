@@ -283,7 +283,7 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     arms_row, machine_row = figure.subfigures(2, 1, height_ratios=[1.1, 1])
     speed_ax, phase_ax = arms_row.subplots(1, 2, width_ratios=[1.5, 1])
     samples = snapshot["telemetry"]
-    gpu_keys = _gpu_keys(samples)
+    gpu_keys = gpu_util_keys(samples)
     loss_ax, cpu_ax, *machine_axes = machine_row.subplots(1, 4 if gpu_keys else 3)
     arms = snapshot["arms"] or sorted(snapshot["throughput"])
     colors = _arm_colors(arms)
@@ -423,7 +423,7 @@ def _plot_cpu_utilization(axes, samples: list[dict], seconds: list[float]) -> No
     axes.set_xlabel("seconds since start")
 
 
-def _gpu_keys(samples: list[dict]) -> list[str]:
+def gpu_util_keys(samples: list[dict]) -> list[str]:
     """The NVML readings' utilization keys (gpu0_util_percent...): none without NVML or a GPU."""
     return sorted(
         {key for s in samples for key in s if key.startswith("gpu") and key.endswith("_util_percent")}
