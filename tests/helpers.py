@@ -142,13 +142,32 @@ def is_kept_template(pid: int) -> bool:
 def left_behind() -> list:
     """workbench's processes still running under this one, but for the warm template kept for the
     next run."""
+    return [p for p in _live_children() if is_workbench_process(_cmdline(p)) and not is_kept_template(p.pid)]
+
+
+def _live_children() -> list:
+    """This process's descendants that have not exited. A zombie (exited, not yet reaped by its
+    parent) runs nothing, and psutil refuses to read its command line."""
     import psutil
 
-    return [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if is_workbench_process(p.cmdline()) and not is_kept_template(p.pid)
-    ]
+    live = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                live.append(process)
+        except psutil.NoSuchProcess:  # ZombieProcess too: it ended between the listing and the look
+            continue
+    return live
+
+
+def _cmdline(process) -> list[str]:
+    """``process``'s command line, or [] when it ended while it was being looked at."""
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.NoSuchProcess:
+        return []
 
 
 @contextlib.contextmanager
@@ -156,28 +175,41 @@ def adopting_orphans():
     """Inside the block, descendants whose parent dies are re-parented to this process (Linux's
     child subreaper) instead of to init, so a look at this process's own children finds a
     grandchild that a stopped process left running."""
+    import psutil
+
     libc = ctypes.CDLL(None, use_errno=True)
     set_child_subreaper = 36  # PR_SET_CHILD_SUBREAPER, <linux/prctl.h>
+    ours_before = {child.pid for child in psutil.Process().children()}
     if libc.prctl(set_child_subreaper, 1, 0, 0, 0) != 0:
         pytest.skip(f"prctl(PR_SET_CHILD_SUBREAPER) failed: errno {ctypes.get_errno()}")
     try:
         yield
     finally:
         libc.prctl(set_child_subreaper, 0, 0, 0, 0)
+        _reap_adopted(ours_before)
+
+
+def _reap_adopted(ours_before: set[int]) -> None:
+    """Reap the adopted orphans that have exited. Nothing else waits for them: left as zombies,
+    they would stay children of this test process for the rest of the session, where a later
+    test's look at its own children finds them."""
+    import psutil
+
+    for child in psutil.Process().children():
+        if child.pid in ours_before:
+            continue  # started before the block: whoever started it waits for it
+        # A child started inside the block has been waited for by its starter when the block ends
+        # (as run_stage does), so a zombie left here is an orphan that was adopted.
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            continue
 
 
 def running_children(marker: str) -> list:
     """This process's descendants, not yet exited, whose command line holds ``marker``."""
-    import psutil
-
-    found = []
-    for process in psutil.Process().children(recursive=True):
-        try:
-            if process.status() != psutil.STATUS_ZOMBIE and marker in " ".join(process.cmdline()):
-                found.append(process)
-        except psutil.NoSuchProcess:
-            continue
-    return found
+    return [process for process in _live_children() if marker in " ".join(_cmdline(process))]
 
 
 def unsteady_machine(res) -> str:

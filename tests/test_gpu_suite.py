@@ -3,6 +3,8 @@ GPU: its refusals, its time limits, its goals and a rehearsal of its stages on t
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -204,6 +206,33 @@ def test_the_overhead_stage_is_stopped_at_its_deadline_with_its_processes(suite,
         assert not running_children("stand-in-child") and not running_children(str(stand_in))
     record = json.loads((tmp_path / "overhead.json").read_text())
     assert record["out_of_time"] == ["overhead: stopped at the limit"]
+
+
+def test_an_orphan_adopted_for_a_check_is_reaped_when_the_check_ends():
+    """An adopted orphan that exits is this test process's zombie until reaped; left, it made later
+    tests' looks at their own children fail on the same pytest worker (CI, 2026-11-26)."""
+    import psutil
+
+    ours_before = {child.pid for child in psutil.Process().children()}
+    with adopting_orphans():
+        parent = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'pass']).pid)",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        orphan = psutil.Process(int(parent.stdout))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and orphan.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+        assert orphan.ppid() == os.getpid(), "the orphan was not adopted: the check below would prove nothing"
+    assert not psutil.pid_exists(orphan.pid), "the adopted orphan was left a zombie"
+    assert {child.pid for child in psutil.Process().children()} <= ours_before
+    assert left_behind() == [] and running_children("anything") == []
 
 
 def test_the_telemetry_goal_needs_1_hz_and_gpu_readings(suite, tmp_path):
