@@ -104,6 +104,11 @@ class TimingTestsHaveTheMachineToThemselves:
     timing test holds it alone, and runs with every core's threads, as it would without xdist. A
     turnstile in front of the lock lets a waiting timing test in before the next shared holder,
     so it is not starved.
+
+    A timing test that is followed by another keeps the machine for it. Each time the lock is let
+    go, the other worker starts its next test, and the next timing test waits for that test to end
+    while this worker idles: per test, that wait was up to 45 s (a notebook's cells are tests each),
+    and over a CI run it came to 210 s, a quarter of the run.
     """
 
     LOCKS = "WORKBENCH_TEST_LOCKS"  # the folder of the lock files, made by the xdist controller
@@ -115,6 +120,7 @@ class TimingTestsHaveTheMachineToThemselves:
         # The turnstile is held only while a test queues; the machine while it runs.
         self.turnstile, self.machine = (open(folder / name, "a+") for name in self.FILES)
         self.own_setting = os.environ.get("OMP_NUM_THREADS")
+        self.alone = False  # whether this worker holds the machine alone, kept from the last test
         self.threads(self.share)
 
     def threads(self, count: int | None) -> None:
@@ -129,26 +135,44 @@ class TimingTestsHaveTheMachineToThemselves:
             os.environ["OMP_NUM_THREADS"] = self.own_setting
         torch.set_num_threads(count or int(self.own_setting or self.cores))
 
-    @contextmanager
-    def holding(self, alone: bool):
+    def take(self, alone: bool) -> None:
         fcntl.flock(self.turnstile, fcntl.LOCK_EX)
         try:
             fcntl.flock(self.machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         finally:
             fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        if alone:
+            self.threads(None)
+        self.alone = alone
+
+    def let_go(self) -> None:
+        if self.alone:
+            self.threads(self.share)
+            self.alone = False
+        fcntl.flock(self.machine, fcntl.LOCK_UN)
+
+    @contextmanager
+    def holding(self, alone: bool):
+        self.take(alone)
         try:
-            if alone:
-                self.threads(None)
             yield
         finally:
-            if alone:
-                self.threads(self.share)
-            fcntl.flock(self.machine, fcntl.LOCK_UN)
+            self.let_go()
+
+    @staticmethod
+    def is_timing(item) -> bool:
+        return item is not None and item.get_closest_marker("timing") is not None
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        with self.holding(alone=item.get_closest_marker("timing") is not None):
+        alone = self.is_timing(item)
+        if not (alone and self.alone):  # else kept from the timing test before
+            self.take(alone)
+        try:
             yield
+        finally:
+            if not (alone and self.is_timing(nextitem)):
+                self.let_go()
 
 
 # Only the controller that made the folder removes it: a pytest that a test starts (the GPU suite's

@@ -89,3 +89,48 @@ def test_under_xdist_a_timing_test_waits_for_the_machine_alone_and_is_not_starve
     finally:
         torch.set_num_threads(threads)
     assert order == ["shared in", "shared out", "timing in", "timing out", "later in", "later out"]
+
+
+def test_a_timing_test_followed_by_another_keeps_the_machine_for_it(tmp_path, monkeypatch):
+    """Let go between two timing tests, the machine goes to the other worker's next test, and the
+    second timing test waits for all of it while its own worker idles."""
+    import fcntl
+
+    import torch
+    from conftest import TimingTestsHaveTheMachineToThemselves as Workers
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored after the test
+    threads = torch.get_num_threads()
+
+    class Item:
+        def __init__(self, timing: bool):
+            self.timing = timing
+
+        def get_closest_marker(self, name):
+            return object() if name == "timing" and self.timing else None
+
+    def run_test(worker, item, nextitem) -> None:  # as pytest runs a hook wrapper around a test
+        protocol = worker.pytest_runtest_protocol(item, nextitem)
+        next(protocol)
+        with pytest.raises(StopIteration):
+            next(protocol)
+
+    def other_worker_can_start() -> bool:
+        try:
+            fcntl.flock(other.machine, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(other.machine, fcntl.LOCK_UN)
+        return True
+
+    try:
+        worker, other = Workers(workers=2, folder=tmp_path), Workers(workers=2, folder=tmp_path)
+        first, second, shared = Item(timing=True), Item(timing=True), Item(timing=False)
+        run_test(worker, first, nextitem=second)
+        assert not other_worker_can_start() and worker.alone
+        run_test(worker, second, nextitem=shared)
+        assert other_worker_can_start() and not worker.alone
+        run_test(worker, shared, nextitem=first)  # a shared test never keeps the machine
+        assert other_worker_can_start()
+    finally:
+        torch.set_num_threads(threads)
