@@ -1,6 +1,7 @@
 """benchmarks/gpu_suite.py, the one command that verifies the GPU half, checked where there is no
 GPU: its refusals, its time limits, its goals and a rehearsal of its stages on the CPU."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -12,6 +13,9 @@ from pathlib import Path
 
 import pytest
 from helpers import adopting_orphans, left_behind, running_children
+
+import workbench.ablation
+from workbench.telemetry import Sampler
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -256,6 +260,9 @@ def test_an_ablation_with_a_live_view_keeps_the_panels_picture_and_its_telemetry
 ):
     monkeypatch.setattr(suite, "DEVICE", "cpu")
     monkeypatch.setattr(suite, "DEADLINE", time.time() + 600)
+    # This small ablation can end within the first second on a busy machine, before a 1 Hz sampler
+    # takes its first reading (CI under load, 2026-11-27): sample at 20 Hz, whatever the load.
+    monkeypatch.setattr(workbench.ablation, "Sampler", functools.partial(Sampler, interval_s=0.05))
     record = suite.Record(tmp_path / "models.json", "models", {})
     suite._ablation(record, "mlp", live_view=True, model="mlp", techniques={}, steps=20, warmup=2, blocks=1)
     parts = json.loads((tmp_path / "models.json").read_text())["parts"]
