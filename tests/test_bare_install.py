@@ -4,7 +4,7 @@ reported as unavailable, with the reason, and never crash a command.
 The test environment has the extras installed, so each check runs in a subprocess whose
 import system hides them: a meta-path finder that raises ModuleNotFoundError, exactly as a
 bare install does (``find_spec("nvidia.dali")`` raises there, because ``nvidia`` is absent).
-``.ci/bare-install`` checks the same with a real fresh virtual environment.
+``.ci/bare-install`` checks the same with a real fresh virtual environment; the last test runs it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,15 @@ def test_a_probe_never_raises(monkeypatch):
     for package in optional.OPTIONAL_PACKAGES:  # every one is probed through missing()
         reason = optional.missing(package.module, package.install)
         assert "half-installed" in reason and package.install in reason
+
+
+@pytest.mark.slow  # pip installs torch into a fresh virtual environment: about 40 s here
+def test_a_real_install_without_extras_runs_a_newcomers_first_commands():
+    """``.ci/bare-install``: ``pip install -e .`` into a fresh venv, then list, env, the dry runs,
+    an ablation and show, with every optional part reported unavailable. Run as a test, not before
+    the suite, so that it waits on pip beside the other worker's tests instead of before them all."""
+    script = Path(__file__).resolve().parent.parent / ".ci" / "bare-install"
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("bare install: ok"), (
+        done.stdout[-4000:] + done.stderr[-4000:]
+    )
