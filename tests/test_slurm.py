@@ -296,16 +296,25 @@ def test_tune_runs_its_rounds_as_slurm_jobs(tmp_path):
 
     out = tmp_path / "tune"
     stop = threading.Event()
+    round_starts: list[tuple[float, dict]] = []
 
     def after_the_first_round(event: dict) -> None:
-        if event["type"] == "tune_round" and event["round"] >= 1:
-            stop.set()
+        if event["type"] == "tune_round":
+            round_starts.append((time.monotonic(), event))
+            if event["round"] >= 1:
+                stop.set()
 
+    budget_s = 120
     wb.tune(
-        "mlp", techniques=["amp"], budget_s=120, out=out, on_event=after_the_first_round, stop=stop,
+        "mlp", techniques=["amp"], budget_s=budget_s, out=out, on_event=after_the_first_round, stop=stop,
         **{k: v for k, v in SMALL.items() if k != "blocks"},
     )  # fmt: skip
     rounds = sorted(out.glob("round-*"))
     assert rounds, "the tuner ran no round"
     attempts = _state(rounds[0])
     assert attempts and attempts[0]["state"] == "MERGED", attempts
+    # The second round is planned at what a job cost in the first (it was 286 blocks planned at
+    # 0.2 s each, the arms' own time, where each job took 6 s: twenty minutes for a 2-minute budget).
+    (first_at, first), (second_at, second) = round_starts[:2]
+    per_block_s = (second_at - first_at) / first["blocks"]
+    assert second["blocks"] * per_block_s <= budget_s, (second, per_block_s)

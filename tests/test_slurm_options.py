@@ -106,3 +106,32 @@ def test_a_job_asks_for_one_gpu_per_rank_on_cuda_and_none_on_cpu():
     assert job_gpus(SlurmOptions(), 1, "cuda") == 1
     assert job_gpus(SlurmOptions(), 2, "cpu") == 0  # gloo ranks on the node's cores
     assert job_gpus(SlurmOptions(gpus_per_job=8), 2, "cuda") == 8  # as set
+
+
+def test_a_stop_during_a_long_submission_ends_it_and_cancels_what_was_submitted(tmp_path, monkeypatch):
+    """A round of hundreds of blocks is submitted in one poll, at about 0.2 s a job: the panel's
+    Stop must end it at the next job, not a minute later, after the last one."""
+    pytest.importorskip("submitit")
+    import threading
+
+    import workbench.slurm
+    from workbench.results_folder import ResultsFolder
+    from workbench.slurm import SlurmBlocks
+
+    stop, cancelled = threading.Event(), []
+    blocks = SlurmBlocks(SlurmOptions(), 0, ResultsFolder(tmp_path), list(range(300)), None, None, None,
+                         lambda event: None, stop, None)  # fmt: skip
+
+    def submit(block: int) -> None:  # sbatch, without a cluster: the attempt as _submit records it
+        blocks.attempts.append({"block": block, "job_id": str(1000 + block), "state": "SUBMITTED",
+                                "ended": None, "attempt": 1})  # fmt: skip
+        if len(blocks.attempts) == 3:
+            stop.set()  # Stop pressed while the third job was submitted
+
+    monkeypatch.setattr(blocks, "_submit", submit)
+    monkeypatch.setattr(workbench.slurm, "job_states", lambda ids: {})
+    monkeypatch.setattr(workbench.slurm, "cancel", lambda ids: cancelled.extend(ids))
+    with pytest.raises(KeyboardInterrupt):
+        blocks.run()
+    assert len(blocks.attempts) == 3 and cancelled == ["1000", "1001", "1002"]
+    assert all(a["cancelled_by_run"] for a in blocks.attempts)

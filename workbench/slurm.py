@@ -291,6 +291,10 @@ class SlurmBlocks:
         live = [a["job_id"] for a in self.attempts if a["block"] in self.todo and a["ended"] is None]
         states = job_states(live)
         for block in list(self.todo):
+            # A poll can submit hundreds of jobs (sbatch takes about 0.2 s each): a Stop pressed
+            # meanwhile ends it here, not after the last submission.
+            if self.stop is not None and self.stop.is_set():
+                raise KeyboardInterrupt
             attempt = self._latest(block)
             if attempt is None:
                 self._submit(block)

@@ -93,6 +93,9 @@ class Costs:
     default_arm_s: float
     per_arm_s: float = 0.0
     arm_s: dict[str, float] = field(default_factory=dict)
+    # executor="slurm": each block is a job, and what a job costs (its queueing, a fresh interpreter
+    # importing torch, the results' way back) is per block, not per round.
+    per_job: bool = False
 
     def block_s(self, names: list[str]) -> float:
         return self.process_s + sum(self.arm_s.get(n, self.default_arm_s) + self.per_arm_s for n in names)
@@ -114,6 +117,9 @@ class Costs:
             if unit["status"] == "ok":
                 per_arm.setdefault(unit["arm"], []).append(_arm_seconds(unit["result"]))
         self.arm_s.update({name: float(np.median(values)) for name, values in per_arm.items()})
+        if self.per_job:
+            self._learn_per_job(results, ended - began)
+            return
         if not starts:
             return
         self.run_s = (starts[0] - began) + (ended - last_unit)
@@ -131,6 +137,22 @@ class Costs:
         self.run_s += max(first - block_wall - self.process_s, 0.0)
         if len(starts) > 1:
             self.process_s = max((last_unit - starts[1]) / (len(starts) - 1) - block_wall, 0.0)
+
+    def _learn_per_job(self, results: Results, wall_s: float) -> None:
+        """Slurm runs the jobs, as many at once as it grants: this process sees neither their starts
+        nor their queueing. So the round's whole wall time beyond its arms' own is charged to its
+        blocks, at the concurrency the cluster gave: a later round of N blocks is then estimated at
+        N times what a block took here, however many ran at once."""
+        arms_by_block: dict[int, list[str]] = {}
+        for unit in results.record["units"]:
+            if unit["status"] == "ok":
+                arms_by_block.setdefault(unit["block"], []).append(unit["arm"])
+        if not arms_by_block:
+            return
+        own = float(np.median([sum(self.arm_s.get(a, self.default_arm_s) for a in arms)
+                               for arms in arms_by_block.values()]))  # fmt: skip
+        self.run_s, self.per_arm_s = 0.0, 0.0
+        self.process_s = max(wall_s / len(arms_by_block) - own, 0.0)
 
 
 def _arm_seconds(result: dict) -> float:
@@ -449,7 +471,10 @@ class _Search:
         # is charged to the round, a conservative guess that the first round's figures replace. An
         # Advice passed in ran earlier (wall is ~0 here): its arm's cost stands in for the rest.
         overhead = wall - arm if wall > arm else arm
-        self.costs = Costs(run_s=overhead, process_s=0.0, default_arm_s=arm)
+        if self.run_config.executor == "slurm":  # the calibration was a job, and each block will be one
+            self.costs = Costs(run_s=0.0, process_s=overhead, default_arm_s=arm, per_job=True)
+        else:
+            self.costs = Costs(run_s=overhead, process_s=0.0, default_arm_s=arm)
         self.state["calibration"] = {"wall_s": wall, "arm_s": arm, "overhead_s": overhead}
         self._choose_candidates(pool, max_candidates)
 
