@@ -314,7 +314,7 @@ def test_tune_runs_its_rounds_as_slurm_jobs(tmp_path):
     attempts = _state(rounds[0])
     assert attempts and attempts[0]["state"] == "MERGED", attempts
     # The second round is planned at what a job cost in the first (it was 286 blocks planned at
-    # 0.2 s each, the arms' own time, where each job took 6 s: twenty minutes for a 2-minute budget).
+    # 0.2 s each, the arms' own time, where each job took 6 s: about 25 minutes for a 2-minute budget).
     (first_at, first), (second_at, second) = round_starts[:2]
     per_block_s = (second_at - first_at) / first["blocks"]
     assert second["blocks"] * per_block_s <= budget_s, (second, per_block_s)
