@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from workbench.heap import HEAP_CHOICES
+
 MODES = ("one-at-a-time", "leave-one-out", "grid")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 OPTIMIZERS = ("adamw", "sgd")
@@ -526,6 +528,15 @@ class RunConfig:
         "interpreter each time. Either way every block is a fresh process",
         str,
         choices={"template": "template", "spawn": "spawn"},
+    )
+    heap: str = option(
+        "steady",
+        "glibc's malloc in each measuring process: steady fixes its thresholds (chunks up to 32 MiB "
+        "from the heap, no trimming), so that what an arm's steps pay in page faults does not depend "
+        "on the other arms or on the process's past; as-is leaves glibc's adaptive thresholds (or "
+        "an LD_PRELOAD allocator) alone",
+        str,
+        choices={choice: choice for choice in HEAP_CHOICES},
     )
     executor: str = option(
         "local",

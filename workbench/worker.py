@@ -41,6 +41,7 @@ from workbench.config import RunConfig
 from workbench.data import DataSource
 from workbench.distributed import CommMeter, Rank, gather_to_rank0, init_process_group
 from workbench.environment import cpu_model
+from workbench.heap import hold_heap_steady
 from workbench.process_state import differences, fingerprint
 from workbench.telemetry import ProcessRss, nvml_indices, usable_cores
 
@@ -134,8 +135,9 @@ def _initialize_runtime(device: torch.device) -> None:
     torch.optim.SGD([weight], lr=0.1).step()
 
 
-def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | None]:
-    """This process's rank and device; with several ranks, the process group and its meter."""
+def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | None, str]:
+    """This process's rank and device; with several ranks, the process group and its meter; what
+    was done to its C heap (workbench.heap)."""
     rank = Rank.from_env()
     device = torch.device(spec.run.device)
     if rank.distributed and len(spec.arms) != 1:
@@ -148,13 +150,14 @@ def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | Non
         # and the oversubscribed cores would time-slice between ranks (noise, not a measurement).
         local = int(os.environ.get("LOCAL_WORLD_SIZE", rank.world_size))
         torch.set_num_threads(max(1, usable_cores() // local))
+    heap = hold_heap_steady(spec.run.heap)  # before the first tensor of any arm (workbench.heap)
     _initialize_runtime(device)
     meter = None
     if rank.distributed:
         init_process_group(rank, device, spec.comm_timeout_s)
         meter = CommMeter(rank.world_size, spec.run.link)
         meter.install()
-    return rank, device, meter
+    return rank, device, meter, heap
 
 
 def run_block(spec: BlockSpec, emit: Callable[[dict], None] = lambda message: None) -> dict:
@@ -179,7 +182,7 @@ class _Block:
 
     def __init__(self, spec: BlockSpec, emit: Callable[[dict], None]):
         self.spec, self.run, self.emit = spec, spec.run, emit
-        self.rank, self.device, self.meter = _process_setup(spec)
+        self.rank, self.device, self.meter, self.heap = _process_setup(spec)
         self.pristine = fingerprint()
         self.rss = ProcessRss()
         self.rss.mark_before_models()
@@ -373,6 +376,7 @@ class _Block:
             "rss_growth_mib": self.rss_mib,
             "rss_method": self.rss.method,
             "torch_threads": torch.get_num_threads(),
+            "heap": self.heap,
         }
 
 
