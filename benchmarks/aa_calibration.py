@@ -8,7 +8,10 @@ are needlessly wide.
 
 The trials keep every window's step times, so each candidate estimator of an arm's typical
 step time (workbench.stats.ESTIMATORS) is judged on the very same measurements: its
-coverage, and its median half-width. workbench uses the narrowest one that covers.
+coverage, and its median half-width. workbench uses the narrowest one that covers. Each is
+judged twice: with the interval workbench computes (the t-interval over blocks, its spread
+floored at the blocks' own noise) and with the bare t-interval, so that the floor's effect is
+measured on the same runs.
 
 Run:  python benchmarks/aa_calibration.py [--trials 40] [--blocks 3] [--steps 200]
           [--json benchmarks/results/aa-calibration.json]
@@ -31,8 +34,9 @@ def wilson(hits: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     return centre - half, centre + half
 
 
-def control_intervals(results, estimator: str) -> tuple[float, float, float]:
-    """The control arm's (low, point, high) with ``estimator``, from the stored windows."""
+def control_intervals(results, estimator: str, floored: bool = True) -> tuple[float, float, float]:
+    """The control arm's (low, point, high) with ``estimator``, from the stored windows; ``floored``:
+    the interval's spread at least the blocks' own noise, as workbench.stats.combine_blocks does."""
     from workbench import stats
     from workbench.results import _side
 
@@ -47,7 +51,7 @@ def control_intervals(results, estimator: str) -> tuple[float, float, float]:
         for arms in by_block.values()
         if {"baseline", "baseline (control)"} <= set(arms)
     ]
-    speedup = stats.combine_blocks(ratios)
+    speedup = stats.combine_blocks(ratios, floored=floored)
     return speedup.low, speedup.point, speedup.high
 
 
@@ -67,7 +71,10 @@ def main() -> None:
     from workbench.environment import machine_summary
 
     started = time.time()
-    intervals: dict[str, list[tuple[float, float, float]]] = {name: [] for name in stats.ESTIMATORS}
+    # Each estimator twice: the interval as workbench computes it (floored at the blocks' own
+    # noise), and the bare t-interval over the blocks, on the very same measurements.
+    variants = [(name, floored) for name in stats.ESTIMATORS for floored in (True, False)]
+    intervals: dict[tuple[str, bool], list[tuple[float, float, float]]] = {v: [] for v in variants}
     walls, rounds = [], []
     for trial in range(args.trials):
         trial_started = time.time()
@@ -85,21 +92,21 @@ def main() -> None:
         )
         walls.append(time.time() - trial_started)
         rounds += [block["rounds"] for block in res.record["blocks"]]
-        for name in stats.ESTIMATORS:
-            intervals[name].append(control_intervals(res, name))
-        low, point, high = intervals[stats.ESTIMATOR][-1]
+        for name, floored in variants:
+            intervals[name, floored].append(control_intervals(res, name, floored))
+        low, point, high = intervals[stats.ESTIMATOR, True][-1]
         print(
             f"trial {trial + 1}/{args.trials} ({walls[-1]:.0f} s): control {point:.4f} [{low:.4f}, {high:.4f}] "
             f"({stats.ESTIMATOR})",
             flush=True,
         )
-    summary = {}
+    summary: dict[str, dict] = {"floored": {}, "unfloored": {}}
     print(f"\n{args.trials} A/A trials, {args.model}, {args.steps} steps x {args.blocks} blocks:")
-    for name, found in intervals.items():
+    for (name, floored), found in intervals.items():
         hits = int(sum(low <= 1.0 <= high for low, _, high in found))
         half_widths = sorted(100 * max(high - point, point - low) / point for low, point, high in found)
         coverage_low, coverage_high = wilson(hits, args.trials)
-        summary[name] = {
+        summary["floored" if floored else "unfloored"][name] = figures = {
             "covered": hits,
             "coverage": hits / args.trials,
             "coverage_interval": [coverage_low, coverage_high],
@@ -107,9 +114,10 @@ def main() -> None:
             "intervals": found,
         }
         print(
-            f"  {name:26s} {hits}/{args.trials} contain 1.0 (Wilson 95%: {coverage_low:.0%}-{coverage_high:.0%}); "
-            f"median half-width {summary[name]['median_half_width_pct']:.2f}%"
-            + ("   <- workbench's estimator" if name == stats.ESTIMATOR else "")
+            f"  {name:26s} {'floored' if floored else 't only':8s} {hits}/{args.trials} contain 1.0 "
+            f"(Wilson 95%: {coverage_low:.0%}-{coverage_high:.0%}); "
+            f"median half-width {figures['median_half_width_pct']:.2f}%"
+            + ("   <- workbench's" if name == stats.ESTIMATOR and floored else "")
         )
     print(
         f"median wall time per ablation: {sorted(walls)[len(walls) // 2]:.1f} s; rounds per block: {sorted(set(rounds))}"
@@ -126,7 +134,8 @@ def main() -> None:
                     "rounds": sorted(set(rounds)),
                     "trials": args.trials,
                     "estimator": stats.ESTIMATOR,
-                    "estimators": summary,
+                    "estimators": summary["floored"],
+                    "estimators_unfloored": summary["unfloored"],
                     "wall_s": time.time() - started,
                     "median_ablation_s": sorted(walls)[len(walls) // 2],
                     "machine": machine_summary(),

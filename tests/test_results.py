@@ -72,6 +72,18 @@ def test_interval_coverage_on_simulated_a_a_blocks():
     assert 0.92 <= hits / trials <= 0.98
 
 
+def test_blocks_that_agree_by_chance_do_not_narrow_the_interval_past_their_own_noise():
+    """Three blocks within 0.01% of each other, each uncertain by 1% from its own rounds: the
+    interval is as wide as three blocks of 1% noise give, not as narrow as their agreement."""
+    ratios = [stats.BlockRatio(x, 0.01, 199, None, None) for x in (0.0, 0.0001, -0.0001)]
+    speedup = stats.combine_blocks(ratios)
+    half = 4.302652729911275 * 0.01 / math.sqrt(3)
+    assert (speedup.low, speedup.high) == (pytest.approx(math.exp(-half)), pytest.approx(math.exp(half)))
+    assert speedup.between_block_pct == pytest.approx(0.01), "the spread reported is still the blocks' own"
+    bare = stats.combine_blocks(ratios, floored=False)
+    assert bare.high - bare.low < (speedup.high - speedup.low) / 50
+
+
 def test_a_single_block_takes_its_interval_from_its_rounds():
     rng = np.random.default_rng(0)
     baseline = stats.Side([list(rng.normal(0.010, 0.0005, 5)) for _ in range(8)], 1.0)
