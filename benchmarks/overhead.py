@@ -262,6 +262,10 @@ def main(argv: list[str] | None = None) -> None:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda needs a CUDA device; torch sees none here (use --device cpu)")
+    if args.mode.endswith("-child"):
+        from workbench.heap import hold_heap_steady
+
+        hold_heap_steady()  # the same C heap settings as the harness's workers (workbench.heap)
     if args.mode == "bare-child":
         return run_bare_process(args)
     if args.mode == "paired-child":

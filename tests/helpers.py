@@ -118,6 +118,7 @@ RUN_SETTINGS = {
     "profile_steps": 2,
     "trace_dir": "traces",
     "start": "spawn",
+    "heap": "as-is",
     "executor": "slurm",
     "slurm": {"partition": "debug", "time_min": 5},
     "timeout_s": 60.0,

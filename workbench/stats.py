@@ -24,10 +24,11 @@ Speedup
     between processes here) cancels in the ratio. Across blocks: ``speedup`` is the geometric mean of the block ratios, and its 95%
     interval is the t-interval on their logarithms, mean +/- t(0.975, B-1) * sd / sqrt(B),
     with the block as the blocking factor. With few blocks the t quantile is large (4.30 for
-    3 blocks), and that width is honest. The sd is floored at the blocks' own noise (the root
-    mean square of their within-block standard errors): three blocks can agree more closely
-    than their rounds allow by chance, and an interval built on that agreement alone missed
-    1.0 in 8 of 80 A/A runs on 2026-11-27 (BENCHMARKS.md, "Which estimator").
+    3 blocks), and that width is honest. It is never narrower than the interval the blocks'
+    own rounds give (their within-block standard errors, as if the processes did not differ):
+    three blocks can agree more closely than their rounds allow, by chance, and an interval
+    built on that agreement alone missed 1.0 in 8 of 80 A/A runs on 2026-11-27
+    (BENCHMARKS.md, "Which estimator").
     With a single block there is no block-to-block information: the interval then comes
     from the block's own rounds (paired round by round in a shared block), and the row says
     that it ignores process-to-process variation. With a single round too, it comes from
@@ -190,8 +191,8 @@ def combine_blocks(
 ) -> Speedup:
     """The speedup over all blocks, with the block as the blocking factor (see the module docstring).
 
-    ``floored=False`` drops the floor at the blocks' own noise: benchmarks/aa_calibration.py
-    compares the two."""
+    ``floored=False`` drops the floor at the blocks' own rounds' interval:
+    benchmarks/aa_calibration.py compares the two."""
     if not ratios:
         return Speedup(math.nan, math.nan, math.nan, 0, math.nan, math.nan)
     logs = np.array([r.log_ratio for r in ratios])
@@ -200,11 +201,14 @@ def combine_blocks(
     mean = float(logs.mean())
     if len(ratios) >= 2:
         sd = float(logs.std(ddof=1))
-        # Each block's ratio is uncertain by at least its own rounds' noise, so the blocks cannot
-        # vary less than that: when a few happen to agree more closely, the interval does not
-        # narrow past what each block can know (see the module docstring).
-        floor = math.sqrt(float(np.mean(np.square(within)))) if within and floored else 0.0
-        half = t_quantile(confidence, len(ratios) - 1) * max(sd, floor) / math.sqrt(len(ratios))
+        half = t_quantile(confidence, len(ratios) - 1) * sd / math.sqrt(len(ratios))
+        if within and floored:
+            # Never narrower than the blocks' own rounds allow, even if the processes did not
+            # differ at all: a few blocks can agree more closely than that by chance (see the
+            # module docstring). That interval's spread is known from many rounds, hence its t.
+            rounds_dof = sum(r.degrees_of_freedom for r in ratios if math.isfinite(r.within_se))
+            rounds_se = math.sqrt(float(np.mean(np.square(within))) / len(ratios))
+            half = max(half, t_quantile(confidence, max(rounds_dof, 1)) * rounds_se)
         return Speedup(
             math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(ratios), within_pct, 100 * sd
         )

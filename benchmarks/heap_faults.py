@@ -1,0 +1,162 @@
+"""Page faults per training step, alone and beside other arms, with glibc's malloc as it is and held steady.
+
+Run:  python benchmarks/heap_faults.py [--processes 3] [--rounds 30]
+          [--json benchmarks/results/heap-faults.json]
+
+Why: in a block, every arm allocates from one C heap, and glibc's adaptive thresholds (when
+a chunk gets fresh pages from the kernel, when free pages go back) follow the allocations of
+all of them. This script shows what that does to one arm, and what ``heap="steady"``
+(workbench.heap) changes. For each heap setting and each set of arms, several fresh
+processes each build resnet-mini arms on textures (batch 32; the baseline, amp with
+bfloat16, grad_accum with 4 micro-batches), warm each up for 3 steps, then run one step of
+each arm per round, in a fresh random order, and count the minor page faults and the time
+of every step (``getrusage``, ``perf_counter``). Plain PyTorch, no harness: what is
+measured is the allocator, not workbench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARM_SETS = [["baseline"], ["baseline", "amp"], ["baseline", "amp", "grad_accum"]]
+HEAPS = ["as-is", "steady"]
+
+
+def child(heap: str, arms: list[str], rounds: int) -> dict:
+    """One fresh process: hold (or not) the heap, build the arms, count each step's faults and time."""
+    sys.path.insert(0, str(ROOT))
+    from workbench.heap import hold_heap_steady
+
+    held = hold_heap_steady(heap)
+    import torch
+
+    from workbench.data import resolve_data
+    from workbench.models import build_model
+
+    source = resolve_data("textures", "resnet-mini", 0)
+    dataset = source.open_dataset(0)
+    inputs = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(32)])
+    targets = torch.tensor([int(dataset[i][1]) for i in range(32)])
+
+    def make_step(name: str):
+        torch.manual_seed(0)
+        model = build_model("resnet-mini", source.spec)
+        optimizer = torch.optim.AdamW(model.parameters())
+        splits = 4 if name == "grad_accum" else 1
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            for x, y in zip(inputs.chunk(splits), targets.chunk(splits), strict=True):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "amp"):
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+            optimizer.step()
+
+        return step
+
+    steps = {name: make_step(name) for name in arms}
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    faults: dict[str, list[int]] = {name: [] for name in arms}
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    order = random.Random(os.getpid())
+    for _ in range(rounds):
+        for name in order.sample(arms, len(arms)):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            started = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - started)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return {
+        "heap": held,
+        "arms": {
+            name: {
+                "faults_per_step": statistics.mean(faults[name]),
+                "ms_per_step": 1e3 * statistics.mean(times[name]),
+            }
+            for name in arms
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--processes", type=int, default=3, help="fresh processes per heap setting and set of arms"
+    )
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        heap, arms = json.loads(args.child)
+        print(json.dumps(child(heap, arms, args.rounds)))
+        return
+
+    sys.path.insert(0, str(ROOT))
+    from workbench.environment import machine_summary
+
+    runs = []
+    # The settings alternate, process by process, so that the machine's drift touches each alike.
+    for process in range(args.processes):
+        for arms in ARM_SETS:
+            for heap in HEAPS:
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--rounds",
+                    str(args.rounds),
+                    "--child",
+                    json.dumps([heap, arms]),
+                ]
+                done = subprocess.run(command, capture_output=True, text=True, check=True)
+                found = json.loads(done.stdout.splitlines()[-1])
+                runs.append(
+                    {
+                        "heap": heap,
+                        "arm_set": arms,
+                        "process": process,
+                        "held": found["heap"],
+                        "arms": found["arms"],
+                    }
+                )
+                line = "  ".join(
+                    f"{name} {m['faults_per_step']:6.0f} faults {m['ms_per_step']:5.1f} ms"
+                    for name, m in found["arms"].items()
+                )
+                print(f"{heap:6s} {'+'.join(arms):25s} {line}", flush=True)
+    print("\nthe baseline's minor page faults per step, per process:")
+    for heap in HEAPS:
+        for arms in ARM_SETS:
+            counts = [
+                r["arms"]["baseline"]["faults_per_step"]
+                for r in runs
+                if r["heap"] == heap and r["arm_set"] == arms
+            ]
+            print(f"  heap {heap:6s}  {'+'.join(arms):25s} {', '.join(f'{c:.0f}' for c in counts)}")
+    if args.json:
+        record = {
+            "benchmark": "heap-faults",
+            "model": "resnet-mini",
+            "data": "textures",
+            "batch_size": 32,
+            "rounds": args.rounds,
+            "runs": runs,
+            "machine": machine_summary(),
+        }
+        Path(args.json).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
