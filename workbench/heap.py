@@ -7,19 +7,19 @@ memory at the top of the heap past a trim threshold goes back to the kernel, to 
 again by the next step. Where those thresholds stand depends on every allocation the process
 has made so far. In a block, that history belongs to all the arms together.
 
-Measured here (BENCHMARKS.md, "One heap for every arm"), resnet-mini on textures, batch 32:
-the baseline alone paid 38 minor page faults per step in one process and 1,248 in the next;
-beside an amp arm, 2,200-5,400, about 5 ms of a 50 ms step, because the amp arm's frees moved
-glibc's thresholds. So the baseline ran slower in a block than alone, every arm's speedup
-over it came out larger, and by a different amount in each process: the blocks disagreed.
+Measured here (benchmarks/heap_faults.py; BENCHMARKS.md, "One heap for every arm"),
+resnet-mini on textures, batch 32: the baseline paid 0-67 minor page faults per step alone,
+and 1,950-3,900 beside an amp arm, each fault a trip into the kernel for a zeroed 4 KiB page,
+because the other arms' allocations and frees moved glibc's thresholds. So the baseline ran
+slower in a block than alone, every speedup over it came out larger, and by an amount that
+differed from process to process.
 
-Held steady (an mmap threshold fixed at glibc's own ceiling for its adaptive one, 32 MiB,
-and no trimming), what an arm's steps pay no longer depends on its neighbours or on the
-process's past: the same baseline paid 60-250 faults per step alone or beside others. A
-long training job reaches this state by itself once its thresholds have risen; a block of a
-few hundred steps beside other arms does not. The cost: freed memory stays with the process
-until it ends (workers are short-lived), and the process's RSS stays at its high-water mark,
-which is what workbench reports anyway.
+Held steady (the mmap threshold fixed at glibc's own ceiling for its adaptive one, 32 MiB,
+and no trimming), the same baseline paid 0-26 faults per step alone and 216-331 beside the
+others. A long training job reaches about this state by itself once its thresholds have
+risen; a block of a few hundred steps beside other arms does not. The cost: freed memory
+stays with the process until it ends (workers are short-lived), and its RSS stays at its
+high-water mark, which is what workbench reports anyway.
 
 ``RunConfig.heap="as-is"`` leaves the heap alone, to measure with glibc's adaptive
 behaviour (or with an allocator preloaded with LD_PRELOAD, which this never touches).
