@@ -27,6 +27,7 @@ LAYER_OF = {
     "workbench.optional": 1,
     "workbench.devices": 1,
     "workbench.stats": 1,
+    "workbench.heap": 1,
     "workbench.peak_flops": 1,
     "workbench.telemetry": 1,
     "workbench.profiling": 1,
