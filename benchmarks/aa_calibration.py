@@ -8,10 +8,10 @@ are needlessly wide.
 
 The trials keep every window's step times, so each candidate estimator of an arm's typical
 step time (workbench.stats.ESTIMATORS) is judged on the very same measurements: its
-coverage, and its median half-width. workbench uses the narrowest one that covers. Each is
-judged twice: with the interval workbench computes (the t-interval over blocks, its spread
-floored at the blocks' own noise) and with the bare t-interval, so that the floor's effect is
-measured on the same runs.
+coverage, and its median half-width (workbench's choice, and why: BENCHMARKS.md, "Which
+estimator"). Each is judged twice: with the interval workbench computes (the t-interval over
+blocks, never narrower than the interval the blocks' own rounds give) and with the bare
+t-interval, so that the floor's effect is measured on the same runs.
 
 Run:  python benchmarks/aa_calibration.py [--trials 40] [--blocks 3] [--steps 200]
           [--json benchmarks/results/aa-calibration.json]
@@ -36,7 +36,7 @@ def wilson(hits: int, trials: int, z: float = 1.96) -> tuple[float, float]:
 
 def control_intervals(results, estimator: str, floored: bool = True) -> tuple[float, float, float]:
     """The control arm's (low, point, high) with ``estimator``, from the stored windows; ``floored``:
-    the interval's spread at least the blocks' own noise, as workbench.stats.combine_blocks does."""
+    never narrower than the blocks' own rounds allow, as workbench.stats.combine_blocks does."""
     from workbench import stats
     from workbench.results import _side
 
@@ -71,8 +71,8 @@ def main() -> None:
     from workbench.environment import machine_summary
 
     started = time.time()
-    # Each estimator twice: the interval as workbench computes it (floored at the blocks' own
-    # noise), and the bare t-interval over the blocks, on the very same measurements.
+    # Each estimator twice: the interval as workbench computes it (floored at the interval of
+    # the blocks' own rounds), and the bare t-interval over the blocks, on the same measurements.
     variants = [(name, floored) for name in stats.ESTIMATORS for floored in (True, False)]
     intervals: dict[tuple[str, bool], list[tuple[float, float, float]]] = {v: [] for v in variants}
     walls, rounds = [], []

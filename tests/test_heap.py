@@ -99,5 +99,5 @@ def test_every_block_records_what_was_done_to_its_heap(choice):
         heap=choice,
     )
     assert res.config["heap"] == choice
-    held = [block["heap"] for block in res.record["blocks"]]
+    held = list(res.blocks.heap)
     assert len(held) == 2 and all(h.split(":")[0] == choice for h in held), held

@@ -569,7 +569,7 @@ def _gradient_storages(rank: int, spec) -> tuple[int, int]:
     storages its gradients live in."""
     from workbench.worker import _process_setup
 
-    rank_info, device, meter = _process_setup(spec)
+    rank_info, device, meter, _heap = _process_setup(spec)
     arm = BlockArm(spec.arms[0], model=spec.model, data=spec.data, loss_fn=None, run=spec.run, device=device,
                    rank=rank_info, meter=meter, shared=False)  # fmt: skip
     arm.build()

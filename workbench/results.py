@@ -489,7 +489,8 @@ class Results:
 
     @property
     def blocks(self):
-        """One row per process that ran: its block, the arms side by side in it, rounds, order, RSS."""
+        """One row per process that ran: its block, the arms side by side in it, rounds, order, RSS,
+        and what it did to its C heap."""
         import pandas as pd
 
         rows = [
@@ -506,6 +507,7 @@ class Results:
                 "host": b.get("host"),
                 "device_name": b.get("device_name"),
                 "slurm_job_id": b.get("slurm_job_id"),
+                "heap": b.get("heap"),  # what the process did to glibc's malloc (workbench.heap)
             }
             for b in self.record.get("blocks", [])
         ]
@@ -524,6 +526,7 @@ class Results:
                 "host",
                 "device_name",
                 "slurm_job_id",
+                "heap",
             ],
         )
 
