@@ -12,6 +12,10 @@ bfloat16, grad_accum with 4 micro-batches), warm each up for 3 steps, then run o
 each arm per round, in a fresh random order, and count the minor page faults and the time
 of every step (``getrusage``, ``perf_counter``). Plain PyTorch, no harness: what is
 measured is the allocator, not workbench.
+
+A second part runs one arm alone (the baseline, then channels_last) for ``--long-rounds``
+steps in fresh processes, as a user's own job would run, and counts the faults of the last
+quarter of its steps: whether glibc, left as it is, settles by itself.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ARM_SETS = [["baseline"], ["baseline", "amp"], ["baseline", "amp", "grad_accum"]]
+LONG_ALONE = [["baseline"], ["channels_last"]]  # a longer job, one arm alone, as a user's job runs
 HEAPS = ["as-is", "steady"]
 
 
@@ -53,10 +58,14 @@ def child(heap: str, arms: list[str], rounds: int) -> dict:
         model = build_model("resnet-mini", source.spec)
         optimizer = torch.optim.AdamW(model.parameters())
         splits = 4 if name == "grad_accum" else 1
+        layout = torch.channels_last if name == "channels_last" else torch.contiguous_format
+        model = model.to(memory_format=layout)
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            for x, y in zip(inputs.chunk(splits), targets.chunk(splits), strict=True):
+            for x, y in zip(
+                inputs.contiguous(memory_format=layout).chunk(splits), targets.chunk(splits), strict=True
+            ):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "amp"):
                     loss = torch.nn.functional.cross_entropy(model(x), y)
                 loss.backward()
@@ -83,6 +92,8 @@ def child(heap: str, arms: list[str], rounds: int) -> dict:
         "arms": {
             name: {
                 "faults_per_step": statistics.mean(faults[name]),
+                # the last quarter of the steps: has glibc settled by then?
+                "late_faults_per_step": statistics.mean(faults[name][-max(1, rounds // 4) :]),
                 "ms_per_step": 1e3 * statistics.mean(times[name]),
             }
             for name in arms
@@ -96,6 +107,9 @@ def main() -> None:
         "--processes", type=int, default=3, help="fresh processes per heap setting and set of arms"
     )
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument(
+        "--long-rounds", type=int, default=200, help="steps of each lone job in the second part (0: skip it)"
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -107,44 +121,57 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from workbench.environment import machine_summary
 
+    def measure(arms: list[str], heap: str, rounds: int, process: int, part: str) -> dict:
+        command = [sys.executable, __file__, "--rounds", str(rounds), "--child", json.dumps([heap, arms])]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        found = json.loads(done.stdout.splitlines()[-1])
+        line = "  ".join(
+            f"{name} {m['faults_per_step']:6.0f} faults ({m['late_faults_per_step']:.0f} late) {m['ms_per_step']:5.1f} ms"
+            for name, m in found["arms"].items()
+        )
+        print(f"{part:6s} {heap:6s} {'+'.join(arms):25s} {line}", flush=True)
+        return {
+            "part": part,
+            "heap": heap,
+            "arm_set": arms,
+            "rounds": rounds,
+            "process": process,
+            "held": found["heap"],
+            "arms": found["arms"],
+        }
+
     runs = []
     # The settings alternate, process by process, so that the machine's drift touches each alike.
     for process in range(args.processes):
         for arms in ARM_SETS:
             for heap in HEAPS:
-                command = [
-                    sys.executable,
-                    __file__,
-                    "--rounds",
-                    str(args.rounds),
-                    "--child",
-                    json.dumps([heap, arms]),
-                ]
-                done = subprocess.run(command, capture_output=True, text=True, check=True)
-                found = json.loads(done.stdout.splitlines()[-1])
-                runs.append(
-                    {
-                        "heap": heap,
-                        "arm_set": arms,
-                        "process": process,
-                        "held": found["heap"],
-                        "arms": found["arms"],
-                    }
-                )
-                line = "  ".join(
-                    f"{name} {m['faults_per_step']:6.0f} faults {m['ms_per_step']:5.1f} ms"
-                    for name, m in found["arms"].items()
-                )
-                print(f"{heap:6s} {'+'.join(arms):25s} {line}", flush=True)
+                runs.append(measure(arms, heap, args.rounds, process, "block"))
+    # Part two: one arm alone for longer, as a user's job runs. Does glibc settle by itself?
+    for process in range(args.processes if args.long_rounds else 0):
+        for arms in LONG_ALONE:
+            for heap in HEAPS:
+                runs.append(measure(arms, heap, args.long_rounds, process, "alone"))
     print("\nthe baseline's minor page faults per step, per process:")
     for heap in HEAPS:
         for arms in ARM_SETS:
             counts = [
                 r["arms"]["baseline"]["faults_per_step"]
                 for r in runs
-                if r["heap"] == heap and r["arm_set"] == arms
+                if r["part"] == "block" and r["heap"] == heap and r["arm_set"] == arms
             ]
             print(f"  heap {heap:6s}  {'+'.join(arms):25s} {', '.join(f'{c:.0f}' for c in counts)}")
+    if args.long_rounds:
+        print(
+            f"\none arm alone for {args.long_rounds} steps: faults per step over the last quarter, per process:"
+        )
+        for heap in HEAPS:
+            for (name,) in LONG_ALONE:
+                late = [
+                    r["arms"][name]["late_faults_per_step"]
+                    for r in runs
+                    if r["part"] == "alone" and r["heap"] == heap and r["arm_set"] == [name]
+                ]
+                print(f"  heap {heap:6s}  {name:25s} {', '.join(f'{c:.0f}' for c in late)}")
     if args.json:
         record = {
             "benchmark": "heap-faults",
@@ -152,6 +179,7 @@ def main() -> None:
             "data": "textures",
             "batch_size": 32,
             "rounds": args.rounds,
+            "long_rounds": args.long_rounds,
             "runs": runs,
             "machine": machine_summary(),
         }
