@@ -8,18 +8,22 @@ again by the next step. Where those thresholds stand depends on every allocation
 has made so far. In a block, that history belongs to all the arms together.
 
 Measured here (benchmarks/heap_faults.py; BENCHMARKS.md, "One heap for every arm"),
-resnet-mini on textures, batch 32: the baseline paid 0-67 minor page faults per step alone,
-and 1,950-3,900 beside an amp arm, each fault a trip into the kernel for a zeroed 4 KiB page,
-because the other arms' allocations and frees moved glibc's thresholds. So the baseline ran
-slower in a block than alone, every speedup over it came out larger, and by an amount that
-differed from process to process.
+resnet-mini on textures, batch 32, 30 steps per arm: the baseline paid 51-229 minor page
+faults per step alone, up to 2,244 beside an amp arm and 3,414-6,060 beside amp and
+grad_accum, each fault a trip into the kernel for a zeroed 4 KiB page, because the other
+arms' allocations and frees moved glibc's thresholds. So the baseline ran slower in a block
+than alone, every speedup over it came out larger, and by an amount that differed from
+process to process.
 
 Held steady (the mmap threshold fixed at glibc's own ceiling for its adaptive one, 32 MiB,
-and no trimming), the same baseline paid 0-26 faults per step alone and 216-331 beside the
-others. A long training job reaches about this state by itself once its thresholds have
-risen; a block of a few hundred steps beside other arms does not. The cost: freed memory
-stays with the process until it ends (workers are short-lived), and its RSS stays at its
-high-water mark, which is what workbench reports anyway.
+and no trimming), the same baseline paid 34-43 faults per step alone and 154-262 beside the
+others. Every arm is then measured without glibc's trim-and-refault cycle, the same way in
+every process and beside any arms. A job of its own under glibc's defaults may or may not
+pay that cycle: alone for 200 steps, the baseline still paid 229 and 367 faults per step over
+its last 50 in two processes of three, and none in the third. To see what the defaults cost
+a job, measure with ``heap="as-is"`` and ``isolate=True`` (every arm alone, as its own job).
+The cost of holding the heap: freed memory stays with the process until it ends (workers are
+short-lived), and its RSS stays at its high-water mark, which is what workbench reports.
 
 ``RunConfig.heap="as-is"`` leaves the heap alone, to measure with glibc's adaptive
 behaviour (or with an allocator preloaded with LD_PRELOAD, which this never touches).
