@@ -113,12 +113,14 @@ class Costs:
         """Learn from a finished round. ``starts``: when each of its processes started; the round's
         own cost is before the first and after the last answer (saving, the plot)."""
         per_arm: dict[str, list[float]] = {}
+        arms_by_block: dict[int, list[str]] = {}
         for unit in results.record["units"]:
             if unit["status"] == "ok":
                 per_arm.setdefault(unit["arm"], []).append(_arm_seconds(unit["result"]))
+                arms_by_block.setdefault(unit["block"], []).append(unit["arm"])
         self.arm_s.update({name: float(np.median(values)) for name, values in per_arm.items()})
         if self.per_job:
-            self._learn_per_job(results, ended - began)
+            self._learn_per_job(arms_by_block, ended - began)
             return
         if not starts:
             return
@@ -138,15 +140,12 @@ class Costs:
         if len(starts) > 1:
             self.process_s = max((last_unit - starts[1]) / (len(starts) - 1) - block_wall, 0.0)
 
-    def _learn_per_job(self, results: Results, wall_s: float) -> None:
+    def _learn_per_job(self, arms_by_block: dict[int, list[str]], wall_s: float) -> None:
         """Slurm runs the jobs, as many at once as it grants: this process sees neither their starts
         nor their queueing. So the round's whole wall time beyond its arms' own is charged to its
         blocks, at the concurrency the cluster gave: a later round of N blocks is then estimated at
-        N times what a block took here, however many ran at once."""
-        arms_by_block: dict[int, list[str]] = {}
-        for unit in results.record["units"]:
-            if unit["status"] == "ok":
-                arms_by_block.setdefault(unit["block"], []).append(unit["arm"])
+        N times what a block took here, however many ran at once. ``arms_by_block``: the arms that
+        finished in each of the round's blocks."""
         if not arms_by_block:
             return
         own = float(np.median([sum(self.arm_s.get(a, self.default_arm_s) for a in arms)
