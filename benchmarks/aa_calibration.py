@@ -34,9 +34,10 @@ def wilson(hits: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     return centre - half, centre + half
 
 
-def control_intervals(results, estimator: str, floored: bool = True) -> tuple[float, float, float]:
-    """The control arm's (low, point, high) with ``estimator``, from the stored windows; ``floored``:
-    never narrower than the blocks' own rounds allow, as workbench.stats.combine_blocks does."""
+def control_intervals(results, estimator: str) -> dict[bool, tuple[float, float, float]]:
+    """The control arm's (low, point, high) with ``estimator``, from the stored windows, by
+    ``floored``: never narrower than the blocks' own rounds allow (as workbench.stats.combine_blocks
+    does by default), or the bare t-interval over the blocks."""
     from workbench import stats
     from workbench.results import _side
 
@@ -51,8 +52,8 @@ def control_intervals(results, estimator: str, floored: bool = True) -> tuple[fl
         for arms in by_block.values()
         if {"baseline", "baseline (control)"} <= set(arms)
     ]
-    speedup = stats.combine_blocks(ratios, floored=floored)
-    return speedup.low, speedup.point, speedup.high
+    speedups = {floored: stats.combine_blocks(ratios, floored=floored) for floored in (True, False)}
+    return {floored: (s.low, s.point, s.high) for floored, s in speedups.items()}
 
 
 def main() -> None:
@@ -92,8 +93,9 @@ def main() -> None:
         )
         walls.append(time.time() - trial_started)
         rounds += [block["rounds"] for block in res.record["blocks"]]
-        for name, floored in variants:
-            intervals[name, floored].append(control_intervals(res, name, floored))
+        for name in stats.ESTIMATORS:
+            for floored, interval in control_intervals(res, name).items():
+                intervals[name, floored].append(interval)
         low, point, high = intervals[stats.ESTIMATOR, True][-1]
         print(
             f"trial {trial + 1}/{args.trials} ({walls[-1]:.0f} s): control {point:.4f} [{low:.4f}, {high:.4f}] "
