@@ -13,8 +13,13 @@ estimator"). Each is judged twice: with the interval workbench computes (the t-i
 blocks, never narrower than the interval the blocks' own rounds give) and with the bare
 t-interval, so that the floor's effect is measured on the same runs.
 
+The record keeps every window's step times (in microseconds), so that a set can be judged
+again later, by estimators or intervals that did not exist when it ran, on the very same
+measurements: ``--reanalyse RECORD`` does that and writes nothing new unless ``--json`` is given.
+
 Run:  python benchmarks/aa_calibration.py [--trials 40] [--blocks 3] [--steps 200]
           [--json benchmarks/results/aa-calibration.json]
+      python benchmarks/aa_calibration.py --reanalyse benchmarks/results/aa-calibration-....json
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -34,26 +40,94 @@ def wilson(hits: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     return centre - half, centre + half
 
 
-def control_intervals(results, estimator: str) -> dict[bool, tuple[float, float, float]]:
-    """The control arm's (low, point, high) with ``estimator``, from the stored windows, by
-    ``floored``: never narrower than the blocks' own rounds allow (as workbench.stats.combine_blocks
-    does by default), or the bare t-interval over the blocks."""
-    from workbench import stats
+CONTROL = ("baseline", "baseline (control)")
+
+
+def control_windows(results) -> list[dict[str, list[list[float]]]]:
+    """Per block, the baseline's and the control's windows of step times, in microseconds
+    (0.1 us resolution: far finer than the noise, and a record a tenth the size of full floats)."""
     from workbench.results import _side
 
-    by_block: dict[int, dict[str, dict]] = {}
+    by_block: dict[int, dict[str, list[list[float]]]] = {}
     for unit in results.record["units"]:
-        if unit["status"] == "ok":
-            by_block.setdefault(unit["block"], {})[unit["arm"]] = unit["result"]
+        if unit["status"] == "ok" and unit["arm"] in CONTROL:
+            windows = [[round(1e6 * s, 1) for s in w] for w in _side(unit["result"]).windows]
+            by_block.setdefault(unit["block"], {})[unit["arm"]] = windows
+    return [arms for _, arms in sorted(by_block.items()) if set(CONTROL) <= set(arms)]
+
+
+def control_intervals(blocks: list[dict], estimator: str) -> dict[bool, tuple[float, float, float]]:
+    """The control arm's (low, point, high) with ``estimator``, from one trial's stored windows,
+    by ``floored``: never narrower than the blocks' own rounds allow (as
+    workbench.stats.combine_blocks does by default), or the bare t-interval over the blocks."""
+    from workbench import stats
+
+    def side(windows: list[list[float]]) -> stats.Side:  # samples per step cancel in an A/A ratio
+        return stats.Side([[1e-6 * s for s in w] for w in windows], 1.0)
+
     ratios = [
-        stats.block_ratio(
-            _side(arms["baseline"]), _side(arms["baseline (control)"]), paired=True, estimator=estimator
-        )
-        for arms in by_block.values()
-        if {"baseline", "baseline (control)"} <= set(arms)
+        stats.block_ratio(side(arms[CONTROL[0]]), side(arms[CONTROL[1]]), paired=True, estimator=estimator)
+        for arms in blocks
     ]
     speedups = {floored: stats.combine_blocks(ratios, floored=floored) for floored in (True, False)}
     return {floored: (s.low, s.point, s.high) for floored, s in speedups.items()}
+
+
+def judge(trials: list[list[dict]]) -> dict[str, dict[str, dict]]:
+    """Every estimator, floored and bare, on the same trials: coverage of 1.0 and half-widths."""
+    from workbench import stats
+
+    summary: dict[str, dict] = {"floored": {}, "unfloored": {}}
+    for name in stats.ESTIMATORS:
+        for floored in (True, False):
+            found = [control_intervals(blocks, name)[floored] for blocks in trials]
+            hits = int(sum(low <= 1.0 <= high for low, _, high in found))
+            half_widths = sorted(100 * max(high - point, point - low) / point for low, point, high in found)
+            coverage_low, coverage_high = wilson(hits, len(trials))
+            summary["floored" if floored else "unfloored"][name] = {
+                "covered": hits,
+                "coverage": hits / len(trials),
+                "coverage_interval": [coverage_low, coverage_high],
+                "median_half_width_pct": half_widths[len(half_widths) // 2],
+                "intervals": found,
+            }
+    return summary
+
+
+def print_summary(summary: dict[str, dict[str, dict]], trials: int) -> None:
+    from workbench import stats
+
+    for kind, label in (("floored", "floored"), ("unfloored", "t only")):
+        for name, figures in summary[kind].items():
+            coverage_low, coverage_high = figures["coverage_interval"]
+            print(
+                f"  {name:26s} {label:8s} {figures['covered']}/{trials} contain 1.0 "
+                f"(Wilson 95%: {coverage_low:.0%}-{coverage_high:.0%}); "
+                f"median half-width {figures['median_half_width_pct']:.2f}%"
+                + ("   <- workbench's" if name == stats.ESTIMATOR and kind == "floored" else "")
+            )
+
+
+def reanalyse(path: str, json_out: str | None) -> None:
+    """Judge today's estimators and intervals on a stored set's windows."""
+    record = json.loads(Path(path).read_text())
+    if "windows" not in record:
+        sys.exit(f"{path} keeps no windows (sets recorded before they were kept cannot be judged again)")
+    from workbench import stats
+
+    summary = judge(record["windows"])
+    print(
+        f"{record['trials']} A/A trials from {path} (measured at {record['machine'].get('git_revision')}), "
+        f"judged by today's code:"
+    )
+    print_summary(summary, record["trials"])
+    if json_out:
+        record.update(
+            estimator=stats.ESTIMATOR,
+            estimators=summary["floored"],
+            estimators_unfloored=summary["unfloored"],
+        )
+        Path(json_out).write_text(json.dumps(record, indent=1))
 
 
 def main() -> None:
@@ -65,17 +139,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=None, help="default: chosen from the step time")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--reanalyse", metavar="RECORD", help="judge a stored set's windows instead of running"
+    )
     args = parser.parse_args()
+    if args.reanalyse:
+        reanalyse(args.reanalyse, args.json)
+        return
 
     import workbench as wb
     from workbench import stats
     from workbench.environment import machine_summary
 
     started = time.time()
-    # Each estimator twice: the interval as workbench computes it (floored at the interval of
-    # the blocks' own rounds), and the bare t-interval over the blocks, on the same measurements.
-    variants = [(name, floored) for name in stats.ESTIMATORS for floored in (True, False)]
-    intervals: dict[tuple[str, bool], list[tuple[float, float, float]]] = {v: [] for v in variants}
+    trials: list[list[dict]] = []  # per trial, per block: the two arms' windows
     walls, rounds = [], []
     for trial in range(args.trials):
         trial_started = time.time()
@@ -93,34 +170,16 @@ def main() -> None:
         )
         walls.append(time.time() - trial_started)
         rounds += [block["rounds"] for block in res.record["blocks"]]
-        for name in stats.ESTIMATORS:
-            for floored, interval in control_intervals(res, name).items():
-                intervals[name, floored].append(interval)
-        low, point, high = intervals[stats.ESTIMATOR, True][-1]
+        trials.append(control_windows(res))
+        low, point, high = control_intervals(trials[-1], stats.ESTIMATOR)[True]
         print(
             f"trial {trial + 1}/{args.trials} ({walls[-1]:.0f} s): control {point:.4f} [{low:.4f}, {high:.4f}] "
             f"({stats.ESTIMATOR})",
             flush=True,
         )
-    summary: dict[str, dict] = {"floored": {}, "unfloored": {}}
+    summary = judge(trials)
     print(f"\n{args.trials} A/A trials, {args.model}, {args.steps} steps x {args.blocks} blocks:")
-    for (name, floored), found in intervals.items():
-        hits = int(sum(low <= 1.0 <= high for low, _, high in found))
-        half_widths = sorted(100 * max(high - point, point - low) / point for low, point, high in found)
-        coverage_low, coverage_high = wilson(hits, args.trials)
-        summary["floored" if floored else "unfloored"][name] = figures = {
-            "covered": hits,
-            "coverage": hits / args.trials,
-            "coverage_interval": [coverage_low, coverage_high],
-            "median_half_width_pct": half_widths[len(half_widths) // 2],
-            "intervals": found,
-        }
-        print(
-            f"  {name:26s} {'floored' if floored else 't only':8s} {hits}/{args.trials} contain 1.0 "
-            f"(Wilson 95%: {coverage_low:.0%}-{coverage_high:.0%}); "
-            f"median half-width {figures['median_half_width_pct']:.2f}%"
-            + ("   <- workbench's" if name == stats.ESTIMATOR and floored else "")
-        )
+    print_summary(summary, args.trials)
     print(
         f"median wall time per ablation: {sorted(walls)[len(walls) // 2]:.1f} s; rounds per block: {sorted(set(rounds))}"
     )
@@ -141,8 +200,9 @@ def main() -> None:
                     "wall_s": time.time() - started,
                     "median_ablation_s": sorted(walls)[len(walls) // 2],
                     "machine": machine_summary(),
+                    "windows": trials,
                 },
-                indent=1,
+                separators=(",", ":"),
             )
         )
 

@@ -64,6 +64,42 @@ def run_once(folder: Path, start: str) -> tuple[float, object]:
     return wall, load_results(out)
 
 
+def speedups_by_estimator(results) -> dict[str, dict[str, float]]:
+    """Each arm's speedup by every candidate estimator of a block's typical step time
+    (workbench.stats.ESTIMATORS), from the run's stored windows: how each would have moved."""
+    from workbench import stats
+    from workbench.results import _side
+
+    by_block: dict[int, dict[str, dict]] = {}
+    for unit in results.record["units"]:
+        if unit["status"] == "ok":
+            by_block.setdefault(unit["block"], {})[unit["arm"]] = unit["result"]
+    found: dict[str, dict[str, float]] = {}
+    for arm in results.record["arms"]:
+        if arm["role"] == "baseline":
+            continue
+        blocks = [arms for arms in by_block.values() if {"baseline", arm["name"]} <= set(arms)]
+        shared = arm.get("process", "block") == "block"
+        found[arm["name"]] = {
+            estimator: stats.combine_blocks(
+                [
+                    stats.block_ratio(
+                        _side(arms["baseline"]), _side(arms[arm["name"]]), paired=shared, estimator=estimator
+                    )
+                    for arms in blocks
+                ]
+            ).point
+            for estimator in stats.ESTIMATORS
+        }
+    return found
+
+
+def largest_deviation_pct(values: list[float]) -> tuple[float, float]:
+    """The median of ``values`` and the largest distance from it, in percent."""
+    median = statistics.median(values)
+    return median, 100 * max(abs(v / median - 1) for v in values)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1, help="run the preset this many times (stability)")
@@ -79,7 +115,7 @@ def main() -> None:
 
     from workbench.environment import machine_summary
 
-    walls, tables, started = [], [], []
+    walls, tables, started, by_estimator = [], [], [], []
     for run in range(args.runs * len(starts)):
         start = starts[run % len(starts)]
         with tempfile.TemporaryDirectory() as folder:
@@ -87,6 +123,7 @@ def main() -> None:
         walls.append(wall)
         started.append(start)
         tables.append(json.loads(results.table[COLUMNS].to_json(orient="records")))
+        by_estimator.append(speedups_by_estimator(results))
         print(f"run {run + 1}/{args.runs * len(starts)} ({start}): {wall:.1f} s", flush=True)
     print(results.summary())
     for start in starts:
@@ -100,15 +137,29 @@ def main() -> None:
         print("\nspeedup per run, and the largest distance from the arm's median over the runs:")
         for index, row in enumerate(tables[0]):  # the arms, in the same order in every run
             speedups = [table[index]["speedup"] for table in tables]
-            median = statistics.median(speedups)
-            worst = max(abs(s / median - 1) for s in speedups)
+            median, worst = largest_deviation_pct(speedups)
             stability[row["arm"]] = {
                 "speedups": speedups,
                 "median": median,
-                "largest_deviation_pct": 100 * worst,
+                "largest_deviation_pct": worst,
             }
             print(
-                f"  {row['arm']:20s} {' '.join(f'{s:.3f}' for s in speedups)}   within {100 * worst:.1f}% of {median:.3f}"
+                f"  {row['arm']:20s} {' '.join(f'{s:.3f}' for s in speedups)}   within {worst:.1f}% of {median:.3f}"
+            )
+    estimator_stability: dict[str, dict[str, dict]] = {}
+    if len(tables) > 1:
+        print("\nthe same runs by every candidate estimator: median speedup, and largest distance from it:")
+        for arm in by_estimator[0]:
+            estimator_stability[arm] = {}
+            for estimator in by_estimator[0][arm]:
+                median, worst = largest_deviation_pct([run[arm][estimator] for run in by_estimator])
+                estimator_stability[arm][estimator] = {"median": median, "largest_deviation_pct": worst}
+            print(
+                f"  {arm:20s} "
+                + "  ".join(
+                    f"{e} {f['median']:.3f} ({f['largest_deviation_pct']:.1f}%)"
+                    for e, f in estimator_stability[arm].items()
+                )
             )
     if args.json:
         report = {
@@ -119,6 +170,8 @@ def main() -> None:
             "table": tables[-1],
             "tables": tables,
             "stability": stability,
+            "speedups_by_estimator": by_estimator,
+            "stability_by_estimator": estimator_stability,
             "machine": machine_summary(),
         }
         Path(args.json).write_text(json.dumps(report, indent=1))
