@@ -1,12 +1,15 @@
 """The main job's figures: wall time, table and stability of ``workbench ablate --preset quick``.
 
-Run:  python benchmarks/quick_preset.py [--runs 5] [--start template|spawn|both] [--json FILE]
+Run:  python benchmarks/quick_preset.py [--runs 5] [--start template|spawn|both]
+          [--plan BLOCKSxSTEPS ...] [--json FILE]
 
 Each run is the command a user types, start to exit, in a fresh process. With several runs
 it also reports how far each arm's speedup strays from its median over the runs: the goal
 is every arm within +-3% (and the whole command within 45 s on the 2-core CI machine).
 ``--start both`` alternates the two ways a run starts its processes (forked from a warm
 template, or a new interpreter each), run by run, to measure what the template saves.
+``--plan 3x20 --plan 6x10`` alternates ways of splitting the timed steps into blocks (3
+blocks of 20 steps per arm, or 6 of 10), run by run, to measure what more blocks buy.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ COLUMNS = [
 ]
 
 
-def run_once(folder: Path, start: str) -> tuple[float, object]:
+def run_once(folder: Path, start: str, plan: tuple[int, int] | None) -> tuple[float, object]:
     from workbench.results import load_results
 
     out = folder / "quick"
@@ -57,6 +60,9 @@ def run_once(folder: Path, start: str) -> tuple[float, object]:
         "--start",
         start,
     ]
+    if plan:  # the same timed steps per arm, split over a different number of blocks
+        blocks, steps = plan
+        command += ["--blocks", str(blocks), "--steps", str(steps)]
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode != 0:
@@ -100,6 +106,43 @@ def largest_deviation_pct(values: list[float]) -> tuple[float, float]:
     return median, 100 * max(abs(v / median - 1) for v in values)
 
 
+def parse_plan(text: str) -> tuple[int, int]:
+    """``6x10`` -> (6 blocks, 10 timed steps per arm in each)."""
+    blocks, _, steps = text.partition("x")
+    try:
+        return int(blocks), int(steps)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a plan is BLOCKSxSTEPS, such as 6x10, not {text!r}") from None
+
+
+def stability_of(tables: list[list[dict]], by_estimator: list[dict]) -> tuple[dict, dict]:
+    """Each arm's speedups over the runs, their median and largest distance from it; then the
+    same by every candidate estimator."""
+    stability, estimator_stability = {}, {}
+    print("speedup per run, and the largest distance from the arm's median over the runs:")
+    for index, row in enumerate(tables[0]):  # the arms, in the same order in every run
+        speedups = [table[index]["speedup"] for table in tables]
+        median, worst = largest_deviation_pct(speedups)
+        stability[row["arm"]] = {"speedups": speedups, "median": median, "largest_deviation_pct": worst}
+        print(
+            f"  {row['arm']:20s} {' '.join(f'{s:.3f}' for s in speedups)}   within {worst:.1f}% of {median:.3f}"
+        )
+    print("the same runs by every candidate estimator: median speedup, and largest distance from it:")
+    for arm in by_estimator[0]:
+        estimator_stability[arm] = {}
+        for estimator in by_estimator[0][arm]:
+            median, worst = largest_deviation_pct([run[arm][estimator] for run in by_estimator])
+            estimator_stability[arm][estimator] = {"median": median, "largest_deviation_pct": worst}
+        print(
+            f"  {arm:20s} "
+            + "  ".join(
+                f"{e} {f['median']:.3f} ({f['largest_deviation_pct']:.1f}%)"
+                for e, f in estimator_stability[arm].items()
+            )
+        )
+    return stability, estimator_stability
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1, help="run the preset this many times (stability)")
@@ -110,55 +153,49 @@ def main() -> None:
         default="template",
         help="how the preset's processes start; both: alternate, run by run",
     )
+    parser.add_argument(
+        "--plan",
+        type=parse_plan,
+        action="append",
+        metavar="BLOCKSxSTEPS",
+        help="blocks and timed steps per block instead of the preset's (repeat to alternate plans, run by run)",
+    )
     args = parser.parse_args()
     starts = ["template", "spawn"] if args.start == "both" else [args.start]
+    # Every combination of start and plan, alternated run by run so that the hour's noise
+    # falls on all of them alike.
+    conditions = [(start, plan) for start in starts for plan in (args.plan or [None])]
+
+    def label(condition: tuple[str, tuple[int, int] | None]) -> str:
+        start, plan = condition
+        return f"--start {start}" + (f" --blocks {plan[0]} --steps {plan[1]}" if plan else "")
 
     from workbench.environment import machine_summary
 
-    walls, tables, started, by_estimator = [], [], [], []
-    for run in range(args.runs * len(starts)):
-        start = starts[run % len(starts)]
+    walls, tables, ran, by_estimator = [], [], [], []
+    for run in range(args.runs * len(conditions)):
+        condition = conditions[run % len(conditions)]
         with tempfile.TemporaryDirectory() as folder:
-            wall, results = run_once(Path(folder), start)
+            wall, results = run_once(Path(folder), *condition)
         walls.append(wall)
-        started.append(start)
+        ran.append(condition)
         tables.append(json.loads(results.table[COLUMNS].to_json(orient="records")))
         by_estimator.append(speedups_by_estimator(results))
-        print(f"run {run + 1}/{args.runs * len(starts)} ({start}): {wall:.1f} s", flush=True)
+        print(f"run {run + 1}/{args.runs * len(conditions)} ({label(condition)}): {wall:.1f} s", flush=True)
     print(results.summary())
-    for start in starts:
-        these = [w for w, s in zip(walls, started, strict=True) if s == start]
+    stability: dict[str, dict] = {}
+    for condition in conditions:
+        these = [i for i, c in enumerate(ran) if c == condition]
         print(
-            f"\nwall time of `workbench ablate --preset quick --start {start}` (start to exit): "
-            f"{', '.join(f'{w:.1f}' for w in these)} s; median {statistics.median(these):.1f} s"
+            f"\nwall time of `workbench ablate --preset quick {label(condition)}` (start to exit): "
+            f"{', '.join(f'{walls[i]:.1f}' for i in these)} s; median {statistics.median(walls[i] for i in these):.1f} s"
         )
-    stability = {}
-    if len(tables) > 1:
-        print("\nspeedup per run, and the largest distance from the arm's median over the runs:")
-        for index, row in enumerate(tables[0]):  # the arms, in the same order in every run
-            speedups = [table[index]["speedup"] for table in tables]
-            median, worst = largest_deviation_pct(speedups)
-            stability[row["arm"]] = {
-                "speedups": speedups,
-                "median": median,
-                "largest_deviation_pct": worst,
-            }
-            print(
-                f"  {row['arm']:20s} {' '.join(f'{s:.3f}' for s in speedups)}   within {worst:.1f}% of {median:.3f}"
-            )
-    estimator_stability: dict[str, dict[str, dict]] = {}
-    if len(tables) > 1:
-        print("\nthe same runs by every candidate estimator: median speedup, and largest distance from it:")
-        for arm in by_estimator[0]:
-            estimator_stability[arm] = {}
-            for estimator in by_estimator[0][arm]:
-                median, worst = largest_deviation_pct([run[arm][estimator] for run in by_estimator])
-                estimator_stability[arm][estimator] = {"median": median, "largest_deviation_pct": worst}
-            print(
-                f"  {arm:20s} "
-                + "  ".join(
-                    f"{e} {f['median']:.3f} ({f['largest_deviation_pct']:.1f}%)"
-                    for e, f in estimator_stability[arm].items()
+        if len(these) > 1:
+            stability[label(condition)] = dict(
+                zip(
+                    ("speedups", "by_estimator"),
+                    stability_of([tables[i] for i in these], [by_estimator[i] for i in these]),
+                    strict=True,
                 )
             )
     if args.json:
@@ -166,15 +203,18 @@ def main() -> None:
             "benchmark": "quick-preset",
             "runs": args.runs,
             "wall_s": walls,
-            "start": started,
+            "start": [start for start, _ in ran],
+            "plan": [list(plan) if plan else None for _, plan in ran],
             "table": tables[-1],
             "tables": tables,
-            "stability": stability,
             "speedups_by_estimator": by_estimator,
-            "stability_by_estimator": estimator_stability,
-            "machine": machine_summary(),
         }
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        if len(conditions) == 1 and stability:  # one condition: the shape earlier records have
+            (only,) = stability.values()
+            report.update(stability=only["speedups"], stability_by_estimator=only["by_estimator"])
+        else:
+            report["stability_by_condition"] = stability
+        Path(args.json).write_text(json.dumps(report | {"machine": machine_summary()}, indent=1))
 
 
 if __name__ == "__main__":
