@@ -59,17 +59,19 @@ def control_windows(results) -> list[dict[str, list[list[float]]]]:
 def control_intervals(blocks: list[dict], estimator: str) -> dict[bool, tuple[float, float, float]]:
     """The control arm's (low, point, high) with ``estimator``, from one trial's stored windows,
     by ``floored``: never narrower than the blocks' own rounds allow (as
-    workbench.stats.combine_blocks does by default), or the bare t-interval over the blocks."""
+    workbench.stats.combine_blocks does by default), or the bare t-interval over the blocks.
+    As in workbench's table, a side with slow steps of its own in every block is counted by
+    the mean (workbench.stats.arm_speedup)."""
     from workbench import stats
 
     def side(windows: list[list[float]]) -> stats.Side:  # samples per step cancel in an A/A ratio
         return stats.Side([[1e-6 * s for s in w] for w in windows], 1.0)
 
-    ratios = [
-        stats.block_ratio(side(arms[CONTROL[0]]), side(arms[CONTROL[1]]), paired=True, estimator=estimator)
-        for arms in blocks
-    ]
-    speedups = {floored: stats.combine_blocks(ratios, floored=floored) for floored in (True, False)}
+    pairs = [(side(arms[CONTROL[0]]), side(arms[CONTROL[1]])) for arms in blocks]
+    speedups = {
+        floored: stats.arm_speedup(pairs, paired=True, estimator=estimator, floored=floored).speedup
+        for floored in (True, False)
+    }
     return {floored: (s.low, s.point, s.high) for floored, s in speedups.items()}
 
 

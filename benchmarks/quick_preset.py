@@ -72,7 +72,8 @@ def run_once(folder: Path, start: str, plan: tuple[int, int] | None) -> tuple[fl
 
 def speedups_by_estimator(results) -> dict[str, dict[str, float]]:
     """Each arm's speedup by every candidate estimator of a block's typical step time
-    (workbench.stats.ESTIMATORS), from the run's stored windows: how each would have moved."""
+    (workbench.stats.ESTIMATORS, with workbench.stats.arm_speedup's turn to the mean for slow
+    steps of a job's own), from the run's stored windows: how each would have moved."""
     from workbench import stats
     from workbench.results import _side
 
@@ -86,15 +87,9 @@ def speedups_by_estimator(results) -> dict[str, dict[str, float]]:
             continue
         blocks = [arms for arms in by_block.values() if {"baseline", arm["name"]} <= set(arms)]
         shared = arm.get("process", "block") == "block"
+        pairs = [(_side(arms["baseline"]), _side(arms[arm["name"]])) for arms in blocks]
         found[arm["name"]] = {
-            estimator: stats.combine_blocks(
-                [
-                    stats.block_ratio(
-                        _side(arms["baseline"]), _side(arms[arm["name"]]), paired=shared, estimator=estimator
-                    )
-                    for arms in blocks
-                ]
-            ).point
+            estimator: stats.arm_speedup(pairs, paired=shared, estimator=estimator).speedup.point
             for estimator in stats.ESTIMATORS
         }
     return found

@@ -288,27 +288,31 @@ def test_plot_has_speedup_breakdown_and_memory(small_results, tmp_path):
     assert all(round(value, 6) in widths for value in ran.activation_mb)
 
 
+def _fake_unit(arm: str, losses: list[float], step_s: list[float] | None = None, block: int = 0) -> dict:
+    """A finished unit as a block records it: ``step_s`` are its timed steps (one sample each)."""
+    step_s = step_s or [0.01] * 4
+    result = {
+        "samples_per_s": len(step_s) / sum(step_s),
+        "step_s": step_s,
+        "wall_s": sum(step_s),
+        "steps": len(step_s),
+        "samples": len(step_s),
+        "losses": losses,
+        "phase_ms": dict.fromkeys(("data", "forward", "backward", "optimizer"), 1.0),
+        "peak_mem_mib": 1.0,
+        "peak_rss_mib": 1.0,
+        "startup_s": 0.1,
+        "cpu_util_pct": 50.0,
+        "notes": [],
+        "warmup": 1,
+    }
+    return {"arm": arm, "block": block, "status": "ok", "reason": "", "result": result}
+
+
 def test_loss_drift_is_called_out():
     from workbench.results import summarize
 
-    def unit(arm, losses):
-        result = {
-            "samples_per_s": 100.0,
-            "step_s": [0.01] * 4,
-            "wall_s": 0.04,
-            "steps": 4,
-            "samples": 4,
-            "losses": losses,
-            "phase_ms": dict.fromkeys(("data", "forward", "backward", "optimizer"), 1.0),
-            "peak_mem_mib": 1.0,
-            "peak_rss_mib": 1.0,
-            "startup_s": 0.1,
-            "cpu_util_pct": 50.0,
-            "notes": [],
-            "warmup": 1,
-        }
-        return {"arm": arm, "block": 0, "status": "ok", "reason": "", "result": result}
-
+    unit = _fake_unit
     arms = [
         {"name": "baseline", "role": "baseline", "techniques": "none", "unavailable": None},
         {"name": "amp", "role": "treatment", "techniques": "amp", "unavailable": None},
@@ -355,6 +359,39 @@ def test_loss_drift_is_called_out():
         and "convergence" not in rows[4]["notes"]
     )
     assert rows[3]["speedup"] == 1.0 and rows[4]["speedup"] == 1.0  # equal throughput, own baseline
+
+
+def test_slow_steps_of_the_jobs_own_count_and_stalls_from_outside_do_not():
+    """The speedup counts typical steps (a trimmed mean), which sets stalls from outside the
+    job aside. An arm whose every fifth step is 4x slower, in every block, would look 1.25x
+    faster by its typical steps while it runs at 0.78x: its speedup counts every step, and
+    says so. An arm with one stall in one block keeps the typical steps."""
+    from workbench.results import summarize
+
+    rng = np.random.default_rng(0)
+    arms = [
+        {"name": name, "role": role, "techniques": name, "unavailable": None}
+        for name, role in (("baseline", "baseline"), ("spiky", "treatment"), ("stalled once", "treatment"))
+    ]
+    units = []
+    for block in range(3):
+        steps = rng.normal(0.010, 0.0002, 40)
+        spiky = [0.008 * (4 if i % 5 == 4 else 1) for i in range(40)]
+        stalled = [0.008] * 40
+        if block == 1:
+            stalled[7] = 0.080
+        units += [
+            _fake_unit("baseline", [1.0] * 5, list(steps), block),
+            _fake_unit("spiky", [1.0] * 5, spiky, block),
+            _fake_unit("stalled once", [1.0] * 5, stalled, block),
+        ]
+    baseline, spiky, stalled = summarize(arms, units, planned_blocks=3, complete=True)
+    by_mean = 0.010 / np.mean([0.008 * (4 if i % 5 == 4 else 1) for i in range(40)])
+    assert spiky["speedup"] == pytest.approx(by_mean, rel=0.02) and by_mean < 0.8
+    assert "its mean step exceeded its typical step by 60%" in spiky["notes"]
+    assert "by typical steps alone it would be 1.25" in spiky["notes"]
+    assert "slow steps" not in stalled["notes"] and stalled["speedup"] == pytest.approx(1.25, rel=0.02)
+    assert stalled["speedup_high"] - stalled["speedup_low"] < 0.05  # the stall did not widen it
 
 
 @pytest.mark.timing

@@ -265,8 +265,9 @@ def _compare(
         row.update(speedup=1.0, speedup_low=1.0, speedup_high=1.0)
     elif paired:
         shared = row["process"] == "block"  # then window i of both ran in round i of one process
-        ratios = [stats.block_ratio(_side(b), _side(a), paired=shared) for b, a in paired]
-        speedup = stats.combine_blocks(ratios)
+        sides = [(_side(b), _side(a)) for b, a in paired]
+        measured = stats.arm_speedup(sides, paired=shared)
+        speedup = measured.speedup
         row.update(
             speedup=speedup.point,
             speedup_low=speedup.low,
@@ -287,11 +288,40 @@ def _compare(
                 "measured in its own process against a baseline in its own process: the luck of two processes "
                 "(10-15% here) is in this interval"
             )
+        notes += _slow_step_notes(measured, sides, shared)
     else:
         notes.append("no baseline block to compare with")
     row["noisy"] = stats.is_noisy(row["speedup"], row["speedup_low"], row["speedup_high"])
     notes += _parity_notes(row, arm, baseline)
     return notes
+
+
+def _slow_step_notes(
+    measured: stats.ArmSpeedup, pairs: list[tuple[stats.Side, stats.Side]], shared: bool
+) -> list[str]:
+    """Say when the speedup counts every step because of a side's own slow steps (see
+    workbench.stats.arm_speedup), and what the typical steps alone would have given."""
+    if measured.estimator == stats.ESTIMATOR:
+        return []
+    typical = stats.combine_blocks(
+        [stats.block_ratio(base, arm, paired=shared, estimator=stats.ESTIMATOR) for base, arm in pairs]
+    ).point
+    whose = {"arm": "its", "baseline": "the baseline's"}
+    sides = [
+        f"{whose[side]} mean step exceeded its typical step by {_percent_range(excess)}"
+        for side, excess in measured.slow_steps.items()
+        if min(excess) > stats.SLOW_STEPS_PCT
+    ]
+    return [
+        f"slow steps of the job's own: in every block {' and '.join(sides)}, so the speedup counts every "
+        f"step (the mean); by typical steps alone it would be {typical:.2f}"
+    ]
+
+
+def _percent_range(values: list[float]) -> str:
+    """``"5-9%"``, or ``"6%"`` when they round alike."""
+    low, high = f"{min(values):.0f}", f"{max(values):.0f}"
+    return f"{low}%" if low == high else f"{low}-{high}%"
 
 
 def _parity_notes(row: dict, arm: dict, baseline: str | None) -> list[str]:

@@ -9,14 +9,22 @@ Blocks, windows, steps
 Typical step time (``ESTIMATOR``)
     An arm's windows in a block give it a list of step times. Their typical value is
     ``ESTIMATORS[ESTIMATOR]`` of them; the candidates are the mean, the median of the
-    per-window medians, a 20% trimmed mean, and the 10th percentile. The choice was made
-    on A/A evidence (benchmarks/aa_calibration.py, BENCHMARKS.md): over 80 A/A ablations
-    the mean's intervals contained 1.0 in 96% of them; the 10th percentile and the trimmed
-    mean gave intervals a little narrower but missed 1.0 in 9-10%, too often for a 95%
-    interval (their block ratios cluster, so three blocks understate their spread), and the
-    median of window medians covered but was wider. The mean is also what a job feels: the
-    speedup is the ratio of wall-clock throughputs, slow steps included, and it agrees with
-    ``samples_per_s`` and ``step_ms``.
+    per-window medians, a 20% trimmed mean, and the 10th percentile. The choice is made on
+    A/A evidence (benchmarks/aa_calibration.py, BENCHMARKS.md, "Which estimator"): it is the
+    trimmed mean, the mean of the middle 60% of the arm's steps. Steps here are sometimes
+    stalled by something outside the job (another process, the host) for several times
+    their length: one 19 ms stall moves the mean of 200 steps of 2.5 ms by 3.4%, and it lands
+    on one arm of a block by chance. With the interval's floor (below), the trimmed mean's
+    A/A intervals contained 1.0 in 120 of 120 runs, at median half-widths of 1.1-1.6%; the
+    mean's, in 118 of 120, at 2.6-3.1%. Without the floor the trimmed mean had missed 1.0
+    too often (148 of 160), because three blocks that agree by chance understate its spread.
+    On resnet-mini's techniques the two estimators' speedups agree within half a percent.
+    A robust estimator would also set aside slow steps that are the job's own (a periodic
+    step that does more): an arm whose every fifth step is 4x slower would look faster than
+    it runs. Stalls land on a block's arms by chance; a job's own slow steps are there in
+    every block. So when either side's mean step exceeds its typical step by more than
+    SLOW_STEPS_PCT in every block, that arm's speedup counts every step (the mean), and its
+    row says so (``arm_speedup``).
 
 Speedup
     Inside each block: the arm's throughput (samples per step / typical step time) over the
@@ -92,7 +100,8 @@ ESTIMATORS: dict[str, Callable[[Sequence[Sequence[float]]], float]] = {
     "trimmed_mean": lambda windows: _trimmed_mean(_all_steps(windows)),
     "p10": lambda windows: float(np.percentile(_all_steps(windows), 10)),
 }
-ESTIMATOR = "mean"
+ESTIMATOR = "trimmed_mean"
+SLOW_STEPS_PCT = 5.0  # an arm has slow steps of its own when they add more than this in every block
 
 
 def typical_step_s(windows: Sequence[Sequence[float]], estimator: str = ESTIMATOR) -> float:
@@ -135,6 +144,12 @@ class Side:
         return np.array(
             [self.samples_per_step / typical_step_s([w], estimator) for w in self.windows if len(w)]
         )
+
+
+def slow_step_excess_pct(side: Side, estimator: str = ESTIMATOR) -> float:
+    """How far the arm's mean step exceeds its typical (``estimator``) step, in percent: what
+    its slowest steps add to its wall-clock time."""
+    return 100 * (typical_step_s(side.windows, "mean") / typical_step_s(side.windows, estimator) - 1)
 
 
 @dataclass(frozen=True)
@@ -218,6 +233,36 @@ def combine_blocks(
         return Speedup(math.exp(mean), math.exp(mean - half), math.exp(mean + half), 1, within_pct, math.nan)
     low, high = _within_window_interval(only.baseline, only.arm, confidence, seed)
     return Speedup(math.exp(mean), low, high, 1, within_pct, math.nan)
+
+
+@dataclass(frozen=True)
+class ArmSpeedup:
+    """An arm's speedup over its baseline, and which typical step time it was computed from."""
+
+    speedup: Speedup
+    estimator: str
+    slow_steps: dict[str, list[float]]  # "baseline"/"arm": per block, slow_step_excess_pct
+
+
+def arm_speedup(
+    pairs: Sequence[tuple[Side, Side]], *, paired: bool, estimator: str = ESTIMATOR, floored: bool = True
+) -> ArmSpeedup:
+    """The speedup of (baseline, arm) pairs, one per block, by ``estimator`` of each side's
+    typical step; by the mean instead when either side has slow steps of its own.
+
+    A robust estimator sets stalls from outside the job aside (see the module docstring). It
+    would also set aside a job's own slow steps: an arm whose every fifth step is four times
+    slower would look faster than it runs. Stalls land on a block's arms by chance; a job's
+    own slow steps are there in every block. So when the mean step of either side exceeds its
+    typical step by more than SLOW_STEPS_PCT in every block, every step counts (the mean)."""
+    slow_steps = {
+        "baseline": [slow_step_excess_pct(base, estimator) for base, _ in pairs],
+        "arm": [slow_step_excess_pct(arm, estimator) for _, arm in pairs],
+    }
+    if estimator != "mean" and any(excess and min(excess) > SLOW_STEPS_PCT for excess in slow_steps.values()):
+        estimator = "mean"
+    ratios = [block_ratio(base, arm, paired=paired, estimator=estimator) for base, arm in pairs]
+    return ArmSpeedup(combine_blocks(ratios, floored=floored), estimator, slow_steps)
 
 
 def _resampled_step_means(steps: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
