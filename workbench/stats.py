@@ -15,8 +15,8 @@ Typical step time (``ESTIMATOR``)
     stalled by something outside the job (another process, the host) for several times
     their length: one 19 ms stall moves the mean of 200 steps of 2.5 ms by 3.4%, and it lands
     on one arm of a block by chance. With the interval's floor (below), the trimmed mean's
-    A/A intervals contained 1.0 in 120 of 120 runs, at median half-widths of 1.1-1.6%; the
-    mean's, in 118 of 120, at 2.6-3.1%. Without the floor the trimmed mean had missed 1.0
+    A/A intervals contained 1.0 in 160 of 160 runs, at median half-widths of 1.1-1.6%; the
+    mean's, in 157 of 160, at 2.5-3.1%. Without the floor the trimmed mean had missed 1.0
     too often (148 of 160), because three blocks that agree by chance understate its spread.
     On resnet-mini's techniques the two estimators' speedups agree within half a percent.
     A robust estimator would also set aside slow steps that are the job's own (a periodic
