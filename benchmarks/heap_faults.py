@@ -37,12 +37,12 @@ LONG_ALONE = [["baseline"], ["channels_last"]]  # a longer job, one arm alone, a
 HEAPS = ["as-is", "steady"]
 
 
-def child(heap: str, arms: list[str], rounds: int) -> dict:
-    """One fresh process: hold (or not) the heap, build the arms, count each step's faults and time."""
+def resnet_mini_steps(arms: list[str]) -> dict:
+    """A training step for each named arm, in plain PyTorch: resnet-mini on 32 textures with
+    AdamW; "baseline" and "control" alike, "amp" with bfloat16 autocast, "channels_last" in
+    NHWC, "grad_accum" in 4 micro-batches. Each arm has its own model and optimizer.
+    (benchmarks/layout_dependence.py uses it too.)"""
     sys.path.insert(0, str(ROOT))
-    from workbench.heap import hold_heap_steady
-
-    held = hold_heap_steady(heap)
     import torch
 
     from workbench.data import resolve_data
@@ -73,7 +73,16 @@ def child(heap: str, arms: list[str], rounds: int) -> dict:
 
         return step
 
-    steps = {name: make_step(name) for name in arms}
+    return {name: make_step(name) for name in arms}
+
+
+def child(heap: str, arms: list[str], rounds: int) -> dict:
+    """One fresh process: hold (or not) the heap, build the arms, count each step's faults and time."""
+    sys.path.insert(0, str(ROOT))
+    from workbench.heap import hold_heap_steady
+
+    held = hold_heap_steady(heap)
+    steps = resnet_mini_steps(arms)
     for step in steps.values():
         for _ in range(3):
             step()

@@ -1,5 +1,5 @@
 """The README says only what was measured: its sample table and the reading under it come
-from the last run recorded in benchmarks/results/quick-preset-steady-heap.json, the main job's
+from the last run recorded in benchmarks/results/quick-preset-trimmed.json, the main job's
 latest record (BENCHMARKS.md, "The quick preset")."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RECORD = ROOT / "benchmarks" / "results" / "quick-preset-steady-heap.json"
+RECORD = ROOT / "benchmarks" / "results" / "quick-preset-trimmed.json"
 
 
 @pytest.fixture(scope="module")
