@@ -41,7 +41,7 @@ def resnet_mini_steps(arms: list[str]) -> dict:
     """A training step for each named arm, in plain PyTorch: resnet-mini on 32 textures with
     AdamW; "baseline" and "control" alike, "amp" with bfloat16 autocast, "channels_last" in
     NHWC, "grad_accum" in 4 micro-batches. Each arm has its own model and optimizer.
-    (benchmarks/layout_dependence.py uses it too.)"""
+    (benchmarks/process_dependence.py uses it too.)"""
     sys.path.insert(0, str(ROOT))
     import torch
 

@@ -13,12 +13,12 @@ Typical step time (``ESTIMATOR``)
     A/A evidence (benchmarks/aa_calibration.py, BENCHMARKS.md, "Which estimator"): it is the
     trimmed mean, the mean of the middle 60% of the arm's steps. Steps here are sometimes
     stalled by something outside the job (another process, the host) for several times
-    their length: one 19 ms stall moves the mean of 200 steps of 2.5 ms by 3.4%, and it lands
+    their length: one 19 ms stall moves the mean of 200 steps of 2.5 ms by over 3%, and it lands
     on one arm of a block by chance. With the interval's floor (below), the trimmed mean's
     A/A intervals contained 1.0 in 160 of 160 runs, at median half-widths of 1.1-1.6%; the
     mean's, in 157 of 160, at 2.5-3.1%. Without the floor the trimmed mean had missed 1.0
     too often (148 of 160), because three blocks that agree by chance understate its spread.
-    On resnet-mini's techniques the two estimators' speedups agree within half a percent.
+    On resnet-mini's techniques the two estimators' median speedups agree within about 1%.
     A robust estimator would also set aside slow steps that are the job's own (a periodic
     step that does more): an arm whose every fifth step is 4x slower would look faster than
     it runs. Stalls land on a block's arms by chance; a job's own slow steps are there in

@@ -1,7 +1,7 @@
 """Does a technique's speedup depend on the process it runs in? With address-space layout randomization, and without.
 
-Run:  python benchmarks/layout_dependence.py [--processes 10] [--arm channels_last]
-          [--segments 6] [--rounds 15] [--json benchmarks/results/layout-dependence.json]
+Run:  python benchmarks/process_dependence.py [--processes 10] [--arm channels_last]
+          [--segments 6] [--rounds 15] [--json benchmarks/results/process-dependence-channels-last.json]
 
 Why: in the quick preset, channels_last's speedup strayed furthest from run to run (1.21x
 to 1.32x over five runs), and its blocks sometimes disagreed far beyond their own rounds'
@@ -134,7 +134,7 @@ def main() -> None:
             )
     if args.json:
         record = {
-            "benchmark": "layout-dependence",
+            "benchmark": "process-dependence",
             "arm": args.arm,
             "processes_per_layout": args.processes,
             "segments": args.segments,
