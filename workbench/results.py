@@ -222,7 +222,8 @@ def _set_status(row: dict, arm_units: list[dict], planned_blocks: int, complete:
 def _set_measurements(row: dict, results: list[dict]) -> list[str]:
     """The arm's own figures: medians over its blocks. Returns notes about them."""
     notes = []
-    # Wall clock, all timed steps: what a job like this one would see (as the speedup does).
+    # Wall clock, all timed steps: what a job like this one would see (the speedup compares
+    # typical steps, so that stalls from outside the job do not move it: workbench.stats).
     throughputs = [r["samples_per_s"] for r in results]
     row["samples_per_s"], row["samples_per_s_spread"] = stats.median_and_spread(throughputs)
     # step_ms is the same figure as samples_per_s, per step (one median of one set of samples:
