@@ -12,8 +12,8 @@ Each fresh process (plain PyTorch, no harness; benchmarks/heap_faults.py builds 
 holds the heap steady as workbench does, builds resnet-mini on 32 textures three times:
 the baseline, a control (the baseline again) and the arm, warms each up for 3 steps, then
 runs ``--segments`` segments of ``--rounds`` rounds, one step of each per round in a fresh
-random order. Each segment gives the arm's and the control's ratio to the baseline (20%
-trimmed means of step times, as workbench takes them). Processes alternate between the
+random order. Each segment gives each arm's typical step time (a 20% trimmed mean, as
+workbench takes it) and the arm's and the control's ratio to the baseline. Processes alternate between the
 kernel's usual randomized layout and a fixed one (``setarch -R``, which turns
 randomization off for that process only).
 
@@ -57,6 +57,7 @@ def child(arm: str, segments: int, rounds: int) -> dict:
             step()
     order = random.Random(os.getpid())
     ratios: dict[str, list[float]] = {"control": [], arm: []}
+    step_ms: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(segments):
         times: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(rounds):
@@ -64,10 +65,11 @@ def child(arm: str, segments: int, rounds: int) -> dict:
                 started = time.perf_counter()
                 steps[name]()
                 times[name].append(time.perf_counter() - started)
-        base = typical_step_s([times["baseline"]])
+        for name in names:
+            step_ms[name].append(1e3 * typical_step_s([times[name]]))
         for name in ratios:
-            ratios[name].append(base / typical_step_s([times[name]]))
-    return {"ratios": ratios}
+            ratios[name].append(step_ms["baseline"][-1] / step_ms[name][-1])
+    return {"ratios": ratios, "step_ms": step_ms}
 
 
 def spread_pct(values: list[float]) -> float:
@@ -103,12 +105,16 @@ def main() -> None:
         if layout == "fixed":
             command = [setarch, platform.machine(), "-R", *command]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
-        ratios = json.loads(done.stdout.splitlines()[-1])["ratios"]
-        processes.append({"layout": layout, "ratios": ratios})
+        found = json.loads(done.stdout.splitlines()[-1])
+        ratios, step_ms = found["ratios"], found["step_ms"]
+        processes.append({"layout": layout, "ratios": ratios, "step_ms": step_ms})
         print(
             f"process {index + 1:2d} ({layout:10s}): {args.arm} "
-            + " ".join(f"{r:.3f}" for r in ratios[args.arm])
-            + f"  mean {statistics.mean(ratios[args.arm]):.3f}; control mean {statistics.mean(ratios['control']):.3f}",
+            + " ".join(
+                f"{r:.3f} ({b:.0f}/{a:.0f} ms)"
+                for r, b, a in zip(ratios[args.arm], step_ms["baseline"], step_ms[args.arm], strict=True)
+            )
+            + f"; control mean {statistics.mean(ratios['control']):.3f}",
             flush=True,
         )
     summary: dict[str, dict] = {}
