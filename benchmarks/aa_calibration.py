@@ -45,7 +45,7 @@ CONTROL = ("baseline", "baseline (control)")
 
 def control_windows(results) -> list[dict[str, list[list[float]]]]:
     """Per block, the baseline's and the control's windows of step times, in microseconds
-    (0.1 us resolution: far finer than the noise, and a record a tenth the size of full floats)."""
+    (0.1 us resolution: far finer than the noise, and under half the size of full floats)."""
     from workbench.results import _side
 
     by_block: dict[int, dict[str, list[list[float]]]] = {}
@@ -81,8 +81,9 @@ def judge(trials: list[list[dict]]) -> dict[str, dict[str, dict]]:
 
     summary: dict[str, dict] = {"floored": {}, "unfloored": {}}
     for name in stats.ESTIMATORS:
+        by_trial = [control_intervals(blocks, name) for blocks in trials]
         for floored in (True, False):
-            found = [control_intervals(blocks, name)[floored] for blocks in trials]
+            found = [intervals[floored] for intervals in by_trial]
             hits = int(sum(low <= 1.0 <= high for low, _, high in found))
             half_widths = sorted(100 * max(high - point, point - low) / point for low, point, high in found)
             coverage_low, coverage_high = wilson(hits, len(trials))
@@ -129,7 +130,7 @@ def reanalyse(path: str, json_out: str | None) -> None:
             estimators=summary["floored"],
             estimators_unfloored=summary["unfloored"],
         )
-        Path(json_out).write_text(json.dumps(record, indent=1))
+        Path(json_out).write_text(json.dumps(record, separators=(",", ":")))
 
 
 def main() -> None:
