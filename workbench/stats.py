@@ -9,22 +9,24 @@ Blocks, windows, steps
 Typical step time (``ESTIMATOR``)
     An arm's windows in a block give it a list of step times. Their typical value is
     ``ESTIMATORS[ESTIMATOR]`` of them; the candidates are the mean, the median of the
-    per-window medians, a 20% trimmed mean, and the 10th percentile. The choice is made on
+    per-window medians, a 20% trimmed mean, the 10th percentile, and a mean in which no step
+    counts for more than STALL_CAP median steps. The choice is made on
     A/A evidence (benchmarks/aa_calibration.py, BENCHMARKS.md, "Which estimator"): it is the
     trimmed mean, the mean of the middle 60% of the arm's steps. Steps here are sometimes
     stalled by something outside the job (another process, the host) for several times
     their length: one 19 ms stall moves the mean of 200 steps of 2.5 ms by over 3%, and it lands
     on one arm of a block by chance. With the interval's floor (below), the trimmed mean's
-    A/A intervals contained 1.0 in 160 of 160 runs, at median half-widths of 1.1-1.6%; the
-    mean's, in 157 of 160, at 2.5-3.1%. Without the floor the trimmed mean had missed 1.0
+    A/A intervals contained 1.0 in 200 of 200 runs, at median half-widths of 1.1-1.6%; the
+    mean's, in 197 of 200, at 2.5-3.1%. Without the floor the trimmed mean had missed 1.0
     too often (148 of 160), because three blocks that agree by chance understate its spread.
     On resnet-mini's techniques the two estimators' median speedups agree within about 1%.
     A robust estimator would also set aside slow steps that are the job's own (a periodic
     step that does more): an arm whose every fifth step is 4x slower would look faster than
-    it runs. Stalls land on a block's arms by chance; a job's own slow steps are there in
-    every block. So when either side's mean step exceeds its typical step by more than
-    SLOW_STEPS_PCT in every block, that arm's speedup counts every step (the mean), and its
-    row says so (``arm_speedup``).
+    it runs. Stalls land on a block's arms by chance; a job's own slow steps are there all
+    the time. So when what one side's slowest steps add to its time (its mean step over its
+    typical step) exceeds the other side's by more than SLOW_STEPS_PCT, in both halves of
+    every block, that arm's speedup counts every step (a mean in which no step counts for
+    more than STALL_CAP median steps: ``capped_mean``), and its row says so (``arm_speedup``).
 
 Speedup
     Inside each block: the arm's throughput (samples per step / typical step time) over the
@@ -93,15 +95,22 @@ def _trimmed_mean(values: np.ndarray, cut: float = 0.2) -> float:
     return float(ordered[drop : len(ordered) - drop].mean()) if len(ordered) > 2 * drop else math.nan
 
 
+def _capped_mean(values: np.ndarray) -> float:
+    """The mean, with no step counting for more than STALL_CAP median steps."""
+    return float(np.minimum(values, STALL_CAP * np.median(values)).mean())
+
+
 # Each takes an arm's windows in one block (a list of step-time lists) and returns one step time.
 ESTIMATORS: dict[str, Callable[[Sequence[Sequence[float]]], float]] = {
     "mean": lambda windows: float(_all_steps(windows).mean()),
     "median_of_window_medians": lambda windows: float(np.median([np.median(w) for w in windows])),
     "trimmed_mean": lambda windows: _trimmed_mean(_all_steps(windows)),
     "p10": lambda windows: float(np.percentile(_all_steps(windows), 10)),
+    "capped_mean": lambda windows: _capped_mean(_all_steps(windows)),
 }
 ESTIMATOR = "trimmed_mean"
-SLOW_STEPS_PCT = 5.0  # an arm has slow steps of its own when they add more than this in every block
+SLOW_STEPS_PCT = 5.0  # slow steps of a side's own add this much more than the other side's (arm_speedup)
+STALL_CAP = 10.0  # ... and then no step counts for more than this many median steps
 
 
 def typical_step_s(windows: Sequence[Sequence[float]], estimator: str = ESTIMATOR) -> float:
@@ -248,21 +257,53 @@ def arm_speedup(
     pairs: Sequence[tuple[Side, Side]], *, paired: bool, estimator: str = ESTIMATOR, floored: bool = True
 ) -> ArmSpeedup:
     """The speedup of (baseline, arm) pairs, one per block, by ``estimator`` of each side's
-    typical step; by the mean instead when either side has slow steps of its own.
+    typical step; by the mean instead when one side has slow steps of its own.
 
     A robust estimator sets stalls from outside the job aside (see the module docstring). It
     would also set aside a job's own slow steps: an arm whose every fifth step is four times
-    slower would look faster than it runs. Stalls land on a block's arms by chance; a job's
-    own slow steps are there in every block. So when the mean step of either side exceeds its
-    typical step by more than SLOW_STEPS_PCT in every block, every step counts (the mean)."""
+    slower would look faster than it runs. What the slowest steps add to a side's time (its
+    mean step over its typical step) is a few percent for any arm on a noisy machine, and
+    more in the block where a stall landed; it differs between two sides only by chance. A
+    job's own slow steps make it differ the same way everywhere. So when one side's slowest
+    steps add more than SLOW_STEPS_PCT more than the other side's, in both halves of every
+    block, every step counts: the speedup is taken from the mean step, with no step counting
+    for more than STALL_CAP median steps (``capped_mean``), so that one long stall can neither
+    hide that difference nor swamp the speedup."""
     slow_steps = {
         "baseline": [slow_step_excess_pct(base, estimator) for base, _ in pairs],
         "arm": [slow_step_excess_pct(arm, estimator) for _, arm in pairs],
     }
-    if estimator != "mean" and any(excess and min(excess) > SLOW_STEPS_PCT for excess in slow_steps.values()):
-        estimator = "mean"
+    differences = [
+        _capped_excess_pct(arm_half, estimator) - _capped_excess_pct(base_half, estimator)
+        for base, arm in pairs
+        for base_half, arm_half in zip(_halves(base), _halves(arm), strict=True)
+    ]
+    if (
+        estimator not in ("mean", "capped_mean")
+        and differences
+        and (all(d > SLOW_STEPS_PCT for d in differences) or all(d < -SLOW_STEPS_PCT for d in differences))
+    ):
+        estimator = "capped_mean"
     ratios = [block_ratio(base, arm, paired=paired, estimator=estimator) for base, arm in pairs]
     return ArmSpeedup(combine_blocks(ratios, floored=floored), estimator, slow_steps)
+
+
+def _capped_excess_pct(side: Side, estimator: str) -> float:
+    """slow_step_excess_pct, with no step counting for more than STALL_CAP median steps."""
+    return 100 * (typical_step_s(side.windows, "capped_mean") / typical_step_s(side.windows, estimator) - 1)
+
+
+def _halves(side: Side) -> tuple[Side, Side]:
+    """The first and the second half of a side's rounds (of its steps, when it has one window).
+    A half without steps has a typical step of nan, and so never counts as slow."""
+    windows = [list(w) for w in side.windows if len(w)]
+    if len(windows) < 2:
+        steps = windows[0] if windows else []
+        windows = [steps[: len(steps) // 2], steps[len(steps) // 2 :]]
+        middle = 1
+    else:
+        middle = len(windows) // 2
+    return Side(windows[:middle], side.samples_per_step), Side(windows[middle:], side.samples_per_step)
 
 
 def _resampled_step_means(steps: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
