@@ -72,7 +72,7 @@ def run_once(folder: Path, start: str, plan: tuple[int, int] | None) -> tuple[fl
 
 def speedups_by_estimator(results) -> dict[str, dict[str, float]]:
     """Each arm's speedup by every candidate estimator of a block's typical step time
-    (workbench.stats.ESTIMATORS, with workbench.stats.arm_speedup's turn to the mean for slow
+    (workbench.stats.ESTIMATORS, with workbench.stats.arm_speedup's turn to a capped mean for slow
     steps of a job's own), from the run's stored windows: how each would have moved."""
     from workbench import stats
     from workbench.results import _side

@@ -281,8 +281,9 @@ def _compare(
         if speedup.blocks_disagree:
             notes.append(
                 f"blocks disagree: their ratios spread {speedup.between_block_pct:.1f}% where the noise inside a "
-                f"block is {speedup.within_block_pct:.1f}%; the processes (or nodes) differed in a way the ratio "
-                "did not cancel"
+                f"block is {speedup.within_block_pct:.1f}%; the processes (or nodes) differed, or the machine's "
+                "state changed what this arm gains, in a way the ratio does not cancel; more blocks, spread in "
+                "time, average it"
             )
         if not shared:
             notes.append(

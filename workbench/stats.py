@@ -49,7 +49,9 @@ Spread within and between blocks
     median over blocks), in percent. ``between_block_pct``: the standard deviation of the
     block ratios' logarithms, in percent. Blocks that disagree far more than their own noise
     says they should point at a difference between the processes (or nodes) that the ratio
-    did not cancel; the table notes it.
+    did not cancel, or at a machine whose state changes what the arm gains: on the CI VM,
+    channels_last gained 1.24x or 1.33x as the machine's state changed within minutes, and a
+    block samples whichever held while it ran (BENCHMARKS.md). The table notes it.
 
 Work that outlives a window
     An arm whose work goes on after its window ends (a background thread, a prefetching
@@ -257,7 +259,7 @@ def arm_speedup(
     pairs: Sequence[tuple[Side, Side]], *, paired: bool, estimator: str = ESTIMATOR, floored: bool = True
 ) -> ArmSpeedup:
     """The speedup of (baseline, arm) pairs, one per block, by ``estimator`` of each side's
-    typical step; by the mean instead when one side has slow steps of its own.
+    typical step; by their capped mean instead when one side has slow steps of its own.
 
     A robust estimator sets stalls from outside the job aside (see the module docstring). It
     would also set aside a job's own slow steps: an arm whose every fifth step is four times
