@@ -68,10 +68,8 @@ def control_intervals(blocks: list[dict], estimator: str) -> dict[bool, tuple[fl
         return stats.Side([[1e-6 * s for s in w] for w in windows], 1.0)
 
     pairs = [(side(arms[CONTROL[0]]), side(arms[CONTROL[1]])) for arms in blocks]
-    speedups = {
-        floored: stats.arm_speedup(pairs, paired=True, estimator=estimator, floored=floored).speedup
-        for floored in (True, False)
-    }
+    measured = stats.arm_speedup(pairs, paired=True, estimator=estimator)
+    speedups = {True: measured.speedup, False: stats.combine_blocks(measured.ratios, floored=False)}
     return {floored: (s.low, s.point, s.high) for floored, s in speedups.items()}
 
 

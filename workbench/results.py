@@ -308,10 +308,12 @@ def _slow_step_notes(
     typical = stats.combine_blocks(
         [stats.block_ratio(base, arm, paired=shared, estimator=stats.ESTIMATOR) for base, arm in pairs]
     ).point
+    arm_excess = [stats.slow_step_excess_pct(arm) for _, arm in pairs]
+    base_excess = [stats.slow_step_excess_pct(base) for base, _ in pairs]
     return [
         "slow steps of the job's own: in every block its mean step exceeded its typical step by "
-        f"{_percent_range(measured.slow_steps['arm'])}, the baseline's by "
-        f"{_percent_range(measured.slow_steps['baseline'])}, so the speedup counts every step (their mean, "
+        f"{_percent_range(arm_excess)}, the baseline's by "
+        f"{_percent_range(base_excess)}, so the speedup counts every step (their mean, "
         f"with no step counting for more than {stats.STALL_CAP:.0f} median steps); "
         f"by typical steps alone it would be {typical:.2f}"
     ]

@@ -157,10 +157,10 @@ class Side:
         )
 
 
-def slow_step_excess_pct(side: Side, estimator: str = ESTIMATOR) -> float:
-    """How far the arm's mean step exceeds its typical (``estimator``) step, in percent: what
-    its slowest steps add to its wall-clock time."""
-    return 100 * (typical_step_s(side.windows, "mean") / typical_step_s(side.windows, estimator) - 1)
+def slow_step_excess_pct(side: Side, estimator: str = ESTIMATOR, every_step: str = "mean") -> float:
+    """How far the arm's ``every_step`` step (the mean, or the capped mean) exceeds its
+    typical (``estimator``) step, in percent: what its slowest steps add to its wall-clock time."""
+    return 100 * (typical_step_s(side.windows, every_step) / typical_step_s(side.windows, estimator) - 1)
 
 
 @dataclass(frozen=True)
@@ -248,15 +248,16 @@ def combine_blocks(
 
 @dataclass(frozen=True)
 class ArmSpeedup:
-    """An arm's speedup over its baseline, and which typical step time it was computed from."""
+    """An arm's speedup over its baseline, which typical step time it was computed from, and
+    the block ratios it combines (benchmarks/aa_calibration.py combines them without the floor)."""
 
     speedup: Speedup
     estimator: str
-    slow_steps: dict[str, list[float]]  # "baseline"/"arm": per block, slow_step_excess_pct
+    ratios: list[BlockRatio]
 
 
 def arm_speedup(
-    pairs: Sequence[tuple[Side, Side]], *, paired: bool, estimator: str = ESTIMATOR, floored: bool = True
+    pairs: Sequence[tuple[Side, Side]], *, paired: bool, estimator: str = ESTIMATOR
 ) -> ArmSpeedup:
     """The speedup of (baseline, arm) pairs, one per block, by ``estimator`` of each side's
     typical step; by their capped mean instead when one side has slow steps of its own.
@@ -271,12 +272,9 @@ def arm_speedup(
     block, every step counts: the speedup is taken from the mean step, with no step counting
     for more than STALL_CAP median steps (``capped_mean``), so that one long stall can neither
     hide that difference nor swamp the speedup."""
-    slow_steps = {
-        "baseline": [slow_step_excess_pct(base, estimator) for base, _ in pairs],
-        "arm": [slow_step_excess_pct(arm, estimator) for _, arm in pairs],
-    }
     differences = [
-        _capped_excess_pct(arm_half, estimator) - _capped_excess_pct(base_half, estimator)
+        slow_step_excess_pct(arm_half, estimator, "capped_mean")
+        - slow_step_excess_pct(base_half, estimator, "capped_mean")
         for base, arm in pairs
         for base_half, arm_half in zip(_halves(base), _halves(arm), strict=True)
     ]
@@ -287,12 +285,7 @@ def arm_speedup(
     ):
         estimator = "capped_mean"
     ratios = [block_ratio(base, arm, paired=paired, estimator=estimator) for base, arm in pairs]
-    return ArmSpeedup(combine_blocks(ratios, floored=floored), estimator, slow_steps)
-
-
-def _capped_excess_pct(side: Side, estimator: str) -> float:
-    """slow_step_excess_pct, with no step counting for more than STALL_CAP median steps."""
-    return 100 * (typical_step_s(side.windows, "capped_mean") / typical_step_s(side.windows, estimator) - 1)
+    return ArmSpeedup(combine_blocks(ratios), estimator, ratios)
 
 
 def _halves(side: Side) -> tuple[Side, Side]:
