@@ -186,13 +186,8 @@ def main() -> None:
             f"{', '.join(f'{walls[i]:.1f}' for i in these)} s; median {statistics.median(walls[i] for i in these):.1f} s"
         )
         if len(these) > 1:
-            stability[label(condition)] = dict(
-                zip(
-                    ("speedups", "by_estimator"),
-                    stability_of([tables[i] for i in these], [by_estimator[i] for i in these]),
-                    strict=True,
-                )
-            )
+            speedups, estimators = stability_of([tables[i] for i in these], [by_estimator[i] for i in these])
+            stability[label(condition)] = {"speedups": speedups, "by_estimator": estimators}
     if args.json:
         report = {
             "benchmark": "quick-preset",
