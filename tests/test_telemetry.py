@@ -9,6 +9,7 @@ import torch
 from helpers import train
 
 from workbench.telemetry import (
+    CUDA_PHASE_EVERY,
     PHASES,
     ArmMemory,
     CompetingLoad,
@@ -35,6 +36,75 @@ def test_step_clock_attributes_time_to_phases():
     for phase, expected_ms in zip(PHASES, (20, 40, 60, 10, 30), strict=True):
         assert expected_ms <= per_step[phase] < expected_ms + 8, (phase, per_step[phase])
     assert len(clock.step_s) == 3 and all(0.160 <= s < 0.190 for s in clock.step_s), clock.step_s
+
+
+class _FakeCudaEvents:
+    """torch.cuda.Event stand-in: each record() takes the fake stream's current time (ms)."""
+
+    def __init__(self):
+        self.now_ms = 0.0
+        self.created = 0
+        self.recorded = 0
+        clock_of = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                clock_of.created += 1
+                self.at_ms = None
+
+            def record(self):
+                clock_of.recorded += 1
+                self.at_ms = clock_of.now_ms
+
+            def elapsed_time(self, end):
+                return end.at_ms - self.at_ms
+
+        self.Event = Event
+
+
+def _fake_cuda_window(clock, events, steps, phase_ms):
+    """``steps`` steps whose phases take ``phase_ms`` (data, forward, backward, optimizer) on the stream."""
+    for _ in range(steps):
+        clock.start()
+        for phase, duration in zip(("data", "forward", "backward", "optimizer"), phase_ms, strict=True):
+            events.now_ms += duration
+            clock.lap(phase)
+        clock.stop()
+    clock.resolve()
+
+
+def test_cuda_step_clock_marks_phases_on_a_sample_of_steps_and_reuses_its_events(monkeypatch):
+    # An event costs the CPU about a kernel launch (the clock's comment): a step that is not
+    # sampled records one, a sampled step one per phase, and a second window creates none.
+    events = _FakeCudaEvents()
+    monkeypatch.setattr(torch.cuda, "Event", events.Event)
+    clock = StepClock(torch.device("cuda"))
+    every = CUDA_PHASE_EVERY
+    steps = 2 * every
+    _fake_cuda_window(clock, events, steps, (1.0, 2.0, 3.0, 4.0))
+    # Two steps sampled: 4 events each; the others: 1 each; plus the window's first start.
+    assert events.recorded == 1 + 2 * 4 + (steps - 2)
+    assert clock.step_s == pytest.approx([0.010] * steps)  # every step timed, sampled or not
+    assert clock.phase_steps == 2
+    assert clock.phase_ms_per_step() == pytest.approx(
+        {"data": 1.0, "forward": 2.0, "backward": 3.0, "optimizer": 4.0, "replay": 0.0}
+    )
+    created = events.created
+    events.now_ms += 500.0  # other arms' windows: no step's time
+    _fake_cuda_window(clock, events, steps, (1.0, 2.0, 3.0, 4.0))
+    assert events.created == created  # events read are recorded again, not made anew
+    assert clock.step_s[steps:] == pytest.approx([0.010] * steps)
+
+
+def test_cuda_step_clock_without_sampling_marks_every_phase(monkeypatch):
+    events = _FakeCudaEvents()
+    monkeypatch.setattr(torch.cuda, "Event", events.Event)
+    clock = StepClock(torch.device("cuda"), phase_every=1)
+    _fake_cuda_window(clock, events, 3, (0.5, 1.0, 2.0, 0.5))
+    assert events.recorded == 1 + 3 * 4  # the optimizer lap ends each step and begins the next
+    assert clock.step_s == pytest.approx([0.004] * 3)
+    assert clock.phase_ms_per_step()["backward"] == pytest.approx(2.0)
 
 
 def test_cpu_peak_memory_sees_a_known_allocation():

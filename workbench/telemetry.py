@@ -5,7 +5,9 @@ Step clock
     copying it to the device), ``forward``, ``backward`` and ``optimizer``. On CPU the
     phases are read with ``time.perf_counter`` (eager CPU kernels run synchronously).
     On CUDA, events are recorded on the stream and read once the window is over, so the
-    breakdown adds no synchronization inside the step.
+    breakdown adds no synchronization inside the step; as an event costs the CPU about what a
+    kernel launch does, the phases are marked on every 8th step only (``CUDA_PHASE_EVERY``),
+    while every step still gets its own time.
 
 Windows
     Each timed window (see workbench.block) reads the wall clock around its steps, with the
@@ -55,41 +57,76 @@ import torch
 
 from workbench.stats import PHASES
 
+# How often the CUDA clock marks the phases inside a step: every 8th step. Every step still gets
+# its own time. Why: on CUDA each mark is an event recorded on the stream, and recording one costs
+# the CPU about what a kernel launch costs. On an H100 machine (benchmarks/overhead.py at
+# bfbf9f5) the clock's six fresh events a step added 247 us to a 608 us step of a trivial model,
+# 6% of mlp's launch-bound step, and a launch-bound arm pays it as well, which pulls every
+# speedup toward 1. The phase breakdown is a mean per step, so a regular sample of steps
+# estimates it.
+CUDA_PHASE_EVERY = 8
+
 
 class StepClock:
-    """Per-phase time of each step. Call ``start()``, ``lap(phase)`` after each phase, ``stop()``."""
+    """Per-phase time of each step. Call ``start()``, ``lap(phase)`` after each phase, ``stop()``.
 
-    def __init__(self, device: torch.device):
+    On CUDA, three things keep the marks cheap: a step's last lap also ends it, and that event
+    begins the next step too (nothing is queued on the stream between two steps of a window);
+    events are recorded again once read, not created anew; and the phases are marked on every
+    ``phase_every``-th step only (``CUDA_PHASE_EVERY``), the others being one event each.
+    ``resolve()`` ends a window: the next step begins with an event of its own, so that time
+    spent between windows (other arms' windows) is never a step's.
+    """
+
+    def __init__(self, device: torch.device, phase_every: int | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.phase_every = phase_every or (CUDA_PHASE_EVERY if self.cuda else 1)
         self.phase_s = dict.fromkeys(PHASES, 0.0)
+        self.phase_steps = 0  # steps whose phases were marked: what phase_s adds up
         self.step_s: list[float] = []
-        self._events: list[tuple[str, torch.cuda.Event]] = []
+        self._steps_started = 0
+        self._marking = True  # whether the current step's phases are marked
+        self._events: list[tuple[str, torch.cuda.Event]] = []  # since the last resolve()
+        self._spare: list[torch.cuda.Event] = []  # events already read, to be recorded again
+        self._boundary: torch.cuda.Event | None = None  # the end of the previous step in this window
         self._last = 0.0
         self._step_start = 0.0
 
     def start(self) -> None:
+        self._marking = self._steps_started % self.phase_every == 0
+        self._steps_started += 1
         if self.cuda:
-            self._events.append(("start", self._record()))
+            if self._boundary is None:
+                self._boundary = self._record()
+            self._events.append(("start", self._boundary))
         else:
             self._last = self._step_start = time.perf_counter()
 
     def lap(self, phase: str) -> None:
         if self.cuda:
-            self._events.append((phase, self._record()))
-        else:
+            if self._marking:
+                self._events.append((phase, self._record()))
+        else:  # a clock read costs well under a microsecond: the step's end is its last lap
             now = time.perf_counter()
-            self.phase_s[phase] += now - self._last
+            if self._marking:
+                self.phase_s[phase] += now - self._last
             self._last = now
 
     def stop(self) -> None:
+        if self._marking:
+            self.phase_steps += 1
         if self.cuda:
-            self._events.append(("stop", self._record()))
+            label, latest = self._events[-1]
+            # The step's last lap is its end: nothing was queued after it.
+            end = latest if label != "start" else self._record()
+            self._events.append(("stop", end))
+            self._boundary = end
         else:
             self.step_s.append(self._last - self._step_start)
 
     def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -106,10 +143,13 @@ class StepClock:
             else:
                 self.phase_s[phase] += previous.elapsed_time(event) / 1e3
                 previous = event
+        read = {id(event): event for _, event in self._events}  # a boundary appears twice
+        self._spare.extend(read.values())
         self._events.clear()
+        self._boundary = None
 
     def phase_ms_per_step(self) -> dict[str, float]:
-        steps = max(len(self.step_s), 1)
+        steps = max(self.phase_steps, 1)
         return {phase: 1e3 * seconds / steps for phase, seconds in self.phase_s.items()}
 
 
