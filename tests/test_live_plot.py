@@ -156,6 +156,23 @@ def test_live_legends_never_cover_the_data(clock, nvml):
     _assert_no_legend_covers_data(plot_live(live.snapshot()))
 
 
+def test_live_losses_leave_out_the_loader_only_twins(clock):
+    # A loader-only twin trains a stand-in model that does no work: its flat loss near zero
+    # would sit beside the model's curve as if it were a technique's (H100 suite, bfbf9f5).
+    live = LiveRun()
+    arms = [{"name": "baseline", "unavailable": None, "kind": "train"},
+            {"name": "loader: baseline", "unavailable": None, "kind": "loader"}]  # fmt: skip
+    live({"type": "plan", "arms": arms, "blocks": 1, "processes": 1, "remaining": 1})
+    phases = {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0}
+    live({"type": "unit", "arm": "baseline", "block": 0, "status": "ok",
+          "result": {"losses": [2.0, 1.5, 1.0], "phase_ms": phases}})  # fmt: skip
+    live({"type": "unit", "arm": "loader: baseline", "block": 0, "status": "ok",
+          "result": {"losses": [0.0, 0.0, 0.0], "phase_ms": phases}})  # fmt: skip
+    figure = plot_live(live.snapshot())
+    losses = next(axes for axes in figure.axes if axes.get_title().startswith("Loss"))
+    assert [list(line.get_ydata()) for line in losses.get_lines()] == [[2.0, 1.5, 1.0]]
+
+
 def _results(arms: list[str], peaks: list[float], activations: list[float]):
     """What plot_results reads of a Results: its table (the plotted columns), config, environment."""
     count = len(arms)

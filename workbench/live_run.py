@@ -15,6 +15,7 @@ class LiveRun:
         self._lock = threading.Lock()
         self.started = time.time()
         self.arms: list[str] = []
+        self.loader_arms: list[str] = []  # loader-only twins: a model that does no work, no loss to plot
         self.blocks = 0
         self.processes = 0  # blocks' processes planned (a block's shared one, arms' own ones)
         self.processes_done = 0
@@ -74,6 +75,7 @@ class LiveRun:
 
     def _planned(self, event: dict) -> None:
         self.arms = [arm["name"] for arm in event["arms"] if not arm["unavailable"]]
+        self.loader_arms = [arm["name"] for arm in event["arms"] if arm.get("kind") == "loader"]
         self.blocks = event.get("blocks", 0)
         self.processes = event["processes"]
         self.processes_done = event["processes"] - event["remaining"]
@@ -103,6 +105,7 @@ class LiveRun:
                 "started": self.started,
                 "now": time.time(),
                 "arms": list(self.arms),
+                "loader_arms": list(self.loader_arms),
                 "blocks": self.blocks,
                 "block": self.block,
                 "processes": self.processes,

@@ -291,7 +291,8 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     _plot_live_throughput(speed_ax, snapshot["throughput"], colors, running)
     finished = [unit for unit in snapshot["finished"] if unit.get("result")]
     _plot_live_breakdown(phase_ax, finished, arms)
-    _plot_live_losses(loss_ax, finished, colors)
+    loader_arms = set(snapshot.get("loader_arms", ()))  # their stand-in model's loss says nothing
+    _plot_live_losses(loss_ax, [unit for unit in finished if unit["arm"] not in loader_arms], colors)
     seconds = [s["time"] - snapshot["started"] for s in samples]
     _plot_cpu_utilization(cpu_ax, samples, seconds)
     if gpu_keys:
