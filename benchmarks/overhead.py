@@ -41,6 +41,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -275,8 +276,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "step-time-child":
         return run_step_time_process(args)
 
-    from workbench.environment import machine_summary
-
     started = time.time()
     end_to_end, in_process = [], []
     for index in range(args.rounds):
@@ -294,14 +293,47 @@ def main(argv: list[str] | None = None) -> None:
             f"in-process {math.exp(in_process[-1]):.4f}",
             flush=True,
         )
-    e2e, paired = _interval(end_to_end), _interval(in_process)
+        # After each round, what is measured so far: a run stopped at a time limit keeps it.
+        _write(args, _report(args, started, end_to_end, in_process))
     costs = [_child("cost-child", args) for _ in range(args.cost_processes)]
     cost_us = float(np.median([c["cost_us"] for c in costs]))
     step_us = float(
         np.median([_child("step-time-child", args)["step_us"] for _ in range(args.cost_processes)])
     )
     implied = step_us / (step_us + cost_us)
-    report = {
+    per_step_cost = {
+        "harness_cost_us": cost_us,
+        "trivial_bare_step_us": float(np.median([c["bare_us"] for c in costs])),
+        "model_bare_step_us": step_us,
+        "implied_ratio": implied,
+    }
+    report = _report(args, started, end_to_end, in_process, per_step_cost)
+    e2e, paired = report["end_to_end"], report["in_process"]
+    print(f"\nharness / bare-loop throughput, {args.model}, {args.rounds} rounds (95% paired t-intervals):")
+    print(f"  end-to-end (fresh processes): {e2e['ratio']:.3f} [{e2e['low']:.3f}, {e2e['high']:.3f}]")
+    print(
+        f"  in-process (A/B windows):     {paired['ratio']:.4f} [{paired['low']:.4f}, {paired['high']:.4f}]"
+    )
+    print(
+        f"  per-step cost: the harness adds {cost_us:.1f} us to a step; the bare {args.model} step takes "
+        f"{step_us:.0f} us, so the implied ratio is {implied:.4f}"
+    )
+    _write(args, report)
+
+
+def _report(
+    args, started: float, end_to_end: list, in_process: list, per_step_cost: dict | None = None
+) -> dict:
+    """The figures so far; ``complete`` once every round and the per-step cost are in."""
+    from workbench.environment import machine_summary
+
+    def interval(log_ratios: list) -> dict:
+        if len(log_ratios) < 2:  # one round has a ratio but no interval
+            return {"ratio": math.exp(log_ratios[0]), "low": None, "high": None}
+        ratio, low, high = _interval(log_ratios)
+        return {"ratio": ratio, "low": low, "high": high}
+
+    return {
         "benchmark": "overhead",
         "model": args.model,
         "device": args.device,
@@ -309,28 +341,23 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "batch_size": args.batch_size,
         "rounds": args.rounds,
+        "rounds_done": len(in_process),
+        "complete": per_step_cost is not None,
         "pairs_per_round": args.pairs,
-        "end_to_end": {"ratio": e2e[0], "low": e2e[1], "high": e2e[2]},
-        "in_process": {"ratio": paired[0], "low": paired[1], "high": paired[2]},
-        "per_step_cost": {
-            "harness_cost_us": cost_us,
-            "trivial_bare_step_us": float(np.median([c["bare_us"] for c in costs])),
-            "model_bare_step_us": step_us,
-            "implied_ratio": implied,
-        },
+        "end_to_end": interval(end_to_end),
+        "in_process": interval(in_process),
+        "in_process_by_round": [math.exp(value) for value in in_process],
+        "per_step_cost": per_step_cost,
         "machine": machine_summary(),
         "wall_s": time.time() - started,
     }
-    print(f"\nharness / bare-loop throughput, {args.model}, {args.rounds} rounds (95% paired t-intervals):")
-    print(f"  end-to-end (fresh processes): {e2e[0]:.3f} [{e2e[1]:.3f}, {e2e[2]:.3f}]")
-    print(f"  in-process (A/B windows):     {paired[0]:.4f} [{paired[1]:.4f}, {paired[2]:.4f}]")
-    print(
-        f"  per-step cost: the harness adds {cost_us:.1f} us to a step; the bare {args.model} step takes "
-        f"{step_us:.0f} us, so the implied ratio is {implied:.4f}"
-    )
+
+
+def _write(args, report: dict) -> None:
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=1)
+        from workbench.results_folder import write_json_atomic
+
+        write_json_atomic(Path(args.json), report)
 
 
 if __name__ == "__main__":

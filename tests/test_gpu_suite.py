@@ -182,8 +182,12 @@ def test_the_overhead_stage_runs_the_harness_against_a_hand_written_loop(suite, 
 def test_the_overhead_stage_is_stopped_at_its_deadline_with_its_processes(suite, tmp_path, monkeypatch):
     # A stand-in for overhead.py that, like it, starts a child of its own and outlasts the deadline.
     stand_in = tmp_path / "overhead.py"
+    # It also writes a first round's figures, as overhead.py does after each round.
     stand_in.write_text(
-        "import subprocess, sys, time\n"
+        "import json, subprocess, sys, time\n"
+        "figures = {'rounds': 3, 'rounds_done': 1, 'complete': False,\n"
+        "           'in_process': {'ratio': 0.9421, 'low': None, 'high': None}, 'per_step_cost': None}\n"
+        "open(sys.argv[sys.argv.index('--json') + 1], 'w').write(json.dumps(figures))\n"
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', 'stand-in-child'])\n"
         "time.sleep(120)\n"
     )
@@ -210,6 +214,12 @@ def test_the_overhead_stage_is_stopped_at_its_deadline_with_its_processes(suite,
         assert not running_children("stand-in-child") and not running_children(str(stand_in))
     record = json.loads((tmp_path / "overhead.json").read_text())
     assert record["out_of_time"] == ["overhead: stopped at the limit"]
+    assert record["parts"]["overhead"]["in_process"]["ratio"] == 0.9421  # the round done is kept
+    overhead = {goal["goal"]: goal for goal in suite.goals(tmp_path)}[
+        "harness vs hand-written loop (in-process)"
+    ]
+    assert overhead["result"] == "missed"
+    assert overhead["figure"] == "0.9421 (one round), 1 of 3 rounds before the limit"
 
 
 def test_an_orphan_adopted_for_a_check_is_reaped_when_the_check_ends():
