@@ -37,7 +37,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = ["randomized", "fixed"]
+# How each fresh process is started: the kernel's usual randomized address layout; a fixed one
+# (setarch -R); PyTorch's CPU allocator asking for transparent huge pages for tensors of 2 MiB
+# and more (THP_MEM_ALLOC_ENABLE=1: aligned to 2 MiB and madvise(MADV_HUGEPAGE)); glibc's malloc
+# asking for them for its whole heap (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, glibc 2.35 and
+# later); or no transparent huge pages at all for the process (prctl PR_SET_THP_DISABLE).
+CONDITIONS = ["randomized", "fixed", "thp", "heap-thp", "no-thp"]
+_PR_SET_THP_DISABLE = 41  # <linux/prctl.h>
 
 
 def child(arm: str, segments: int, rounds: int) -> dict:
@@ -69,7 +75,26 @@ def child(arm: str, segments: int, rounds: int) -> dict:
             step_ms[name].append(1e3 * typical_step_s([times[name]]))
         for name in ratios:
             ratios[name].append(step_ms["baseline"][-1] / step_ms[name][-1])
-    return {"ratios": ratios, "step_ms": step_ms}
+    return {"ratios": ratios, "step_ms": step_ms, "anon_huge_pages_kib": _anon_huge_pages_kib()}
+
+
+def _anon_huge_pages_kib() -> int | None:
+    """Anonymous memory this process holds in transparent huge pages: whether THP took hold."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _no_transparent_huge_pages() -> None:
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE) failed")
 
 
 def spread_pct(values: list[float]) -> float:
@@ -79,7 +104,11 @@ def spread_pct(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, default=10, help="fresh processes per layout")
+    parser.add_argument("--processes", type=int, default=10, help="fresh processes per condition")
+    parser.add_argument(
+        "--conditions", nargs="+", default=["randomized", "fixed"], choices=CONDITIONS,
+        help="how the processes are started, in turn (see CONDITIONS)",
+    )  # fmt: skip
     parser.add_argument("--arm", default="channels_last", choices=["channels_last", "amp", "grad_accum"])
     parser.add_argument("--segments", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=15)
@@ -90,7 +119,7 @@ def main() -> None:
         print(json.dumps(child(args.arm, args.segments, args.rounds)))
         return
     setarch = shutil.which("setarch")
-    if setarch is None:
+    if "fixed" in args.conditions and setarch is None:
         sys.exit("setarch (util-linux) is needed to run a process without layout randomization")
 
     sys.path.insert(0, str(ROOT))
@@ -98,18 +127,35 @@ def main() -> None:
 
     started = time.time()
     processes: list[dict] = []
-    for index in range(args.processes * len(LAYOUTS)):
-        layout = LAYOUTS[index % len(LAYOUTS)]  # alternated, so the hour's noise falls on both
+    conditions = args.conditions
+    for index in range(args.processes * len(conditions)):
+        layout = conditions[index % len(conditions)]  # in turn, so the hour's noise falls on each
         command = [sys.executable, __file__, "--child", "--arm", args.arm]
         command += ["--segments", str(args.segments), "--rounds", str(args.rounds)]
+        env = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
         if layout == "fixed":
             command = [setarch, platform.machine(), "-R", *command]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        if layout == "thp":
+            env["THP_MEM_ALLOC_ENABLE"] = "1"
+        if layout == "heap-thp":
+            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+        # Set between fork and exec: the child's every allocation falls under it.
+        before_exec = _no_transparent_huge_pages if layout == "no-thp" else None
+        done = subprocess.run(
+            command, capture_output=True, text=True, check=True, env=env, preexec_fn=before_exec
+        )
         found = json.loads(done.stdout.splitlines()[-1])
         ratios, step_ms = found["ratios"], found["step_ms"]
-        processes.append({"layout": layout, "ratios": ratios, "step_ms": step_ms})
+        processes.append(
+            {
+                "layout": layout,
+                "ratios": ratios,
+                "step_ms": step_ms,
+                "anon_huge_pages_kib": found["anon_huge_pages_kib"],
+            }
+        )
         print(
-            f"process {index + 1:2d} ({layout:10s}): {args.arm} "
+            f"process {index + 1:2d} ({layout:10s}, {found['anon_huge_pages_kib']} KiB in huge pages): {args.arm} "
             + " ".join(
                 f"{r:.3f} ({b:.0f}/{a:.0f} ms)"
                 for r, b, a in zip(ratios[args.arm], step_ms["baseline"], step_ms[args.arm], strict=True)
@@ -121,7 +167,7 @@ def main() -> None:
     print(
         f"\n{args.arm} and the control against the baseline, {args.segments} segments of {args.rounds} rounds:"
     )
-    for layout in LAYOUTS:
+    for layout in conditions:
         summary[layout] = {}
         for name in ("control", args.arm):
             means = [statistics.mean(p["ratios"][name]) for p in processes if p["layout"] == layout]
@@ -143,6 +189,7 @@ def main() -> None:
             "benchmark": "process-dependence",
             "arm": args.arm,
             "processes_per_layout": args.processes,
+            "conditions": conditions,
             "segments": args.segments,
             "rounds": args.rounds,
             "summary": summary,
