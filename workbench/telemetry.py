@@ -71,7 +71,7 @@ class StepClock:
     """Per-phase time of each step. Call ``start()``, ``lap(phase)`` after each phase, ``stop()``.
 
     On CUDA, three things keep the marks cheap: a step's last lap also ends it, and that event
-    begins the next step too (nothing is queued on the stream between two steps of a window);
+    begins the next step too (between two steps of a window the harness queues no work);
     events are recorded again once read, not created anew; and the phases are marked on every
     ``phase_every``-th step only (``CUDA_PHASE_EVERY``), the others being one event each.
     ``resolve()`` ends a window: the next step begins with an event of its own, so that time
@@ -118,7 +118,8 @@ class StepClock:
             self.phase_steps += 1
         if self.cuda:
             label, latest = self._events[-1]
-            # The step's last lap is its end: nothing was queued after it.
+            # The step's last lap is its end. What little is queued after it (a graphed step's
+            # copy of the loss) falls into the next step: a window's steps still add up to it.
             end = latest if label != "start" else self._record()
             self._events.append(("stop", end))
             self._boundary = end
