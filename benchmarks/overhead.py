@@ -23,7 +23,9 @@ per-step cost
     samples, one thread), where a step takes tens of microseconds and the harness's own
     work (clock marks, the disabled GradScaler, the kept loss) is a large share. Its cost
     in microseconds, set against the bare loop's step time on the benchmark model, gives
-    the throughput ratio that cost implies: bare_step / (bare_step + cost).
+    the throughput ratio that cost implies: bare_step / (bare_step + cost). The same process
+    also times the step clock alone (its marks, no step), and on CUDA one event recorded
+    fresh and one recorded again: where the harness's cost goes.
 
 On a GPU, ``--device cuda`` runs all three on CUDA: the bare loop moves each batch to the
 device as the harness does, and synchronizes the device before each clock read, as any honest
@@ -161,9 +163,46 @@ def run_cost_process(args) -> None:
             {
                 "cost_us": 1e6 * (float(np.median(harness)) - float(np.median(bare))),
                 "bare_us": 1e6 * float(np.median(bare)),
+                **_clock_costs_us(device, steps),
             }
         )
     )
+
+
+def _clock_costs_us(device, steps: int) -> dict:
+    """What the step clock alone costs the CPU per step, with no step around it; on CUDA also
+    one event recorded fresh (a new torch.cuda.Event each time) and one recorded again."""
+    import torch
+
+    from workbench.devices import synchronize
+    from workbench.telemetry import StepClock
+
+    def per_call_us(call, calls: int) -> float:
+        synchronize(device)
+        started = time.perf_counter()
+        for _ in range(calls):
+            call()
+        synchronize(device)
+        return 1e6 * (time.perf_counter() - started) / calls
+
+    clock = StepClock(device)
+
+    def clock_step():
+        clock.start()
+        for phase in ("data", "forward", "backward", "optimizer"):
+            clock.lap(phase)
+        clock.stop()
+
+    costs = {}
+    for _ in range(2):  # the first pass creates the clock's events; the second is what a window pays
+        costs["clock_step_us"] = per_call_us(clock_step, steps)
+        clock.resolve()
+    if device.type != "cuda":
+        return costs
+    event = torch.cuda.Event(enable_timing=True)
+    costs["fresh_event_us"] = per_call_us(lambda: torch.cuda.Event(enable_timing=True).record(), steps)
+    costs["reused_event_us"] = per_call_us(event.record, steps)
+    return costs
 
 
 def run_step_time_process(args) -> None:
@@ -306,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
         "trivial_bare_step_us": float(np.median([c["bare_us"] for c in costs])),
         "model_bare_step_us": step_us,
         "implied_ratio": implied,
+        # Where the harness's cost goes: its step clock alone, and on CUDA one event's record.
+        **{key: float(np.median([c[key] for c in costs])) for key in costs[0] if key.endswith("event_us")},
+        "clock_step_us": float(np.median([c["clock_step_us"] for c in costs])),
     }
     report = _report(args, started, end_to_end, in_process, per_step_cost)
     e2e, paired = report["end_to_end"], report["in_process"]
@@ -318,6 +360,13 @@ def main(argv: list[str] | None = None) -> None:
         f"  per-step cost: the harness adds {cost_us:.1f} us to a step; the bare {args.model} step takes "
         f"{step_us:.0f} us, so the implied ratio is {implied:.4f}"
     )
+    clock_costs = f"  of which the step clock alone: {per_step_cost['clock_step_us']:.1f} us"
+    if "fresh_event_us" in per_step_cost:
+        clock_costs += (
+            f"; one CUDA event recorded: {per_step_cost['fresh_event_us']:.1f} us made fresh, "
+            f"{per_step_cost['reused_event_us']:.1f} us recorded again"
+        )
+    print(clock_costs)
     _write(args, report)
 
 
