@@ -177,6 +177,8 @@ def test_the_overhead_stage_runs_the_harness_against_a_hand_written_loop(suite, 
         assert figures[design]["low"] <= figures[design]["ratio"] <= figures[design]["high"]
     assert figures["per_step_cost"]["model_bare_step_us"] > 0
     assert 0 < figures["per_step_cost"]["implied_ratio"] <= 1.5
+    assert figures["per_step_cost"]["clock_step_us"] > 0  # where the cost goes: the clock's share
+    assert "fresh_event_us" not in figures["per_step_cost"]  # CUDA events: on a GPU only
 
 
 def test_the_overhead_stage_is_stopped_at_its_deadline_with_its_processes(suite, tmp_path, monkeypatch):
