@@ -173,6 +173,25 @@ def test_live_losses_leave_out_the_loader_only_twins(clock):
     assert [list(line.get_ydata()) for line in losses.get_lines()] == [[2.0, 1.5, 1.0]]
 
 
+@pytest.mark.parametrize(("rates", "scale"), [((1000.0, 1200.0), "linear"), ((1000.0, 15000.0), "log")])
+def test_live_throughput_turns_logarithmic_when_the_arms_rates_are_far_apart(clock, rates, scale):
+    # A loader-only twin at 15,000 samples/s beside training arms at 1,000 flattened their lines
+    # at the bottom of a linear axis (H100 suite, bfbf9f5); arms of like speed keep it linear.
+    live = LiveRun()
+    _plan(live, processes=1)
+    _process(live, clock, 0, 0, 6, rates=None)
+    live.throughput = {
+        arm: [(1.0 + s, rate, 0, 1) for s in range(5)] for arm, rate in zip(ARMS, rates, strict=True)
+    }
+    figure = plot_live(live.snapshot())
+    axes = _throughput_axes(figure)
+    assert axes.get_yscale() == scale
+    if scale == "log":
+        figure.draw_without_rendering()
+        labels = [label.get_text() for label in axes.get_yticklabels() if label.get_text()]
+        assert "1,000" in labels and "10,000" in labels, labels  # plain numbers, not powers of ten
+
+
 def _results(arms: list[str], peaks: list[float], activations: list[float]):
     """What plot_results reads of a Results: its table (the plotted columns), config, environment."""
     count = len(arms)
