@@ -520,9 +520,13 @@ def _interrupt_after_the_first_block(out, steps: int):
 def test_ctrl_c_keeps_finished_blocks_on_disk_and_leaves_no_orphans(tmp_path):
     out = tmp_path / "ctrl-c"
     command, output, still_running, code, children = _interrupt_after_the_first_block(out, steps=40)
-    if not still_running:
-        # Once in many CI runs the whole run had ended before the signal went (a second block
-        # lasts about 5 s here): nothing was interrupted, so nothing was tested. Again, longer.
+    if not still_running or code == 0:
+        # Once in many CI runs the whole run had ended before the signal went; once (2026-11-27)
+        # it ended with 0 and its full table although it was running at the look, most likely
+        # ended between the look and the signal (Popen sends none to a process that has
+        # exited), a loaded machine holding this test back while a forked block finished in
+        # about a second. Nothing was interrupted, so nothing was tested. Again, longer: a run
+        # that ignored Ctrl-C would end with 0 there too, and fail below.
         out = tmp_path / "ctrl-c-longer"
         command, output, still_running, code, children = _interrupt_after_the_first_block(out, steps=400)
     assert still_running, f"the run ended before Ctrl-C could reach it:\n{output}"
