@@ -28,6 +28,7 @@ LAYER_OF = {
     "workbench.devices": 1,
     "workbench.stats": 1,
     "workbench.heap": 1,
+    "workbench.core_sync": 1,
     "workbench.peak_flops": 1,
     "workbench.telemetry": 1,
     "workbench.profiling": 1,

@@ -1,0 +1,54 @@
+"""How fast the CPU's threads start and finish a parallel operation together: a probe of the machine's state.
+
+Why: on the 2-core CI-class virtual machine, channels_last's speedup over the baseline moves
+between two levels, about 1.24 and 1.33, for seconds to minutes at a time, inside one process
+(BENCHMARKS.md, "channels_last: a speedup that moves with the machine"). Neither address
+layout nor transparent huge pages decide it. What tracks it is the cost of the threads
+working *together*: a tiny elementwise operation split over both threads takes about 9.6 us
+in one state and 11.4 us in the other, while the same operation on one thread, and
+single-threaded matrix products, do not change. With one thread, channels_last's ratio stays
+at one level. The likeliest cause, which the guest cannot see directly, is where the host
+places the virtual CPUs relative to each other (cores that share a cache, or not).
+
+A block therefore probes this after every round (``fork_join_us``), and the results warn
+when a run saw more than one state (``workbench.results.core_sync_states``): a speedup
+that depends on how the arms use the threads can then differ between blocks, beyond what
+pairing inside a block cancels. The probe is not used to correct anything; it says when
+to look twice.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+# Elements in the probe's tensor: above ATen's grain size (32768), so an elementwise op is split
+# over the threads, and small enough (512 KiB) that starting and joining them dominates its time.
+PROBE_ELEMENTS = 1 << 17
+PROBE_REPEATS = 200  # about 2 ms in all on the CI VM: negligible beside a round of windows
+# Two probes that differ by more than this ratio are in different states: within one state
+# the probe's 10th and 90th percentiles lie within about 5% of each other on the CI VM, and
+# the two states seen there lie 19% apart.
+STATE_RATIO = 1.10
+
+_probe_tensors: dict[str, torch.Tensor] = {}
+
+
+def fork_join_us(repeats: int = PROBE_REPEATS) -> float | None:
+    """The median time, in microseconds, of one small elementwise operation split over all of
+    torch's intra-op threads. None with one thread: there is nothing to join."""
+    if torch.get_num_threads() < 2:
+        return None
+    if not _probe_tensors:
+        _probe_tensors["source"] = torch.ones(PROBE_ELEMENTS)
+        _probe_tensors["out"] = torch.empty(PROBE_ELEMENTS)
+    source, out = _probe_tensors["source"], _probe_tensors["out"]
+    torch.add(source, 1.0, out=out)  # the first call after other work wakes the threads
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.add(source, 1.0, out=out)
+        times.append(time.perf_counter() - started)
+    return 1e6 * statistics.median(times)
