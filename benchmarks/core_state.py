@@ -77,16 +77,6 @@ def _one_core_matmul_us(threads: int) -> list[float]:
     return found
 
 
-def _states(probes: list[float], ratio: float) -> tuple[float, list[bool]] | None:
-    """Split at the midpoint between the probe's 10th and 90th percentiles, if they differ by more than ``ratio``."""
-    ordered = sorted(probes)
-    low, high = ordered[len(ordered) // 10], ordered[(9 * len(ordered)) // 10]
-    if high <= ratio * low:
-        return None
-    middle = (low + high) / 2
-    return middle, [probe > middle for probe in probes]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--segments", type=int, default=100)
@@ -97,7 +87,7 @@ def main() -> None:
     import torch
     from heap_faults import resnet_mini_steps
 
-    from workbench.core_sync import STATE_RATIO, fork_join_us
+    from workbench.core_sync import fork_join_us, split_states
     from workbench.environment import machine_summary
     from workbench.heap import hold_heap_steady
 
@@ -137,11 +127,11 @@ def main() -> None:
         )
 
     probes = [s["fork_join_us"] for s in segments]
-    split = _states(probes, STATE_RATIO)
-    summary: dict = {"states_found": split is not None}
+    middle = split_states(probes)
+    summary: dict = {"states_found": middle is not None}
     groups = {"all": segments}
-    if split is not None:
-        middle, slow = split
+    if middle is not None:
+        slow = [probe > middle for probe in probes]
         summary["probe_split_us"] = middle
         groups = {
             "fast probe": [s for s, flag in zip(segments, slow, strict=True) if not flag],

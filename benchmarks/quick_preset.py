@@ -167,7 +167,7 @@ def main() -> None:
 
     from workbench.environment import machine_summary
 
-    walls, tables, ran, by_estimator = [], [], [], []
+    walls, tables, ran, by_estimator, probes, warnings = [], [], [], [], [], []
     for run in range(args.runs * len(conditions)):
         condition = conditions[run % len(conditions)]
         with tempfile.TemporaryDirectory() as folder:
@@ -176,7 +176,15 @@ def main() -> None:
         ran.append(condition)
         tables.append(json.loads(results.table[COLUMNS].to_json(orient="records")))
         by_estimator.append(speedups_by_estimator(results))
-        print(f"run {run + 1}/{args.runs * len(conditions)} ({label(condition)}): {wall:.1f} s", flush=True)
+        # The state of the machine's threads in each block (workbench.core_sync), and what the run warned.
+        probes.append([block.get("core_sync_us", []) for block in results.record["blocks"]])
+        warnings.append(results.warnings())
+        typical = ", ".join(f"{statistics.median(p):.1f}" for p in probes[-1] if p)
+        print(
+            f"run {run + 1}/{args.runs * len(conditions)} ({label(condition)}): {wall:.1f} s; "
+            f"fork-join probe per block {typical or 'not taken'} us",
+            flush=True,
+        )
     print(results.summary())
     stability: dict[str, dict] = {}
     for condition in conditions:
@@ -198,6 +206,8 @@ def main() -> None:
             "table": tables[-1],
             "tables": tables,
             "speedups_by_estimator": by_estimator,
+            "core_sync_us": probes,
+            "warnings": warnings,
         }
         if len(conditions) == 1 and stability:  # one condition: the shape earlier records have
             (only,) = stability.values()

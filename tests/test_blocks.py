@@ -36,6 +36,9 @@ def test_a_block_runs_every_arm_side_by_side_in_random_order():
             and block["window_steps"] == [3] * 4
         )
         assert all(sorted(order) == sorted(arms) for order in block["order"])  # every arm once per round
+        # After every round, the probe of the threads working together (workbench.core_sync).
+        probed = block["core_sync_us"]
+        assert (len(probed) == 4 and min(probed) > 0) if block["torch_threads"] > 1 else probed == []
         # One untimed step at the start of each window (the others filled the caches) while a step is
         # short; on a machine loaded enough to make it long, none: the rule, not the machine's speed.
         assert block["rewarm"] == choose_rewarm(len(arms), block["warmup_step_ms"] / 1e3)
@@ -51,6 +54,8 @@ def test_a_block_runs_every_arm_side_by_side_in_random_order():
     assert set(table.process) == {"block"} and set(table.blocks) == {2}
     assert math.isnan(table.loc["amp", "peak_rss_mb"])  # process-wide: not split between a block's arms
     assert res.blocks.rss_growth_mb.notna().all()  # the block reports it once
+    if blocks[0]["torch_threads"] > 1:
+        assert res.blocks.core_sync_us.notna().all() and (res.blocks.core_sync_us > 0).all()
 
 
 def test_rounds_follow_the_step_time_and_split_the_steps_evenly():

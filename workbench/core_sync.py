@@ -4,8 +4,8 @@ Why: on the 2-core CI-class virtual machine, channels_last's speedup over the ba
 between two levels, about 1.24 and 1.33, for seconds to minutes at a time, inside one process
 (BENCHMARKS.md, "channels_last: a speedup that moves with the machine"). Neither address
 layout nor transparent huge pages decide it. What tracks it is the cost of the threads
-working *together*: a tiny elementwise operation split over both threads takes about 9.6 us
-in one state and 11.4 us in the other, while the same operation on one thread, and
+working *together*: a tiny elementwise operation split over both threads takes about 9 us
+in one state and 11.5 us in the other, while the same operation on one thread, and
 single-threaded matrix products, do not change. With one thread, channels_last's ratio stays
 at one level. The likeliest cause, which the guest cannot see directly, is where the host
 places the virtual CPUs relative to each other (cores that share a cache, or not).
@@ -21,24 +21,26 @@ from __future__ import annotations
 
 import statistics
 import time
-
-import torch
+from collections.abc import Sequence
 
 # Elements in the probe's tensor: above ATen's grain size (32768), so an elementwise op is split
 # over the threads, and small enough (512 KiB) that starting and joining them dominates its time.
 PROBE_ELEMENTS = 1 << 17
 PROBE_REPEATS = 200  # about 2 ms in all on the CI VM: negligible beside a round of windows
-# Two probes that differ by more than this ratio are in different states: within one state
-# the probe's 10th and 90th percentiles lie within about 5% of each other on the CI VM, and
-# the two states seen there lie 19% apart.
-STATE_RATIO = 1.10
+# Probes further apart than this ratio are in different states. On the CI VM a process's
+# probes lie within 1-2% of each other; processes in one state differ by up to about 10%
+# (8.6-9.5 us in the fast state over 16 fresh processes); the two states lie 19-28% apart
+# inside one process (9.0 against 11.5 us in benchmarks/core_state.py's run).
+STATE_RATIO = 1.15
 
-_probe_tensors: dict[str, torch.Tensor] = {}
+_probe_tensors: dict = {}
 
 
 def fork_join_us(repeats: int = PROBE_REPEATS) -> float | None:
     """The median time, in microseconds, of one small elementwise operation split over all of
     torch's intra-op threads. None with one thread: there is nothing to join."""
+    import torch  # here, so that reading results (split_states) does not import torch
+
     if torch.get_num_threads() < 2:
         return None
     if not _probe_tensors:
@@ -52,3 +54,19 @@ def fork_join_us(repeats: int = PROBE_REPEATS) -> float | None:
         torch.add(source, 1.0, out=out)
         times.append(time.perf_counter() - started)
     return 1e6 * statistics.median(times)
+
+
+def split_states(probes: Sequence[float], ratio: float = STATE_RATIO) -> float | None:
+    """The probe time that separates two states, if the probes show two: the midpoint between
+    their 10th and 90th percentiles when those differ by more than ``ratio``, else None.
+
+    Percentiles, not the extremes: one probe slowed by a passing interruption is not a state.
+    A state held for fewer than a tenth of the probes is not seen either.
+    """
+    if len(probes) < 5:
+        return None
+    ordered = sorted(probes)
+    low, high = ordered[len(ordered) // 10], ordered[(9 * len(ordered)) // 10]
+    if high <= ratio * low:
+        return None
+    return (low + high) / 2

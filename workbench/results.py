@@ -10,12 +10,14 @@ import json
 import math
 import os
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from workbench import stats
+from workbench.core_sync import split_states
 from workbench.peak_flops import achieved_tflops, mfu_percent, peak_tflops
 from workbench.plots import plot_results, plot_tune
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
@@ -521,9 +523,13 @@ class Results:
     @property
     def blocks(self):
         """One row per process that ran: its block, the arms side by side in it, rounds, order, RSS,
-        and what it did to its C heap."""
+        what it did to its C heap, the median of its fork-join probes (how fast the CPU threads
+        worked together, workbench.core_sync; NaN where not probed) and how many of its rounds
+        the threads were in the slow state, where the run saw two (see core_sync_states)."""
         import pandas as pd
 
+        blocks = self.record.get("blocks", [])
+        middle = split_states([probe for b in blocks for probe in b.get("core_sync_us") or []])
         rows = [
             {
                 "block": b["block"],
@@ -539,8 +545,12 @@ class Results:
                 "device_name": b.get("device_name"),
                 "slurm_job_id": b.get("slurm_job_id"),
                 "heap": b.get("heap"),  # what the process did to glibc's malloc (workbench.heap)
+                "core_sync_us": _median(b.get("core_sync_us") or []),
+                "core_sync_slow_rounds": sum(p > middle for p in b.get("core_sync_us") or [])
+                if middle
+                else 0,
             }
-            for b in self.record.get("blocks", [])
+            for b in blocks
         ]
         return pd.DataFrame(
             rows,
@@ -558,6 +568,8 @@ class Results:
                 "device_name",
                 "slurm_job_id",
                 "heap",
+                "core_sync_us",
+                "core_sync_slow_rounds",
             ],
         )
 
@@ -616,11 +628,12 @@ class Results:
                     f"the control arm (the baseline measured again) came out at {row.speedup:.2f} "
                     f"[{row.speedup_low:.2f}, {row.speedup_high:.2f}], not 1: this run's noise is larger than its "
                     "intervals say. Treat every speedup here with suspicion; rerun with more blocks, on a quieter "
-                    "machine, or with torch.set_num_threads pinned below the core count"
+                    "machine, or with fewer threads than cores (OMP_NUM_THREADS in the environment: each block's process reads it)"
                 )
         if self.load.get("warning"):
             found.append(self.load["warning"])
         found += mixed_blocks(self.record.get("blocks", []), self.record.get("units", []))
+        found += core_sync_states(self.record.get("blocks", []), self.record.get("units", []))
         return found
 
     def summary(self, width: int | None = None, colour: bool = False) -> str:
@@ -698,6 +711,124 @@ def mixed_blocks(blocks: list[dict], units: list[dict]) -> list[str]:
                 "each block, so the difference cancels in them; the absolute throughputs mix slow and fast machines"
             )
     return found
+
+
+# An arm whose speedup differs between the machine's two states by more than this, and by more
+# than twice the difference's standard error, is named.
+STATE_SPEEDUP_GAP = 0.03
+MIN_ROUNDS_PER_STATE = 3  # fewer rounds in a state give its speedup no weight
+
+
+def core_sync_states(blocks: list[dict], units: list[dict]) -> list[str]:
+    """A warning when the machine's threads worked together at two speeds while the run measured.
+
+    Each block probed, after every round, how long a tiny operation split over the CPU threads
+    takes (workbench.core_sync). If the probes fall into two states, the warning says which
+    blocks were slow. In blocks that saw both states, each shared-process arm's speedup is also
+    taken in each state (from that state's rounds: process luck cancels), and the arms whose
+    speedup clearly differs between the states (StateGain.moved) are named.
+    """
+    probes = [probe for block in blocks for probe in block.get("core_sync_us") or []]
+    middle = split_states(probes)
+    if middle is None:
+        return []
+    fast_us = _median([p for p in probes if p <= middle])
+    slow_us = _median([p for p in probes if p > middle])
+    where, slow = [], 0
+    for block in blocks:
+        probed = block.get("core_sync_us") or []
+        slow_here = sum(probe > middle for probe in probed)
+        if slow_here >= min(MIN_ROUNDS_PER_STATE, len(probed)):  # not a passing interruption
+            share = "all its rounds" if slow_here == len(probed) else f"{slow_here} of {len(probed)} rounds"
+            own = f"{block['arms'][0]}'s own process in " if len(block.get("arms", [])) == 1 else ""
+            where.append(f"{own}block {block['block'] + 1} ({share})")
+            slow += slow_here
+    if not where:
+        return []
+    text = (
+        "the CPU threads worked together at two speeds while this ran: a tiny operation split over them "
+        f"(workbench.core_sync's probe, after each round) took {slow_us:.1f} us in {slow} rounds, in "
+        f"{', '.join(where)}, and {fast_us:.1f} us in most others. On a virtual machine this follows where the host "
+        "puts its virtual CPUs, which the guest cannot set. Pairing inside a block cancels what slows every "
+        "arm alike, not a change in how much an arm gains: an arm that uses the threads differently from the "
+        "baseline (a memory layout such as channels_last, most of all) can gain more in one state, so its "
+        "blocks can disagree and its figure moves from run to run with the time spent in each"
+    )
+    gaps = [
+        f"{arm} {gain.fast:.2f}x when they were fast, {gain.slow:.2f}x when slow"
+        for arm, gain in _speedups_by_state(blocks, units, middle).items()
+        if gain.moved
+    ]
+    if gaps:
+        text += (
+            ". Inside the blocks that saw both states, these speedups differed: " + "; ".join(gaps) + ". "
+            "Give such arms more blocks, spread in time, or compare at one thread (OMP_NUM_THREADS=1 in the "
+            "environment: each block's process reads it)"
+        )
+    return [text]
+
+
+@dataclass
+class StateGain:
+    """One arm's speedup in the fast and the slow state, and whether the difference is clear."""
+
+    fast: float
+    slow: float
+    log_gap_se: float  # the standard error of log(slow / fast)
+
+    @property
+    def moved(self) -> bool:
+        """Further apart than STATE_SPEEDUP_GAP, and than twice its standard error (about 95%)."""
+        gap = abs(math.log(self.slow / self.fast))
+        return gap > math.log1p(STATE_SPEEDUP_GAP) and gap > 2 * self.log_gap_se
+
+
+def _speedups_by_state(blocks: list[dict], units: list[dict], middle: float) -> dict[str, StateGain]:
+    """Each shared-process arm's speedup over its block's baseline in the fast and the slow state.
+
+    Round by round inside a block the arm and the baseline ran side by side, so each round gives a
+    log ratio of their typical steps with the process's luck cancelled. A block that saw both
+    states (at least MIN_ROUNDS_PER_STATE rounds in each) gives the mean log ratio in each state
+    and the difference's standard error; blocks are combined weighted by the inverse variance.
+    """
+    probes = {
+        block["block"]: block["core_sync_us"]
+        for block in blocks
+        if len(block.get("arms", [])) > 1 and block.get("core_sync_us")
+    }
+    windows: dict[tuple[int, str], dict[int, list[float]]] = {}
+    for unit in units:
+        result = unit.get("result")
+        if (
+            unit.get("process", "block") == "block"
+            and unit["status"] == "ok"
+            and result
+            and unit["block"] in probes
+        ):
+            windows[unit["block"], unit["arm"]] = {
+                w["round"]: w["step_s"] for w in result.get("windows") or []
+            }
+    per_block: dict[str, list[tuple[float, float, float]]] = {}  # arm -> (fast, slow, variance of the gap)
+    for (block, arm), rounds in windows.items():
+        base = windows.get((block, "baseline"))
+        if arm == "baseline" or base is None:
+            continue
+        states: dict[bool, list[float]] = {False: [], True: []}
+        for r, probe in enumerate(probes[block]):
+            if rounds.get(r) and base.get(r):
+                ratio = stats.typical_step_s([base[r]]) / stats.typical_step_s([rounds[r]])
+                states[probe > middle].append(math.log(ratio))
+        fast, slow = states[False], states[True]
+        if min(len(fast), len(slow)) >= MIN_ROUNDS_PER_STATE:
+            variance = float(np.var(fast, ddof=1)) / len(fast) + float(np.var(slow, ddof=1)) / len(slow)
+            per_block.setdefault(arm, []).append((float(np.mean(fast)), float(np.mean(slow)), variance))
+    gains = {}
+    for arm, found in per_block.items():
+        weights = np.array([1 / max(variance, 1e-12) for _, _, variance in found])
+        fast = float(np.average([f for f, _, _ in found], weights=weights))
+        slow = float(np.average([s for _, s, _ in found], weights=weights))
+        gains[arm] = StateGain(math.exp(fast), math.exp(slow), math.sqrt(1 / weights.sum()))
+    return gains
 
 
 def load_results(path: str | os.PathLike) -> Results:

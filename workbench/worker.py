@@ -38,6 +38,7 @@ import torch
 
 from workbench.block import ArmSpec, BlockArm
 from workbench.config import RunConfig
+from workbench.core_sync import fork_join_us
 from workbench.data import DataSource
 from workbench.distributed import CommMeter, Rank, gather_to_rank0, init_process_group
 from workbench.environment import cpu_model
@@ -210,6 +211,7 @@ class _Block:
         self.reported: dict[str, float] = {}  # arm -> when its last progress message went out
         self.comm: dict = {}
         self.rss_mib: float | None = None
+        self.core_sync_us: list[float] = []  # the fork-join probe after each round (workbench.core_sync)
 
     def _running(self) -> list[BlockArm]:
         return [arm for arm in self.arms if arm.name not in self.failures]
@@ -268,6 +270,8 @@ class _Block:
 
     def run_rounds(self) -> None:
         """Every round runs each arm's window once, in a fresh random order."""
+        if self.device.type == "cpu":
+            fork_join_us(repeats=1)  # the probe's tensors, allocated before the resident set is watched
         self.rss.begin_windows()
         if self.meter is not None:
             self.meter.reset()  # count the timed windows' communication only
@@ -277,8 +281,19 @@ class _Block:
             self.orders.append([arm.name for arm in order])
             for arm in order:
                 self._run_window(arm, round_index, steps)
+            self._probe_cores()
         self.comm = _comm_record(self.meter, self.run.steps) if self.meter is not None else {}
         self.rss_mib = self.rss.growth_mib()
+
+    def _probe_cores(self) -> None:
+        """Between rounds, outside every window: how fast the CPU threads work together now.
+
+        Only where the arms compute on the CPU with several threads; a state change there can
+        move a speedup beyond what pairing cancels (workbench.core_sync)."""
+        if self.device.type == "cpu":
+            probe = fork_join_us()
+            if probe is not None:
+                self.core_sync_us.append(probe)
 
     def _run_window(self, arm: BlockArm, round_index: int, steps: int) -> None:
         self.emit(
@@ -377,6 +392,7 @@ class _Block:
             "rss_method": self.rss.method,
             "torch_threads": torch.get_num_threads(),
             "heap": self.heap,
+            "core_sync_us": self.core_sync_us,
         }
 
 

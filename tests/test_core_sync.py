@@ -1,0 +1,101 @@
+"""The fork-join probe of the CPU threads, and the warning when a run saw two machine states."""
+
+import torch
+
+from workbench.core_sync import fork_join_us, split_states
+from workbench.results import STATE_SPEEDUP_GAP, core_sync_states
+
+FAST_US, SLOW_US = 9.6, 11.4  # the two states seen on the CI VM (BENCHMARKS.md)
+
+
+def test_the_probe_times_threads_working_together_and_says_nothing_with_one():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert fork_join_us(repeats=5) is None
+        torch.set_num_threads(2)
+        probe = fork_join_us(repeats=5)
+        assert probe is not None and probe > 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_two_states_are_split_at_the_middle_and_one_state_is_not_split():
+    two = [FAST_US, 9.5, 9.7, 9.6, 9.8, SLOW_US, 11.5, 11.3, 11.4, 11.6]
+    middle = split_states(two)
+    assert middle is not None and 9.8 < middle < 11.3
+    steady = [9.6, 9.5, 9.7, 9.6, 9.8, 9.5, 9.6, 9.7, 9.6, 9.9]
+    assert split_states(steady) is None
+    assert split_states([*steady, 28.0]) is None  # one probe hit by an interruption is not a state
+    assert split_states([FAST_US, SLOW_US]) is None  # too few probes to tell
+
+
+def _run(slow_rounds: set[int], gains: dict[str, tuple[float, float]], rounds: int = 12, block: int = 0):
+    """One shared block: the baseline's steps take 46 ms when the cores are fast and 52 ms when
+    slow; each other arm gains gains[arm][0] in the fast state and gains[arm][1] in the slow."""
+    probes = [SLOW_US if r in slow_rounds else FAST_US for r in range(rounds)]
+    base_ms = [52.0 if r in slow_rounds else 46.0 for r in range(rounds)]
+    arms = ["baseline", *gains]
+
+    def windows(arm: str) -> list[dict]:
+        found = []
+        for r, ms in enumerate(base_ms):
+            gain = 1.0 if arm == "baseline" else gains[arm][r in slow_rounds]
+            found.append({"round": r, "steps": 1, "step_s": [ms / gain / 1e3]})
+        return found
+
+    blocks = [{"block": block, "arms": arms, "core_sync_us": probes}]
+    units = [
+        {"arm": arm, "block": block, "process": "block", "status": "ok", "result": {"windows": windows(arm)}}
+        for arm in arms
+    ]
+    return blocks, units
+
+
+def test_a_run_in_two_states_warns_and_names_the_arms_whose_gain_moved():
+    blocks, units = _run(set(range(6, 12)), {"baseline (control)": (1.0, 1.0), "channels_last": (1.24, 1.33)})
+    (warning,) = core_sync_states(blocks, units)
+    assert "took 11.4 us in 6 rounds, in block 1 (6 of 12 rounds), and 9.6 us in most others" in warning
+    assert "channels_last 1.24x when they were fast, 1.33x when slow" in warning
+    assert "control" not in warning  # its gain did not move
+
+
+def test_no_warning_in_one_state_and_no_names_when_no_gain_moved():
+    blocks, units = _run(set(), {"channels_last": (1.24, 1.33)})
+    assert core_sync_states(blocks, units) == []
+    steady_gain = (1.24, 1.24 * (1 + STATE_SPEEDUP_GAP / 2))
+    blocks, units = _run(set(range(6)), {"channels_last": steady_gain})
+    (warning,) = core_sync_states(blocks, units)
+    assert "two speeds" in warning and "differed" not in warning
+    assert core_sync_states([{"block": 0, "arms": ["baseline"]}], []) == []  # older records: no probes
+
+
+def test_blocks_wholly_in_one_state_are_named_but_no_arm_is_judged_across_processes():
+    fast_blocks, fast_units = _run(set(), {"amp": (1.54, 1.54)})
+    slow_blocks, slow_units = _run(set(range(12)), {"amp": (1.48, 1.48)}, block=1)
+    (warning,) = core_sync_states(fast_blocks + slow_blocks, fast_units + slow_units)
+    assert "in 12 rounds, in block 2 (all its rounds)" in warning
+    assert "differed" not in warning  # amp's 4% lies between processes: their luck, not the state
+
+
+def test_process_luck_in_the_probe_and_a_passing_interruption_are_not_states():
+    # A process's probe in the fast state lies anywhere from about 8.6 to 9.5 us on the CI VM.
+    one, one_units = _run(set(), {"amp": (1.5, 1.5)})
+    other, other_units = _run(set(), {"amp": (1.5, 1.5)}, block=1)
+    other[0]["core_sync_us"] = [9.9] * 12
+    other[0]["core_sync_us"][4] = 12.1  # one round interrupted
+    one[0]["core_sync_us"] = [9.0] * 12
+    assert core_sync_states(one + other, one_units + other_units) == []
+
+
+def test_a_gap_within_the_rounds_noise_names_no_arm():
+    """Per-round ratios that scatter by +/-10% around a 4% gap: not clear enough to name."""
+    blocks, units = _run(set(range(6, 12)), {"channels_last": (1.24, 1.29)})
+    scatter = [1.10, 0.90, 1.08, 0.92, 1.06, 0.94]
+    (channels_last,) = [u for u in units if u["arm"] == "channels_last"]
+    for window, factor in zip(channels_last["result"]["windows"], scatter * 2, strict=True):
+        window["step_s"] = [window["step_s"][0] * factor]
+    (warning,) = core_sync_states(blocks, units)
+    assert "differed" not in warning
+    blocks, units = _run(set(range(6, 12)), {"channels_last": (1.24, 1.29)})  # the same gap, steady
+    assert "channels_last 1.24x when they were fast, 1.29x when slow" in core_sync_states(blocks, units)[0]
