@@ -295,6 +295,16 @@ def _run(amp, amp_low, amp_high, control=(0.98, 1.02), extra=None, config=None):
     return _results(rows, ROLES, config)
 
 
+def test_compare_notes_runs_whose_threads_worked_together_at_different_speeds():
+    fast, slow, also_fast = _run(1.5, 1.45, 1.55), _run(1.46, 1.41, 1.51), _run(1.5, 1.45, 1.55)
+    for run, probe in ((fast, 9.2), (slow, 11.6), (also_fast, 9.6)):
+        run.record["blocks"] = [{"block": 0, "arms": ["baseline", "amp"], "core_sync_us": [probe] * 20}]
+    notes = " ".join(wb.compare(fast, slow, names=["a", "b"])._notes())
+    assert "worked together at different speeds" in notes and "a 9.2 us, b 11.6 us" in notes
+    assert "worked together" not in " ".join(wb.compare(fast, also_fast, names=["a", "c"])._notes())
+    assert "worked together" not in " ".join(wb.compare(fast, _run(1.5, 1.45, 1.55))._notes())  # not probed
+
+
 def test_compare_matches_arms_and_gives_the_ratio_with_its_interval(tmp_path):
     before = _run(1.2, 1.1, 1.3)
     after = _run(1.8, 1.65, 1.95, extra=[_row("compile", speedup=1.1, low=1.05, high=1.15)])

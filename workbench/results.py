@@ -611,6 +611,15 @@ class Results:
         return folder.path
 
     @property
+    def core_sync_us(self) -> float | None:
+        """The median of every block's fork-join probes (workbench.core_sync): how fast the CPU
+        threads worked together during this run; None where nothing was probed."""
+        probes = [
+            probe for block in self.record.get("blocks", []) for probe in block.get("core_sync_us") or []
+        ]
+        return _median(probes) if probes else None
+
+    @property
     def load(self) -> dict:
         """The competing load while the run measured (workbench.telemetry.competing_load)."""
         return self.record.get("load") or {}
