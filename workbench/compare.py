@@ -85,9 +85,12 @@ def change_of(low: float, high: float) -> str:
 
 
 def _thread_state_notes(names: list[str], runs: list[Results]) -> list[str]:
-    """A note when the runs' CPU threads worked together at different speeds (workbench.core_sync):
-    each run's blocks cancel that state inside themselves, but two runs in different states can
-    differ by a few percent in what a technique gains, the machine's doing, not the code's."""
+    """A note when runs on one kind of CPU found its threads working together at different speeds
+    (workbench.core_sync): a run's blocks cancel what that state does to every arm alike, not what
+    it does to an arm's gain, so two runs in different states can differ by a few percent in what
+    a technique gains, the machine's doing, not the code's. (Different CPUs: ``differences`` says so.)"""
+    if len({run.environment.get("cpu") for run in runs}) > 1:
+        return []
     typical = [run.core_sync_us for run in runs]
     known = [us for us in typical if us is not None]
     if len(known) < 2 or max(known) <= STATE_RATIO * min(known):
