@@ -295,6 +295,22 @@ def _run(amp, amp_low, amp_high, control=(0.98, 1.02), extra=None, config=None):
     return _results(rows, ROLES, config)
 
 
+def test_a_run_whose_threads_changed_state_warns_in_its_results():
+    results = _typical()
+    probes = [9.1] * 10 + [11.5] * 10
+    results.record["blocks"] = [
+        {"block": 0, "arms": ["baseline", "amp"], "rounds": 20, "window_steps": [1] * 20, "warmup": 2,
+         "rss_growth_mib": 1.0, "core_sync_us": probes}
+    ]  # fmt: skip
+    results.record["units"] = [
+        {"arm": arm, "block": 0, "process": "block", "status": "ok",
+         "result": {"samples_per_s": 500.0, "windows": [{"round": r, "step_s": [0.05]} for r in range(20)]}}
+        for arm in ("baseline", "amp")
+    ]  # fmt: skip
+    assert any("worked together at two speeds" in warning for warning in results.warnings())
+    assert list(results.blocks.core_sync_slow_rounds) == [10]
+
+
 def test_compare_notes_runs_whose_threads_worked_together_at_different_speeds():
     fast, slow, also_fast = _run(1.5, 1.45, 1.55), _run(1.46, 1.41, 1.51), _run(1.5, 1.45, 1.55)
     for run, probe in ((fast, 9.2), (slow, 11.6), (also_fast, 9.6)):
