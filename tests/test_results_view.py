@@ -321,6 +321,17 @@ def test_compare_notes_runs_whose_threads_worked_together_at_different_speeds():
     assert "worked together" not in " ".join(wb.compare(fast, _run(1.5, 1.45, 1.55))._notes())  # not probed
 
 
+def test_compare_in_80_columns_puts_intervals_under_their_figures_before_breaking_a_name():
+    extra = [_row("checkpointing", speedup=0.69, low=0.68, high=0.70)]
+    text = repr(wb.compare(_run(1.52, 1.43, 1.61, extra=extra), _run(1.48, 1.39, 1.58, extra=extra)))
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert any(line.startswith("checkpointing ") for line in lines), "the arm's name is not broken"
+    assert any(line.strip().startswith("[0.68, 0.70]") for line in lines), (
+        "the interval sits under its figure"
+    )
+
+
 def test_compare_matches_arms_and_gives_the_ratio_with_its_interval(tmp_path):
     before = _run(1.2, 1.1, 1.3)
     after = _run(1.8, 1.65, 1.95, extra=[_row("compile", speedup=1.1, low=1.05, high=1.15)])

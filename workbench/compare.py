@@ -197,7 +197,7 @@ class Comparison:
         headings, rows = self._reader()
         numeric = [False] + [True] * len(self.names) + [True, False] * (len(self.names) - 1)
         notes = "\n".join(textwrap.fill(note, 80) for note in self._notes())
-        return f"<workbench Comparison of {len(self.runs)} runs>\n{text_table(headings, rows, numeric)}\n\n{notes}"
+        return f"<workbench Comparison of {len(self.runs)} runs>\n{text_table(headings, rows, numeric, split_intervals=True)}\n\n{notes}"
 
     def _repr_html_(self) -> str:
         headings, rows = self._reader()

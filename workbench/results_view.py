@@ -276,15 +276,24 @@ def text_table(
     gap: int = 2,
     paint: list[list[str | None]] | None = None,
     spaced: bool = False,
+    split_intervals: bool = False,
 ) -> str:
     """Aligned columns within ``width`` characters: text left-aligned, numbers right-aligned,
     and text too long for its column wrapped inside it (the widest text column gives way
     first). ``paint`` holds an ANSI colour code per cell, or None. ``spaced``: a blank line
-    between rows when some run over several lines, to show where each one ends."""
-    widths = _fit_widths(headings, rows, numeric, width - gap * (len(headings) - 1))
-    wrapped_rows = [
-        [wrap_cell(cell, w) for cell, w in zip(cells, widths, strict=True)] for cells in [headings, *rows]
-    ]
+    between rows when some run over several lines, to show where each one ends.
+    ``split_intervals``: a figure with its interval ("1.23× [1.20, 1.26]") may put the interval
+    on a line of its own, before a word of text is broken."""
+    widths = _fit_widths(
+        headings, rows, numeric, width - gap * (len(headings) - 1), split_intervals=split_intervals
+    )
+
+    def wrap(cell: str, column: int) -> list[str]:
+        if numeric[column] and split_intervals and len(cell) > widths[column]:
+            return _interval_pieces(cell)
+        return wrap_cell(cell, widths[column])
+
+    wrapped_rows = [[wrap(cell, i) for i, cell in enumerate(cells)] for cells in [headings, *rows]]
     spaced = spaced and any(max(len(parts) for parts in wrapped) > 1 for wrapped in wrapped_rows[1:])
     lines = []
     for index, wrapped in enumerate(wrapped_rows):
@@ -329,12 +338,24 @@ def wrap_cell(text: str, width: int) -> list[str]:
     return [*lines, line]  # line is empty only when text has no words: then [""]
 
 
+def _interval_pieces(cell: str) -> list[str]:
+    """A figure and its bracketed interval as two lines: "1.23× [1.20, 1.26]" -> "1.23×", "[1.20, 1.26]"."""
+    figure, bracket, interval = cell.partition(" [")
+    return [figure, bracket.strip() + interval] if bracket else [cell]
+
+
 def _fit_widths(
-    headings: list[str], rows: list[list[str]], numeric: list[bool], room: int, break_words: bool = True
+    headings: list[str],
+    rows: list[list[str]],
+    numeric: list[bool],
+    room: int,
+    break_words: bool = True,
+    split_intervals: bool = False,
 ) -> list[int]:
     """Each column's width: its longest cell, then narrowed (text columns first, the widest
     first; numbers only when text alone cannot make room) until the row fits ``room``.
-    Without ``break_words`` the widths may sum past ``room``: no text word is broken."""
+    Without ``break_words`` the widths may sum past ``room``: no text word is broken.
+    With ``split_intervals`` a number column may narrow to its longest figure or interval."""
     longest = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headings)]
     # A column never gets narrower than the longest word of its heading, nor than its whole
     # figures (numbers) or its longest word up to LONGEST_UNBROKEN characters (text).
@@ -342,12 +363,14 @@ def _fit_widths(
     for i, heading in enumerate(headings):
         cells = [r[i] for r in rows]
         if numeric[i]:
-            shortest = max([len(c) for c in cells] or [0])
+            pieces = [p for c in cells for p in (_interval_pieces(c) if split_intervals else [c])]
+            shortest = max([len(p) for p in pieces] or [0])
         else:
             shortest = min(LONGEST_UNBROKEN, max([len(w) for c in cells for w in c.split()] or [0]))
         floor.append(max(shortest, *(len(word) for word in heading.split())))
     widths = list(longest)
-    # Text first, then numbers; last, text words are broken (a long arm name) rather than overflow.
+    # Text first, then numbers (with ``split_intervals``, down to a figure over its interval); last,
+    # text words are broken (a long arm name) rather than overflow.
     passes = [(False, floor), (True, floor)] + [(False, [min(f, 6) for f in floor])] * break_words
     for pass_numeric, floors in passes:
         while sum(widths) > room:
