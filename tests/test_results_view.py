@@ -323,8 +323,14 @@ def test_compare_notes_runs_whose_threads_worked_together_at_different_speeds():
 
 def test_compare_in_80_columns_puts_intervals_under_their_figures_before_breaking_a_name():
     extra = [_row("checkpointing", speedup=0.69, low=0.68, high=0.70)]
-    text = repr(wb.compare(_run(1.52, 1.43, 1.61, extra=extra), _run(1.48, 1.39, 1.58, extra=extra)))
+    runs = [_run(1.52, 1.43, 1.61, extra=extra), _run(1.48, 1.39, 1.58, extra=extra)]
+    text = repr(wb.compare(*runs, names=["batch 32", "batch 64"]))
     lines = text.splitlines()
+    rule = next(index for index, line in enumerate(lines) if line.startswith("---"))
+    gaps = [i for i, char in enumerate(lines[rule]) if char == " "]  # between the columns
+    table = lines[1 : lines.index("")]  # the notes follow a blank line
+    for line in table:
+        assert all(i >= len(line) or line[i] == " " for i in gaps), f"a cell runs past its column: {line!r}"
     assert max(len(line) for line in lines) <= 80
     assert any(line.startswith("checkpointing ") for line in lines), "the arm's name is not broken"
     assert any(line.strip().startswith("[0.68, 0.70]") for line in lines), (

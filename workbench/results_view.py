@@ -289,7 +289,7 @@ def text_table(
     )
 
     def wrap(cell: str, column: int) -> list[str]:
-        if numeric[column] and split_intervals and len(cell) > widths[column]:
+        if numeric[column] and split_intervals and len(cell) > widths[column] and " [" in cell:
             return _interval_pieces(cell)
         return wrap_cell(cell, widths[column])
 
