@@ -748,20 +748,18 @@ def core_sync_states(blocks: list[dict], units: list[dict]) -> list[str]:
         probed = block.get("core_sync_us") or []
         slow_here = sum(probe > middle for probe in probed)
         if slow_here >= min(MIN_ROUNDS_PER_STATE, len(probed)):  # not a passing interruption
-            share = "all its rounds" if slow_here == len(probed) else f"{slow_here} of {len(probed)} rounds"
+            share = "all its rounds" if slow_here == len(probed) else f"{slow_here} of {len(probed)}"
             own = f"{block['arms'][0]}'s own process in " if len(block.get("arms", [])) == 1 else ""
             where.append(f"{own}block {block['block'] + 1} ({share})")
             slow += slow_here
     if not where:
         return []
     text = (
-        "the CPU threads worked together at two speeds while this ran: a tiny operation split over them "
-        f"(workbench.core_sync's probe, after each round) took {slow_us:.1f} us in {slow} rounds, in "
-        f"{', '.join(where)}, and {fast_us:.1f} us in most others. On a virtual machine this follows where the host "
-        "puts its virtual CPUs, which the guest cannot set. Pairing inside a block cancels what slows every "
-        "arm alike, not a change in how much an arm gains: an arm that uses the threads differently from the "
-        "baseline (a memory layout such as channels_last, most of all) can gain more in one state, so its "
-        "blocks can disagree and its figure moves from run to run with the time spent in each"
+        f"the CPU threads worked together at two speeds while this ran (workbench.core_sync's probe after each "
+        f"round: {slow_us:.1f} us in {slow} rounds, in {', '.join(where)}; {fast_us:.1f} us in the others). On a "
+        "virtual machine this most likely follows where the host puts its virtual CPUs. Blocks cancel what slows every arm alike, "
+        "not a change in an arm's gain, and some gains move with this state (channels_last's most, by up to 7% "
+        "on the CI VM): their blocks can disagree, and their figures move from run to run"
     )
     gaps = [
         f"{arm} {gain.fast:.2f}x when they were fast, {gain.slow:.2f}x when slow"
