@@ -118,6 +118,7 @@ RUN_SETTINGS = {
     "profile_steps": 2,
     "trace_dir": "traces",
     "start": "spawn",
+    "threads": 1,
     "heap": "as-is",
     "executor": "slurm",
     "slurm": {"partition": "debug", "time_min": 5},

@@ -58,6 +58,15 @@ def test_a_block_runs_every_arm_side_by_side_in_random_order():
         assert res.blocks.core_sync_us.notna().all() and (res.blocks.core_sync_us > 0).all()
 
 
+def test_the_threads_setting_reaches_every_block_and_one_thread_is_not_probed():
+    res = wb.ablate(model="mlp", techniques={"amp": True}, steps=4, warmup=1, blocks=1, threads=1, **QUIET)
+    (block,) = res.record["blocks"]
+    assert block["torch_threads"] == 1 and block["core_sync_us"] == []  # nothing to join on one thread
+    assert res.config["threads"] == 1
+    with pytest.raises(ValueError, match="threads"):
+        wb.plan(model="mlp", threads=0)
+
+
 def test_rounds_follow_the_step_time_and_split_the_steps_evenly():
     assert window_steps(10, 4) == [3, 3, 2, 2]
     assert choose_rounds(200, 0.001) == 40  # 5 steps of 1 ms: windows of about 5 ms

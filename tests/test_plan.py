@@ -191,7 +191,7 @@ def test_cli_flags_give_the_same_run_as_the_api():
     typed = {
         "steps": "7", "warmup": "2", "blocks": "2", "rounds": "3", "batch-size": "16", "device": "cpu",
         "seed": "5", "mode": "grid", "optimizer": "sgd", "lr": "0.01", "loader-arms": "off",
-        "world-size": "2", "link": "bandwidth_gbps=1.0", "memory-cap-mb": "4096", "profile-steps": "2", "trace-dir": "traces", "start": "spawn", "heap": "as-is",
+        "world-size": "2", "link": "bandwidth_gbps=1.0", "memory-cap-mb": "4096", "profile-steps": "2", "trace-dir": "traces", "start": "spawn", "threads": "1", "heap": "as-is",
         "executor": "slurm", "slurm-partition": "debug", "slurm-time-min": "5", "timeout-s": "60",
     }  # fmt: skip
     argv = ["ablate", *[part for flag, text in typed.items() for part in (f"--{flag}", text)]]
@@ -210,6 +210,7 @@ def test_plan_checks_every_run_setting_as_ablate_does(setting):
     bad |= {"seed": -1, "mode": "random", "optimizer": "lamb", "lr": -1.0, "control": "yes"}
     bad |= {"loader_arms": "sometimes", "world_size": 0, "isolate": "yes", "link": 5, "timeout_s": 0.0}
     bad |= {"memory_cap_mb": 0.5, "profile_steps": -1, "trace_dir": 3, "start": "fork", "heap": "jemalloc"}
+    bad |= {"threads": 0}
     bad |= {"executor": "kubernetes", "slurm": {"partiton": "gpu"}}
     with pytest.raises(ValueError):
         wb.plan(**plan_arguments({"model": "mlp", setting: bad[setting]}))

@@ -529,6 +529,16 @@ class RunConfig:
         str,
         choices={"template": "template", "spawn": "spawn"},
     )
+    threads: int | None = option(
+        None,
+        "intra-op CPU threads in each measuring process (torch.set_num_threads); auto: torch's "
+        "default, one per core (with several ranks on one machine, the cores shared out). Fewer "
+        "than the cores steadies CPU figures on a shared or virtual machine, where how fast the "
+        "threads work together can change while a run measures",
+        int,
+        least=1,
+        auto=True,
+    )
     heap: str = option(
         "steady",
         "glibc's malloc in each measuring process: steady fixes its thresholds (chunks up to 32 MiB "

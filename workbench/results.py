@@ -637,7 +637,7 @@ class Results:
                     f"the control arm (the baseline measured again) came out at {row.speedup:.2f} "
                     f"[{row.speedup_low:.2f}, {row.speedup_high:.2f}], not 1: this run's noise is larger than its "
                     "intervals say. Treat every speedup here with suspicion; rerun with more blocks, on a quieter "
-                    "machine, or with fewer threads than cores (OMP_NUM_THREADS in the environment: each block's process reads it)"
+                    "machine, or with fewer threads than cores (the threads setting)"
                 )
         if self.load.get("warning"):
             found.append(self.load["warning"])
@@ -769,8 +769,7 @@ def core_sync_states(blocks: list[dict], units: list[dict]) -> list[str]:
     if gaps:
         text += (
             ". Inside the blocks that saw both states, these speedups differed: " + "; ".join(gaps) + ". "
-            "Give such arms more blocks, spread in time, or compare at one thread (OMP_NUM_THREADS=1 in the "
-            "environment: each block's process reads it)"
+            "Give such arms more blocks, spread in time, or compare at one thread (threads=1)"
         )
     return [text]
 

@@ -151,6 +151,8 @@ def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | Non
         # and the oversubscribed cores would time-slice between ranks (noise, not a measurement).
         local = int(os.environ.get("LOCAL_WORLD_SIZE", rank.world_size))
         torch.set_num_threads(max(1, usable_cores() // local))
+    if spec.run.threads is not None:  # the run's own choice comes before either default
+        torch.set_num_threads(spec.run.threads)
     heap = hold_heap_steady(spec.run.heap)  # before the first tensor of any arm (workbench.heap)
     _initialize_runtime(device)
     meter = None
