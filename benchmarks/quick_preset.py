@@ -1,7 +1,7 @@
 """The main job's figures: wall time, table and stability of ``workbench ablate --preset quick``.
 
 Run:  python benchmarks/quick_preset.py [--runs 5] [--start template|spawn|both]
-          [--plan BLOCKSxSTEPS ...] [--json FILE]
+          [--plan BLOCKSxSTEPS ...] [--threads N] [--json FILE]
 
 Each run is the command a user types, start to exit, in a fresh process. With several runs
 it also reports how far each arm's speedup strays from its median over the runs: the goal
@@ -10,6 +10,8 @@ is every arm within +-3% (and the whole command within 45 s on the 2-core CI mac
 template, or a new interpreter each), run by run, to measure what the template saves.
 ``--plan 3x20 --plan 6x10`` alternates ways of splitting the timed steps into blocks (3
 blocks of 20 steps per arm, or 6 of 10), run by run, to measure what more blocks buy.
+``--threads 1`` runs every measuring process on one intra-op thread, out of reach of the
+machine's changing cost of threads working together (workbench.core_sync).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ COLUMNS = [
 ]
 
 
-def run_once(folder: Path, start: str, plan: tuple[int, int] | None) -> tuple[float, object]:
+def run_once(
+    folder: Path, start: str, plan: tuple[int, int] | None, threads: int | None = None
+) -> tuple[float, object]:
     from workbench.results import load_results
 
     out = folder / "quick"
@@ -63,6 +67,8 @@ def run_once(folder: Path, start: str, plan: tuple[int, int] | None) -> tuple[fl
     if plan:  # the same timed steps per arm, split over a different number of blocks
         blocks, steps = plan
         command += ["--blocks", str(blocks), "--steps", str(steps)]
+    if threads is not None:
+        command += ["--threads", str(threads)]
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode != 0:
@@ -155,6 +161,9 @@ def main() -> None:
         metavar="BLOCKSxSTEPS",
         help="blocks and timed steps per block instead of the preset's (repeat to alternate plans, run by run)",
     )
+    parser.add_argument(
+        "--threads", type=int, help="intra-op CPU threads in every measuring process (the preset's --threads)"
+    )
     args = parser.parse_args()
     starts = ["template", "spawn"] if args.start == "both" else [args.start]
     # Every combination of start and plan, alternated run by run so that the hour's noise
@@ -163,7 +172,8 @@ def main() -> None:
 
     def label(condition: tuple[str, tuple[int, int] | None]) -> str:
         start, plan = condition
-        return f"--start {start}" + (f" --blocks {plan[0]} --steps {plan[1]}" if plan else "")
+        threads = f" --threads {args.threads}" if args.threads else ""
+        return f"--start {start}" + (f" --blocks {plan[0]} --steps {plan[1]}" if plan else "") + threads
 
     from workbench.environment import machine_summary
 
@@ -171,7 +181,7 @@ def main() -> None:
     for run in range(args.runs * len(conditions)):
         condition = conditions[run % len(conditions)]
         with tempfile.TemporaryDirectory() as folder:
-            wall, results = run_once(Path(folder), *condition)
+            wall, results = run_once(Path(folder), *condition, threads=args.threads)
         walls.append(wall)
         ran.append(condition)
         tables.append(json.loads(results.table[COLUMNS].to_json(orient="records")))
@@ -206,6 +216,7 @@ def main() -> None:
             "table": tables[-1],
             "tables": tables,
             "speedups_by_estimator": by_estimator,
+            "threads": args.threads,
             "core_sync_us": probes,
             "warnings": warnings,
         }
