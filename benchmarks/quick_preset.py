@@ -192,7 +192,7 @@ def main() -> None:
         typical = ", ".join(f"{statistics.median(p):.1f}" for p in probes[-1] if p)
         print(
             f"run {run + 1}/{args.runs * len(conditions)} ({label(condition)}): {wall:.1f} s; "
-            f"fork-join probe per block {typical or 'not taken'} us",
+            + (f"fork-join probe per block {typical} us" if typical else "no fork-join probe (one thread)"),
             flush=True,
         )
     print(results.summary())
