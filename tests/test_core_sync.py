@@ -2,7 +2,7 @@
 
 import torch
 
-from workbench.core_sync import fork_join_us, split_states
+from workbench.core_sync import MIN_REPEATS, PROBE_REPEATS, fork_join_us, repeats_for, split_states
 from workbench.results import STATE_SPEEDUP_GAP, core_sync_states
 
 FAST_US, SLOW_US = 9.6, 11.4  # the two states seen on the CI VM (BENCHMARKS.md)
@@ -18,6 +18,13 @@ def test_the_probe_times_threads_working_together_and_says_nothing_with_one():
         assert probe is not None and probe > 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_probe_takes_about_a_hundredth_of_the_round_it_follows():
+    assert repeats_for(round_s=0.25, probe_us=10.0) == PROBE_REPEATS  # resnet-mini's rounds: the most
+    assert repeats_for(round_s=0.03, probe_us=10.0) == 30  # 0.3 ms after a 30 ms round
+    assert repeats_for(round_s=0.005, probe_us=10.0) == MIN_REPEATS  # a short round: the fewest
+    assert repeats_for(round_s=1.0, probe_us=0.0) == PROBE_REPEATS
 
 
 def test_two_states_are_split_at_the_middle_and_one_state_is_not_split():

@@ -26,7 +26,13 @@ from collections.abc import Sequence
 # Elements in the probe's tensor: above ATen's grain size (32768), so an elementwise op is split
 # over the threads, and small enough (512 KiB) that starting and joining them dominates its time.
 PROBE_ELEMENTS = 1 << 17
-PROBE_REPEATS = 200  # about 2 ms in all on the CI VM: negligible beside a round of windows
+PROBE_REPEATS = 200  # about 2 ms in all on the CI VM
+# After a round, the probe takes at most this share of the round's time, and at least
+# MIN_REPEATS operations: a round of mlp's windows lasts about 10 ms, resnet-mini's 250 ms. On
+# the CI VM the median of 10 lies within 2% of the median of 200 (10th to 90th percentile over
+# 100 probes: 9.01-9.21 us with 10, 9.04-9.36 us with 200), far inside the 19-28% between states.
+PROBE_SHARE = 0.01
+MIN_REPEATS = 10
 # Probes further apart than this ratio are in different states. On the CI VM a process's
 # probes lie within 1-2% of each other; processes in one state differ by up to about 10%
 # (8.6-9.5 us in the fast state over 16 fresh processes); the two states lie 19-28% apart
@@ -54,6 +60,13 @@ def fork_join_us(repeats: int = PROBE_REPEATS) -> float | None:
         torch.add(source, 1.0, out=out)
         times.append(time.perf_counter() - started)
     return 1e6 * statistics.median(times)
+
+
+def repeats_for(round_s: float, probe_us: float) -> int:
+    """How many operations the probe after a round of ``round_s`` seconds times, when one takes
+    about ``probe_us``: PROBE_SHARE of the round, between MIN_REPEATS and PROBE_REPEATS."""
+    fitting = int(PROBE_SHARE * round_s / max(probe_us * 1e-6, 1e-9))
+    return max(MIN_REPEATS, min(PROBE_REPEATS, fitting))
 
 
 def split_states(probes: Sequence[float], ratio: float = STATE_RATIO) -> float | None:

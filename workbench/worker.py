@@ -38,7 +38,7 @@ import torch
 
 from workbench.block import ArmSpec, BlockArm
 from workbench.config import RunConfig
-from workbench.core_sync import fork_join_us
+from workbench.core_sync import MIN_REPEATS, fork_join_us, repeats_for
 from workbench.data import DataSource
 from workbench.distributed import CommMeter, Rank, gather_to_rank0, init_process_group
 from workbench.environment import cpu_model
@@ -214,6 +214,7 @@ class _Block:
         self.comm: dict = {}
         self.rss_mib: float | None = None
         self.core_sync_us: list[float] = []  # the fork-join probe after each round (workbench.core_sync)
+        self._probe_us: float | None = None  # the last probe: sizes the next one (None: not probed)
 
     def _running(self) -> list[BlockArm]:
         return [arm for arm in self.arms if arm.name not in self.failures]
@@ -272,8 +273,8 @@ class _Block:
 
     def run_rounds(self) -> None:
         """Every round runs each arm's window once, in a fresh random order."""
-        if self.device.type == "cpu":
-            fork_join_us(repeats=1)  # the probe's tensors, allocated before the resident set is watched
+        if self.device.type == "cpu":  # the probe's tensors, allocated before the resident set is watched
+            self._probe_us = fork_join_us(repeats=MIN_REPEATS)
         self.rss.begin_windows()
         if self.meter is not None:
             self.meter.reset()  # count the timed windows' communication only
@@ -281,21 +282,24 @@ class _Block:
             running = self._running()
             order = [running[i] for i in self.order_rng.permutation(len(running))]
             self.orders.append([arm.name for arm in order])
+            round_started = time.perf_counter()
             for arm in order:
                 self._run_window(arm, round_index, steps)
-            self._probe_cores()
+            self._probe_cores(time.perf_counter() - round_started)
         self.comm = _comm_record(self.meter, self.run.steps) if self.meter is not None else {}
         self.rss_mib = self.rss.growth_mib()
 
-    def _probe_cores(self) -> None:
+    def _probe_cores(self, round_s: float) -> None:
         """Between rounds, outside every window: how fast the CPU threads work together now.
 
         Only where the arms compute on the CPU with several threads; a state change there can
-        move a speedup beyond what pairing cancels (workbench.core_sync)."""
-        if self.device.type == "cpu":
-            probe = fork_join_us()
+        move a speedup beyond what pairing cancels (workbench.core_sync). The probe takes about
+        1% of the round it follows, so short rounds (mlp's) do not pay more than long ones."""
+        if self.device.type == "cpu" and self._probe_us is not None:
+            probe = fork_join_us(repeats_for(round_s, self._probe_us))
             if probe is not None:
                 self.core_sync_us.append(probe)
+                self._probe_us = probe
 
     def _run_window(self, arm: BlockArm, round_index: int, steps: int) -> None:
         self.emit(
