@@ -725,7 +725,7 @@ def mixed_blocks(blocks: list[dict], units: list[dict]) -> list[str]:
 # An arm whose speedup differs between the machine's two states by more than this, and by more
 # than STATE_GAP_SE standard errors of the difference, is named. Three, not two: the rounds of
 # a block drift, so their ratios are not independent and two standard errors named an arm
-# that did not move in 5.5% of trials; three in 0.7%, while still naming a 7% gap in 74%
+# that did not move in 8.3% of trials; three in 0.7%, while still naming a 7% gap in 68%
 # (benchmarks/state_naming.py, BENCHMARKS.md).
 STATE_SPEEDUP_GAP = 0.03
 STATE_GAP_SE = 3.0
