@@ -22,7 +22,6 @@ import copy
 import json
 import math
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # quick_preset.run_once: the preset as a user types it
 
 RULES = [(0.03, 2.0), (0.03, 2.5), (0.03, 3.0), (0.05, 2.0)]  # (gap, standard errors)
 FAST_US, SLOW_US = 9.0, 11.5  # stand-in probe values: only which side of the split matters
@@ -47,28 +47,17 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
+    from quick_preset import run_once
+
     from workbench.core_sync import split_states
     from workbench.environment import machine_summary
-    from workbench.results import STATE_GAP_SE, STATE_SPEEDUP_GAP, _speedups_by_state, load_results
+    from workbench.results import STATE_GAP_SE, STATE_SPEEDUP_GAP, _speedups_by_state
 
     started = time.time()
-    cases = []  # (block record, its units, probes' own verdict)
+    cases = []  # (block record, its units): the blocks whose probes saw one state
     with tempfile.TemporaryDirectory() as folder:
         for run in range(args.runs):
-            out = Path(folder) / f"run{run}"
-            command = [
-                sys.executable,
-                "-m",
-                "workbench",
-                "ablate",
-                "--preset",
-                "quick",
-                "--out",
-                str(out),
-                "--no-progress",
-            ]
-            subprocess.run(command, check=True, capture_output=True)
-            results = load_results(out)
+            _, results = run_once(Path(folder) / f"run{run}", start="template", plan=None)
             blocks, units = results.record["blocks"], results.record["units"]
             for block in blocks:
                 one_state = split_states(block.get("core_sync_us") or []) is None

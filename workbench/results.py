@@ -529,7 +529,7 @@ class Results:
         import pandas as pd
 
         blocks = self.record.get("blocks", [])
-        middle = split_states([probe for b in blocks for probe in b.get("core_sync_us") or []])
+        middle = split_states(_probes_of(blocks))
         rows = [
             {
                 "block": b["block"],
@@ -614,9 +614,7 @@ class Results:
     def core_sync_us(self) -> float | None:
         """The median of every block's fork-join probes (workbench.core_sync): how fast the CPU
         threads worked together during this run; None where nothing was probed."""
-        probes = [
-            probe for block in self.record.get("blocks", []) for probe in block.get("core_sync_us") or []
-        ]
+        probes = _probes_of(self.record.get("blocks", []))
         return _median(probes) if probes else None
 
     @property
@@ -732,6 +730,11 @@ STATE_GAP_SE = 3.0
 MIN_ROUNDS_PER_STATE = 3  # fewer rounds in a state give its speedup no weight
 
 
+def _probes_of(blocks: list[dict]) -> list[float]:
+    """Every fork-join probe the run's blocks took (workbench.core_sync), block after block."""
+    return [probe for block in blocks for probe in block.get("core_sync_us") or []]
+
+
 def core_sync_states(blocks: list[dict], units: list[dict]) -> list[str]:
     """A warning when the machine's threads worked together at two speeds while the run measured.
 
@@ -741,7 +744,7 @@ def core_sync_states(blocks: list[dict], units: list[dict]) -> list[str]:
     taken in each state (from that state's rounds: process luck cancels), and the arms whose
     speedup clearly differs between the states (StateGain.moved) are named.
     """
-    probes = [probe for block in blocks for probe in block.get("core_sync_us") or []]
+    probes = _probes_of(blocks)
     middle = split_states(probes)
     if middle is None:
         return []

@@ -295,7 +295,7 @@ class _Block:
         Only where the arms compute on the CPU with several threads; a state change there can
         move a speedup beyond what pairing cancels (workbench.core_sync). The probe takes about
         1% of the round it follows, so short rounds (mlp's) do not pay more than long ones."""
-        if self.device.type == "cpu" and self._probe_us is not None:
+        if self._probe_us is not None:  # set before the first round, on the CPU with several threads
             probe = fork_join_us(repeats_for(round_s, self._probe_us))
             if probe is not None:
                 self.core_sync_us.append(probe)
