@@ -15,7 +15,9 @@ from torch import nn
 import workbench as wb
 from workbench.ablation import _Runner
 from workbench.process_state import differences, fingerprint
+from workbench.results import oversubscribed_blocks
 from workbench.techniques import Context, Technique, get_technique, register_technique, unregister_technique
+from workbench.telemetry import usable_cores
 from workbench.worker import choose_rewarm, choose_rounds, run_block, window_steps
 
 QUIET = {"progress": False, "out": False}
@@ -65,6 +67,24 @@ def test_the_threads_setting_reaches_every_block_and_one_thread_is_not_probed():
     assert res.config["threads"] == 1
     with pytest.raises(ValueError, match="threads"):
         wb.plan(model="mlp", threads=0)
+
+
+def test_more_threads_than_cores_is_recorded_and_warned_of_instead_of_a_state_change():
+    cores = usable_cores()
+    res = wb.ablate(
+        model="mlp", techniques={"amp": True}, steps=4, warmup=1, blocks=1, threads=cores + 1, **QUIET
+    )
+    (block,) = res.record["blocks"]
+    assert (block["torch_threads"], block["usable_cores"], block["device_type"]) == (cores + 1, cores, "cpu")
+    warnings = res.warnings()
+    assert any(f"ran {cores + 1} intra-op threads on {cores} usable cores" in warning for warning in warnings)
+    assert not any(
+        "two speeds" in warning for warning in warnings
+    )  # the probe timed threads waiting for cores
+    (fitting,) = wb.ablate(
+        model="mlp", techniques={}, steps=4, warmup=1, blocks=1, threads=cores, **QUIET
+    ).record["blocks"]
+    assert not oversubscribed_blocks([fitting])
 
 
 def test_rounds_follow_the_step_time_and_split_the_steps_evenly():

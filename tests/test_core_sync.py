@@ -2,8 +2,16 @@
 
 import torch
 
-from workbench.core_sync import MIN_REPEATS, PROBE_REPEATS, fork_join_us, repeats_for, split_states
-from workbench.results import STATE_SPEEDUP_GAP, core_sync_states
+from workbench.core_sync import (
+    MIN_REPEATS,
+    PROBE_REPEATS,
+    fork_join_us,
+    oversubscription,
+    repeats_for,
+    split_states,
+)
+from workbench.progress import describe_plan
+from workbench.results import STATE_SPEEDUP_GAP, core_sync_states, oversubscribed_blocks
 
 FAST_US, SLOW_US = 9.6, 11.4  # the two states seen on the CI VM (BENCHMARKS.md)
 
@@ -106,3 +114,35 @@ def test_a_gap_within_the_rounds_noise_names_no_arm():
     assert "differed" not in warning
     blocks, units = _run(set(range(6, 12)), {"channels_last": (1.24, 1.29)})  # the same gap, steady
     assert "channels_last 1.24x when they were fast, 1.29x when slow" in core_sync_states(blocks, units)[0]
+
+
+def test_threads_beyond_the_cores_are_named_and_threads_that_fit_are_not():
+    assert oversubscription(threads=2, cores=2) is None
+    assert oversubscription(threads=1, cores=2, ranks=2) is None  # two ranks of one thread each
+    assert oversubscription(threads=3, cores=2) == "3 intra-op threads on 2 usable cores"
+    assert oversubscription(threads=2, cores=2, ranks=2) == "2 ranks x 2 intra-op threads on 2 usable cores"
+
+
+def test_a_run_whose_cpu_blocks_ran_more_threads_than_cores_warns_once_naming_them():
+    def block(number, threads, device_type="cpu", cores=2, ranks=1):
+        return {"block": number, "arms": ["baseline", "amp"], "torch_threads": threads, "usable_cores": cores,
+                "ranks_here": ranks, "device_type": device_type, "core_sync_us": [70.0] * 6 + [9.0] * 6}  # fmt: skip
+
+    (warning,) = oversubscribed_blocks([block(0, 3), block(1, 2), block(2, 3)])
+    assert warning.startswith("blocks 1, 3 ran 3 intra-op threads on 2 usable cores")
+    assert "at most the cores per rank" in warning
+    assert oversubscribed_blocks([block(0, 2), block(1, 1, ranks=2)]) == []
+    assert oversubscribed_blocks([block(0, 8, device_type="cuda")]) == []  # a GPU's steps do not wait on them
+    assert (
+        oversubscribed_blocks([{"block": 0, "arms": ["baseline"], "torch_threads": 8}]) == []
+    )  # older records
+
+
+def test_the_plan_line_warns_before_an_oversubscribed_run_and_counts_in_the_singular():
+    event = {"arms": [{"unavailable": False, "process": "block"}] * 2, "blocks": 1, "processes": 1,
+             "remaining": 1, "steps": 10, "rounds": None, "out": None}  # fmt: skip
+    line = describe_plan(event)
+    assert line.startswith("Plan: 1 block; 2 arms side by side in one process per block; 1 process;")
+    assert "WARNING" not in line
+    line = describe_plan({**event, "oversubscribed": oversubscription(3, 2)})
+    assert "WARNING: 3 intra-op threads on 2 usable cores" in line

@@ -65,6 +65,7 @@ from workbench.arms import (
     sweep_names,
 )
 from workbench.config import SMOKE_NOTE, RunConfig, SlurmOptions, smoke_test, takes_run_options
+from workbench.core_sync import oversubscription
 from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun
@@ -583,6 +584,10 @@ class _Runner:
         }
         if self._on_slurm():
             plan_event["executor"] = "slurm"
+        elif run.threads is not None and self.prepared.config["device"] == "cpu":
+            # Said before anything runs; each block's record carries what it found (Results.warnings).
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))  # ranks on this machine
+            plan_event["oversubscribed"] = oversubscription(run.threads, usable_cores(), ranks)
         self.on_event(plan_event)
         if progress:  # before the bar exists, so that the two never share a line
             print(describe_plan(plan_event), flush=True)

@@ -534,7 +534,7 @@ class RunConfig:
         "intra-op CPU threads in each measuring process (torch.set_num_threads); auto: torch's "
         "default, one per core (with several ranks on one machine, the cores shared out). Fewer "
         "than the cores steadies CPU figures on a shared or virtual machine, where how fast the "
-        "threads work together can change while a run measures",
+        "threads work together can change while a run measures. More than the cores is warned of: threads then wait for cores",
         int,
         least=1,
         auto=True,

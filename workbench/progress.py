@@ -24,11 +24,14 @@ def describe_plan(event: dict) -> str:
         if event["rounds"]
         else f"{event['steps']} timed steps per arm in windows of about {1e3 * WINDOW_TARGET_S:.0f} ms"
     )
-    text = f"Plan: {event['blocks']} blocks; {' and '.join(parts)}; {event['processes']} processes; {rounds}"
+    blocks, processes = event["blocks"], event["processes"]
+    text = f"Plan: {blocks} block{'s' * (blocks != 1)}; {' and '.join(parts)}; {processes} process{'es' * (processes != 1)}; {rounds}"
     if event.get("executor") == "slurm":
         text += "; each block a Slurm job (one node each)"
     if unavailable:
         text += f"; {unavailable} unavailable"
+    if event.get("oversubscribed"):  # workbench.core_sync.oversubscription
+        text += f"; WARNING: {event['oversubscribed']}: threads will wait for cores, and steps measure that"
     if event["remaining"] < event["processes"]:
         text += f"; resuming: {event['processes'] - event['remaining']} processes already done"
     return text + (

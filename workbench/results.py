@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from workbench import stats
-from workbench.core_sync import split_states
+from workbench.core_sync import oversubscription, split_states
 from workbench.peak_flops import achieved_tflops, mfu_percent, peak_tflops
 from workbench.plots import plot_results, plot_tune
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
@@ -625,7 +625,8 @@ class Results:
     def warnings(self) -> list[str]:
         """What makes this run's figures less trustworthy, most important first: a budget cut for a
         smoke test (WORKBENCH_SMOKE=1), a control arm that failed its own A/A check, other processes
-        competing for the machine, then blocks that ran at very different speeds."""
+        competing for the machine, more CPU threads than cores, blocks that ran at very different
+        speeds, then the CPU threads' cooperation changing state."""
         found = [self.record["smoke_test"]] if self.record.get("smoke_test") else []
         table = self.table
         control = table[(table.arm == "baseline (control)") & table.speedup.notna()]
@@ -639,8 +640,11 @@ class Results:
                 )
         if self.load.get("warning"):
             found.append(self.load["warning"])
+        found += oversubscribed_blocks(self.record.get("blocks", []))
         found += mixed_blocks(self.record.get("blocks", []), self.record.get("units", []))
-        found += core_sync_states(self.record.get("blocks", []), self.record.get("units", []))
+        # An oversubscribed block's probe times threads waiting for cores: that is warned of above.
+        fitting = [block for block in self.record.get("blocks", []) if not _oversubscribed(block)]
+        found += core_sync_states(fitting, self.record.get("units", []))
         return found
 
     def summary(self, width: int | None = None, colour: bool = False) -> str:
@@ -682,6 +686,30 @@ class Results:
         from workbench.report import write_report
 
         return write_report(self, path)
+
+
+def oversubscribed_blocks(blocks: list[dict]) -> list[str]:
+    """A warning when a CPU block ran more intra-op threads than it had cores
+    (workbench.core_sync.oversubscription): its steps measured threads waiting for cores."""
+    where: dict[str, list[int]] = {}
+    for block in blocks:
+        what = _oversubscribed(block)
+        if what:
+            where.setdefault(what, []).append(block["block"] + 1)
+    return [
+        f"block{'s' * (len(set(numbers)) > 1)} {', '.join(map(str, sorted(set(numbers))))} ran {what} (the threads setting, or "
+        "OMP_NUM_THREADS): a parallel operation ends when its slowest thread does, and threads without a core "
+        "wait for one, so every arm's steps ran slower and noisier than the same job with a thread per core, "
+        "and the speedups describe that oversubscribed job. Leave threads at its default, or set it to at most "
+        "the cores per rank"
+        for what, numbers in where.items()
+    ]
+
+
+def _oversubscribed(block: dict) -> str | None:
+    if block.get("device_type") != "cpu" or not block.get("usable_cores") or not block.get("torch_threads"):
+        return None  # a GPU block's steps do not wait on the CPU's threads; older records lack the figures
+    return oversubscription(block["torch_threads"], block["usable_cores"], block.get("ranks_here") or 1)
 
 
 BLOCK_SPEED_SPREAD = 1.5  # baseline speeds of blocks further apart than this are not process luck

@@ -397,6 +397,10 @@ class _Block:
             "rss_growth_mib": self.rss_mib,
             "rss_method": self.rss.method,
             "torch_threads": torch.get_num_threads(),
+            # With torch_threads, whether the threads had cores of their own (results warn if not).
+            "usable_cores": usable_cores(),
+            "ranks_here": int(os.environ.get("LOCAL_WORLD_SIZE", self.rank.world_size)),
+            "device_type": self.device.type,
             "heap": self.heap,
             "core_sync_us": self.core_sync_us,
         }
