@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LOSS_DRIFT = 0.10  # a final loss further than this from the baseline's is called out
+LOSS_DRIFT = 0.10  # a final loss further than this from the baseline's is called out ...
+LOSS_FALL_SHARE = 0.05  # ... when the gap is also more than this share of the baseline's fall in loss
 TERMINAL_WIDTH = 80
 # Longer words in a text column (an arm named by its settings) are broken; 15 keeps every
 # technique's name whole (ddp_compression).
@@ -139,10 +140,27 @@ def speedup_text(row) -> str:
     return f"{times(row.speedup)} [{row.speedup_low:.2f}, {row.speedup_high:.2f}]"
 
 
+def loss_drifted(ratio: float, gap_of_fall: float = math.nan) -> bool:
+    """Whether an arm's final loss is off the baseline's: by more than LOSS_DRIFT as a ratio and,
+    where the baseline's loss fell during the run, by more than LOSS_FALL_SHARE of that fall
+    (``gap_of_fall``: the arm's final loss minus the baseline's, over the baseline's first loss
+    minus its final one; NaN where it did not fall, or in records from before it existed).
+
+    Why both: once a run has nearly fitted its data, its last steps' losses are tiny and decided by
+    which batches they saw, so their ratio is noise. mlp on digits, 300 steps, bfloat16 autocast
+    against float32 over five seeds on the CI VM: final losses 0.0002-0.07, ratios from 0.01 to 110,
+    with the gap never more than 2.2% of the loss's fall from 1.83. A real loss of parity moves the
+    gap itself: grad_accum on resnet-mini's BatchNorm ends 61% above, a third of the fall.
+    """
+    if not math.isfinite(ratio) or abs(ratio - 1.0) <= LOSS_DRIFT:
+        return False
+    return not (math.isfinite(gap_of_fall) and abs(gap_of_fall) <= LOSS_FALL_SHARE)
+
+
 def loss_text(row) -> str:
     if not math.isfinite(row.loss_vs_baseline):
         return "-"
-    flag = " !" if abs(row.loss_vs_baseline - 1.0) > LOSS_DRIFT else ""
+    flag = " !" if loss_drifted(row.loss_vs_baseline, getattr(row, "loss_gap_of_fall", math.nan)) else ""
     return times(row.loss_vs_baseline) + flag
 
 
@@ -236,7 +254,10 @@ def full_table_html(table) -> str:
 def legend(rows: list[ReaderRow]) -> str:
     """What the reader's table's marks mean: the verdict, and ``!`` where a loss drifted."""
     if any(row.cells["loss"].endswith("!") for row in rows):
-        return f"{VERDICT_LEGEND} ! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's."
+        return (
+            f"{VERDICT_LEGEND} ! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's, by more "
+            f"than {LOSS_FALL_SHARE:.0%} of how far the baseline's loss fell."
+        )
     return VERDICT_LEGEND
 
 

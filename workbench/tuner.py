@@ -16,8 +16,8 @@ Hyperband):
    the techniques that were measurably faster than the baseline on their own (the union of the
    best two, of the best three, ...) join the next round, whether they were screened or not.
 4. **Halve.** Each following round keeps the better half, and measures it with more blocks
-   (fresh processes). A candidate leaves early when its loss drifts from the baseline's by more
-   than ``LOSS_DRIFT`` (convergence parity), when it fails, or when its whole speedup interval
+   (fresh processes). A candidate leaves early when its final loss drifts from the baseline's
+   (convergence parity: ``workbench.results_view.loss_drifted``), when it fails, or when its whole speedup interval
    lies below the leader's.
 5. **Decide.** The last round compares the two finalists over the most blocks; the better is
    ``best`` (``Results.best``: a techniques mapping for ``wb.ablate``), the other the runner-up.
@@ -50,7 +50,7 @@ import numpy as np
 
 from workbench.ablation import Prepared, _default_out, _run_in_folder, prepare, refuse_a_different_run
 from workbench.config import SMOKE_BUDGET_S, TUNER_DECIDES, RunConfig, smoke_test, takes_run_options
-from workbench.results import LOSS_DRIFT, Results
+from workbench.results import Results, loss_drifted
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.techniques import Technique, all_techniques, get_technique, parse_techniques, settings_of
 from workbench.template import WarmTemplate, acquire_template, release_template
@@ -681,12 +681,13 @@ class _Search:
                 "speedup_low": row.speedup_low,
                 "speedup_high": row.speedup_high,
                 "loss_vs_baseline": row.loss_vs_baseline,
+                "loss_gap_of_fall": row.loss_gap_of_fall,
             }
             candidate.rounds.append(figures)
             # A round the deadline cut short still measured its finished blocks, side by side.
             if row.status not in ("ok", "interrupted") or not math.isfinite(row.speedup):
                 candidate.drop(index, f"{row.status}: {row.reason or row.notes or 'no measurement'}")
-            elif abs(row.loss_vs_baseline - 1.0) > LOSS_DRIFT:
+            elif loss_drifted(row.loss_vs_baseline, row.loss_gap_of_fall):
                 candidate.drop(
                     index,
                     f"loss parity: its final loss is {row.loss_vs_baseline - 1:+.0%} off the baseline's",
@@ -773,7 +774,7 @@ def _helped(figures: dict) -> bool:
     return (
         figures["status"] in ("ok", "interrupted")
         and figures["speedup_low"] > 1.0
-        and abs(figures["loss_vs_baseline"] - 1.0) <= LOSS_DRIFT
+        and not loss_drifted(figures["loss_vs_baseline"], figures.get("loss_gap_of_fall", math.nan))
     )
 
 
