@@ -351,7 +351,7 @@ def _wall_clock_notes(speedup: float, paired: list[tuple[dict, dict]]) -> list[s
     wall = _median(
         [arm["samples_per_s"] / base["samples_per_s"] for base, arm in paired if base["samples_per_s"]]
     )
-    if not wall or not speedup or abs(math.log(wall / speedup)) <= math.log1p(WALL_CLOCK_GAP):
+    if not (wall > 0 and speedup > 0) or abs(math.log(wall / speedup)) <= math.log1p(WALL_CLOCK_GAP):
         return []
     return [
         f"samples/s, which counts every timed step, came out at {wall:.2f}x the baseline's against a speedup of "
