@@ -103,3 +103,11 @@ def test_loader_only_sweep_dry_run():
         "loader: dataloader[num_workers=0]",
         "loader: dataloader[num_workers=1]",
     ]
+
+
+def test_advise_whose_baseline_cannot_run_says_why_in_one_line_and_exits_1():
+    """A baseline that times out leaves the advisor nothing to advise on: one line, exit 1, no traceback."""
+    done = run("advise", "--model", "mlp", "--batch-size", "8", "--device", "cpu", "--timeout-s", "0.01")
+    assert done.returncode == 1, done.stderr
+    assert "workbench: advise: the baseline did not run (failed): timed out" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from workbench.ablation import ablate
-from workbench.config import RunConfig, takes_run_options
+from workbench.config import NothingMeasured, RunConfig, takes_run_options
 from workbench.data import resolve_data
 from workbench.devices import cpu_lacks_native
 from workbench.results import Results
@@ -435,7 +435,7 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
     """The Facts of the baseline in ``results`` (one block, profiled)."""
     unit = next(u for u in results.record["units"] if u["arm"] == "baseline")
     if unit["status"] != "ok":
-        raise RuntimeError(f"advise: the baseline did not run ({unit['status']}): {unit['reason']}")
+        raise NothingMeasured(f"advise: the baseline did not run ({unit['status']}): {unit['reason']}")
     result, profile = unit["result"], unit["result"]["profile"]
     gpu = run_device == "cuda"
     phases = result["phase_ms"]
@@ -550,7 +550,9 @@ def advise(
         **settings,
     )
     if not results.complete:
-        raise RuntimeError("advise: the baseline's run was stopped before it finished; nothing to advise on")
+        raise NothingMeasured(
+            "advise: the baseline's run was stopped before it finished; nothing to advise on"
+        )
     run = RunConfig(**{k: v for k, v in settings.items() if k in RunConfig.__dataclass_fields__})
     ctx = technique_context(run, model, resolve_data(data, model, run.seed))
     available = {t.name: t.unavailable_reason(ctx, t.configure({})) for t in all_techniques()}

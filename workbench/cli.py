@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workbench.config import NothingMeasured
+
 PRESETS: dict[str, dict[str, Any]] = {
     # A CPU ablation that finishes in under a minute on 2 cores: a conv net, where layout and
     # precision both matter, with the memory-for-compute trades beside them. Three blocks: the
@@ -446,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"workbench: error: {error}", file=sys.stderr)
         return 2
+    except NothingMeasured as error:  # advise or tune: their baseline failed, or no round finished
+        print(f"workbench: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

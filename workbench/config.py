@@ -104,6 +104,11 @@ def check_choice(owner: str, field: str, value: object, choices: Iterable[str]) 
     return value  # type: ignore[return-value]
 
 
+class NothingMeasured(RuntimeError):
+    """What a command needed measured could not be (the advisor's or the tuner's baseline failed,
+    or no round finished). The message says why; the command line prints it in one line, exit 1."""
+
+
 def check_device(value: object) -> str:
     if isinstance(value, str) and (value in ("auto", "cpu", "cuda") or _is_cuda_index(value)):
         return value

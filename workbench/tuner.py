@@ -49,7 +49,14 @@ from typing import Any
 import numpy as np
 
 from workbench.ablation import Prepared, _default_out, _run_in_folder, prepare, refuse_a_different_run
-from workbench.config import SMOKE_BUDGET_S, TUNER_DECIDES, RunConfig, smoke_test, takes_run_options
+from workbench.config import (
+    SMOKE_BUDGET_S,
+    TUNER_DECIDES,
+    NothingMeasured,
+    RunConfig,
+    smoke_test,
+    takes_run_options,
+)
 from workbench.results import Results, loss_drifted
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.techniques import Technique, all_techniques, get_technique, parse_techniques, settings_of
@@ -464,7 +471,7 @@ class _Search:
         wall = time.monotonic() - began
         unit = next(u for u in calibration.record["units"] if u["arm"] == "baseline")
         if unit["status"] != "ok":
-            raise RuntimeError(f"tune: the baseline did not run ({unit['status']}): {unit['reason']}")
+            raise NothingMeasured(f"tune: the baseline did not run ({unit['status']}): {unit['reason']}")
         arm = _arm_seconds(unit["result"])
         # One process of one arm cannot tell the round's start from the process's: all of the rest
         # is charged to the round, a conservative guess that the first round's figures replace. An
@@ -725,7 +732,7 @@ class _Search:
 
     def _finish(self, results: Results | None, index: int, stopped: str) -> Results:
         if results is None:
-            raise RuntimeError(
+            raise NothingMeasured(
                 f"tune: no round finished ({stopped}); the calibration is saved in {self.folder.path}"
             )
         measured = [c for c in self.candidates if c.rounds]
