@@ -14,7 +14,11 @@ def describe_plan(event: dict) -> str:
     own = len(arms) - unavailable - shared
     parts = []
     if shared:
-        parts.append(f"{shared} arm{'s' * (shared != 1)} side by side in one process per block")
+        parts.append(
+            f"{shared} arms side by side in one process per block"
+            if shared > 1
+            else "1 arm in one process per block"
+        )
     if own:
         parts.append(
             f"{own} arm{'s' * (own != 1)} in {'their' if own != 1 else 'its'} own process{'es' * (own != 1)}"
