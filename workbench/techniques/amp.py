@@ -6,10 +6,13 @@ What it does
     ``torch.autocast``: matmuls and convolutions run in a 16-bit type, while
     precision-sensitive ops (reductions, softmax, the loss) stay in float32, and the weights
     and optimizer state stay float32. ``level="O2"``, the level NVIDIA's Apex named, casts the
-    model itself to the 16-bit type (BatchNorm, LayerNorm and GroupNorm stay float32), feeds it
-    16-bit inputs and computes the loss in float32; the optimizer steps float32 master copies of
-    the weights and copies them back after each step (workbench.mixed_precision). No cast
-    happens inside the step, and activations and gradients are all 16-bit.
+    model itself to the 16-bit type (BatchNorm, InstanceNorm, LayerNorm and GroupNorm stay
+    float32; cupy_fusion's fused LayerNorms are cast with the rest, their statistics still
+    computed in float32 by the kernel), feeds it 16-bit inputs and computes the loss in float32;
+    the optimizer steps float32 master copies of the weights and copies them back after each
+    step (workbench.mixed_precision). There is no per-operator autocast: the only casts are the
+    inputs, the logits for the loss, the master-weight transfers, and around a norm layer whose
+    kernel refuses a 16-bit input beside float32 weights. Activations and gradients are 16-bit.
 
 When it helps
     On GPUs with tensor cores, 16-bit matmuls are several times faster and move half the
@@ -36,8 +39,13 @@ When it hurts
 Settings
     ``dtype``: ``"bfloat16"`` (default; no scaler) or ``"float16"`` (with loss scaling).
     ``level``: ``"O1"`` (default, autocast) or ``"O2"`` (a 16-bit model, float32 master weights;
-    not with cuda_graphs, whose capture would miss the master copies). On a CPU, O2 runs in
-    bfloat16.
+    not with cuda_graphs in either mode: the master copies happen outside the optimizer step a
+    graph captures). On a CPU, O2 needs ``dtype="bfloat16"`` (float16 O2 is unavailable there:
+    float16 kernels on a CPU are slow emulations). float16 at either level is not combined with
+    cuda_graphs (its GradScaler syncs with the CPU).
+
+Unavailable
+    bfloat16 on a GPU without bfloat16 support; float16 O2 on a CPU.
 
 Watch
     ``final_loss`` / ``loss_vs_baseline``: a mixed-precision arm should stay close to the

@@ -18,12 +18,16 @@ When it hurts
     BatchNorm layers inside a checkpointed block update their running statistics on both
     passes (gradients are unaffected).
 
+Unavailable
+    When nothing is selected: the model has no repeated blocks, or ``select`` matches nothing.
+
 Settings
     ``select``: which submodules to checkpoint.
     - None (default): every repeated block of the model: the children of every ModuleList or
       Sequential that holds 2+ blocks of one type (a block: a module with weights and
       submodules of its own): transformer layers, and the residual blocks of every stage of
-      a ResNet, not just the first. A block inside a checkpointed block is left alone;
+      a ResNet, not just the first. Where such lists nest (a list of stages, each a list of
+      blocks), the innermost lists' blocks are checkpointed and the outer ones are not;
     - a glob over module names from ``model.named_modules()``, e.g. ``"layers.*"`` (the
       outermost matches are wrapped);
     - ``"type:Name"`` (or ``"type:A,B"``): every module whose class is named so, e.g.

@@ -18,8 +18,13 @@ When it hurts
     timed window. Graph breaks, dynamic shapes and recompilations eat the gain; on CPU,
     ``reduce-overhead`` behaves like ``default`` because CUDA Graphs need a GPU.
 
+Unavailable
+    On a CPU without a C++ compiler (``$CXX``, g++ or clang++): Inductor generates C++ there.
+    Not combined with cupy_fusion (it cannot trace CuPy launches) or with cuda_graphs in
+    ``mode="compile"`` (which compiles the model itself).
+
 Settings
-    ``mode``: ``"default"`` | ``"reduce-overhead"`` | ``"max-autotune"``.
+    ``mode``: ``"default"`` (default) | ``"reduce-overhead"`` | ``"max-autotune"``.
     ``fullgraph``: fail instead of silently splitting the graph (default False).
 """
 

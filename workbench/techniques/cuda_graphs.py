@@ -20,9 +20,10 @@ When it helps
 
 When it hurts
     Large kernels gain nothing: their launch cost is already hidden. The graph keeps a
-    private memory pool with the step's activations for its lifetime, and capture adds a few
-    hundred milliseconds of start-up (reported in ``startup_s``). What cannot be captured is
-    refused with the reason, never silently run eagerly:
+    private memory pool with the step's activations for its lifetime. Capture happens during
+    the warm-up (on step ``warmup_steps + 1``), so its one-time cost is in neither
+    ``startup_s`` (the first step) nor the timed steps. What cannot be captured is refused
+    with the reason, never silently run eagerly:
     - shapes that change: every batch must have the captured shape (workbench's loaders drop
       the ragged last batch; your own iterable must too);
     - CPU synchronization inside the step (``.item()``, printing a tensor, ``x[mask]`` and
@@ -33,14 +34,18 @@ When it hurts
     - DDP: capture needs ``DDP(static_graph=True)`` over NCCL; workbench's DDP arms do not
       build a static graph, so multi-rank arms are refused;
     - ``cupy_fusion``: its AdamW keeps the step count on the CPU and uploads a pointer table
-      every step, which a replay would freeze.
+      every step, which a replay would freeze;
+    - amp at ``level="O2"``: its master-weight copies happen outside the captured step;
+    - ``compile`` beside ``mode="compile"``: the model would be compiled twice.
     Adam and AdamW are created with ``capturable=True``, which keeps their step counter on
     the GPU so a replayed step advances it. Dropout is graph-safe: PyTorch registers its
     generator with the graph, and each replay draws fresh random numbers.
 
 Settings
-    ``mode``: ``"manual"`` | ``"compile"``.
-    ``warmup_steps``: eager steps on a side stream before capture (manual mode, default 3).
+    ``mode``: ``"manual"`` (default) | ``"compile"``.
+    ``warmup_steps``: eager steps on a side stream before capture (used in manual mode,
+    default 3). The run's ``warmup`` must be at least ``warmup_steps + 1``, so that capture
+    happens before the clock starts; a shorter one is refused with the reason.
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 
 What it does
     Swaps parts of the model for fused operators whose CUDA source is in kernels/:
-    - ``Linear`` followed by ``GELU`` (in an ``nn.Sequential``): the matmul runs without its
-      bias, then one kernel adds the bias and applies GELU; backward writes the input
-      gradient and the bias gradient in one pass;
-    - every ``LayerNorm`` over the last dimension: one kernel each way;
+    - ``Linear`` with a bias followed by the exact (erf) ``GELU`` (in an ``nn.Sequential``; not
+      ``approximate="tanh"``): the matmul runs without its bias, then one kernel adds the bias
+      and applies GELU; backward writes the input gradient and the bias gradient in one pass;
+    - every ``nn.LayerNorm`` over the last dimension with a weight and a bias: one kernel each way;
     - the built-in pre-LN transformer block: the residual add before ``ln2`` and ``ln2``
       itself become one kernel (the same kernel also fuses dropout, unused here because the
       built-in models have none);
     - ``AdamW``: the whole optimizer step in one launch over all parameters.
-    The run's notes list every module that was replaced. Each kernel exchanges tensors with
+    The run's notes count the modules replaced of each kind, and name the first of them. Each kernel exchanges tensors with
     PyTorch through DLPack (no copy) and runs on PyTorch's current stream.
 
 When it helps
@@ -26,7 +26,8 @@ When it hurts
     the step. ``torch.compile`` generates similar fusions automatically (the benchmark
     compares both), and cannot trace through CuPy launches, so the two are not combined.
     First use compiles each kernel file with NVRTC (about a second, cached per process).
-    Unavailable on CPU, and without CuPy.
+    Unavailable on CPU, without CuPy, and when optimizer fusion is off and nothing in the model
+    matches the enabled patterns. Not combined with compile or cuda_graphs.
 
 Settings
     ``bias_gelu``, ``layer_norm``, ``residual_layer_norm``, ``optimizer``: switch each fused

@@ -29,9 +29,15 @@ Settings
     ``prefetch_queue_depth`` (default 2 batches), ``decode`` (``auto``: ``mixed`` on CUDA,
     ``cpu`` otherwise), ``output_size`` (None: the data's crop size; it must equal it, so
     both pipelines feed the model the same shape), ``shard_id`` / ``num_shards`` (read one
-    shard of the files, for data-parallel ranks). A list of values sweeps a setting, e.g.
+    shard of the files: in data-parallel arms they are set per rank, overriding these; set by
+    hand on one rank, the arm reads only that shard). A list of values sweeps a setting, e.g.
     ``{"threads": [1, 2]}``. Needs JPEG data: ``data="jpeg"``, ``"jpeg-folder:PATH"`` or
     ``wb.JpegFolder(...)``.
+
+Unavailable
+    Without the DALI package (``pip install -e .[dali]``), without JPEG data, and with
+    ``decode="mixed"`` on a CPU. Not combined with ``dataloader`` (each is the whole input
+    pipeline) or ``prefetch`` (DALI's GPU pipeline already delivers on the device).
 """
 
 from __future__ import annotations

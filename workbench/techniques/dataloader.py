@@ -26,6 +26,10 @@ Settings
     ``num_workers`` (default 2; the one that matters), ``pin_memory`` (default True, CUDA only),
     ``prefetch_factor`` (default 2 when there are workers), ``persistent_workers`` (default
     True when there are workers). The baseline loads in the training process.
+
+Unavailable
+    When the data is ready-made batches (an iterable of batches, not a Dataset): there is
+    nothing for a DataLoader to load.
 """
 
 from __future__ import annotations

@@ -55,12 +55,12 @@ When it hurts
     and says so.
 
 Settings
-    ``hook`` (``none`` | ``fp16`` | ``bf16`` | ``powersgd`` | ``batched_powersgd`` | ``topk``
+    ``hook`` (``none`` | ``fp16`` (default) | ``bf16`` | ``powersgd`` | ``batched_powersgd`` | ``topk``
     | ``int8`` | ``hierarchical``; the one that matters), ``rank`` (PowerSGD's matrix
     approximation rank, default 1), ``start_iter`` (iteration from which PowerSGD compresses;
     earlier ones all-reduce in full; default 2, the least PowerSGD accepts with error
     feedback), ``warm_start`` (reuse last step's Q, default True), ``density`` (topk's share
-    of entries sent, default 0.01), ``scale`` (int8: ``bucket`` or ``tensor``),
+    of entries sent, default 0.01), ``scale`` (int8: ``bucket`` (default) or ``tensor``),
     ``ranks_per_node`` (hierarchical, default 2), ``bucket_cap_mb`` (None: DDP's default of
     25 MB), ``gradient_as_bucket_view`` (default False, DDP's default), ``no_sync`` (default
     True: with grad_accum, all-reduce once per optimizer step). Needs ``world_size`` > 1 in

@@ -10,8 +10,9 @@ When it helps
     Memory: activations are held for one micro-batch at a time, so a batch that does not
     fit can still be trained (the ByteTrending overview "Accelerate Model Training", 2025,
     describes it as simulating a larger batch than memory allows). In data-parallel
-    training it also cuts communication to once per accumulation window (the Baidu
-    AIAK-Training write-up lists lower communication frequency among its levers).
+    training, with ddp_compression's ``no_sync`` (on by default there), it also cuts communication
+    to once per accumulation window (the Baidu AIAK-Training write-up lists lower
+    communication frequency among its levers); plain DDP all-reduces after every micro-batch.
 
 When it hurts
     Throughput: k smaller forward/backward passes keep the device less busy than one

@@ -21,7 +21,7 @@ When it helps
 When it hurts
     It overlaps only the copy: a step that waits for the CPU to decode and augment needs
     DataLoader workers (``dataloader``) or DALI instead. Each batch ahead holds device memory,
-    and pinned host memory is taken from the operating system's page cache. With tiny batches
+    and pinned host memory is locked RAM that the rest of the system cannot use or page out. With tiny batches
     the extra stream and event cost more than the copy they hide.
 
 Settings

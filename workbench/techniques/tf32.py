@@ -4,6 +4,10 @@ What it does
     Lets float32 matmuls and cuDNN convolutions run on tensor cores in TF32: inputs are
     rounded to a 10-bit mantissa (float16's precision) while keeping float32's 8-bit
     exponent, and products accumulate in float32. The model code does not change.
+    PyTorch's defaults already run cuDNN convolutions in TF32 (``torch.backends.cudnn.allow_tf32``
+    is True) and matmuls in strict float32. The baseline keeps PyTorch's defaults, as your job
+    would, so on a default setup this arm changes the matmuls; ``cudnn`` matters only where the
+    process has turned cuDNN's TF32 off.
 
 When it helps
     Ampere and newer GPUs (compute capability 8.0+) run TF32 matmuls several times faster
@@ -17,7 +21,8 @@ When it hurts
 
 Settings
     ``matmul`` (default True) and ``cudnn`` (default True): which kernels this arm switches
-    to TF32 (False leaves that kind as the process has it).
+    to TF32 (False leaves that kind as the process has it, which for convolutions is TF32
+    under PyTorch's defaults).
     The flags are process-wide: workbench sets them around each of the arm's windows and
     restores them after it, so tf32 shares a block's process with the other arms.
 """
