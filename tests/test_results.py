@@ -389,6 +389,7 @@ def test_near_the_end_of_the_fall_a_ratio_of_tiny_losses_is_not_a_loss_of_parity
     assert not loss_drifted(tiny["loss_vs_baseline"], tiny["loss_gap_of_fall"])
     assert loss_drifted(short["loss_vs_baseline"], short["loss_gap_of_fall"])
     assert loss_drifted(3.0) and not loss_drifted(1.05)  # no fall known (older records): the ratio decides
+    assert loss_drifted(3.0, None) and not loss_drifted(None, None)  # figures read back from JSON (null)
 
     class Row:
         loss_vs_baseline, loss_gap_of_fall = tiny["loss_vs_baseline"], tiny["loss_gap_of_fall"]

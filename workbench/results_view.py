@@ -140,7 +140,7 @@ def speedup_text(row) -> str:
     return f"{times(row.speedup)} [{row.speedup_low:.2f}, {row.speedup_high:.2f}]"
 
 
-def loss_drifted(ratio: float, gap_of_fall: float = math.nan) -> bool:
+def loss_drifted(ratio: float | None, gap_of_fall: float | None = math.nan) -> bool:
     """Whether an arm's final loss is off the baseline's: by more than LOSS_DRIFT as a ratio and,
     where the baseline's loss fell during the run, by more than LOSS_FALL_SHARE of that fall
     (``gap_of_fall``: the arm's final loss minus the baseline's, over the baseline's first loss
@@ -152,6 +152,8 @@ def loss_drifted(ratio: float, gap_of_fall: float = math.nan) -> bool:
     37, in both directions, with the gap within 2% of the loss's fall from 1.83. A real loss of
     parity moves the gap itself: grad_accum on resnet-mini's BatchNorm, 16-41% of the fall.
     """
+    ratio = math.nan if ratio is None else ratio  # None: a figure read back from JSON, which has no NaN
+    gap_of_fall = math.nan if gap_of_fall is None else gap_of_fall
     if not math.isfinite(ratio) or abs(ratio - 1.0) <= LOSS_DRIFT:
         return False
     return not (math.isfinite(gap_of_fall) and abs(gap_of_fall) <= LOSS_FALL_SHARE)
