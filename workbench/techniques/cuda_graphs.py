@@ -43,9 +43,11 @@ When it hurts
 
 Settings
     ``mode``: ``"manual"`` (default) | ``"compile"``.
-    ``warmup_steps``: eager steps on a side stream before capture (used in manual mode,
-    default 3). The run's ``warmup`` must be at least ``warmup_steps + 1``, so that capture
-    happens before the clock starts; a shorter one is refused with the reason.
+    ``warmup_steps``: eager steps on a side stream before capture (manual mode, default 3).
+    The run's ``warmup`` must be at least ``warmup_steps + 1``, so that capture happens before
+    the clock starts; a shorter one is refused with the reason. The same rule holds in compile
+    mode, where it keeps the graph trees' own warm-up and recording, which take the first calls,
+    out of the timed steps (there ``warmup_steps`` sets nothing else).
 """
 
 from __future__ import annotations
