@@ -23,7 +23,6 @@ while the one-thread ratio stays put, the state lies in how the threads work tog
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -86,9 +85,9 @@ def main() -> None:
 
     import torch
     from heap_faults import resnet_mini_steps
+    from record import write_record
 
     from workbench.core_sync import fork_join_us, split_states
-    from workbench.environment import machine_summary
     from workbench.heap import hold_heap_steady
 
     hold_heap_steady("steady")
@@ -164,17 +163,16 @@ def main() -> None:
         f"with the 1-thread ratio {summary['correlation_probe_vs_one_thread_ratio']:.2f}"
     )
     if args.json:
-        record = {
-            "benchmark": "core-state",
-            "threads": threads,
-            "segments_run": len(segments),
-            "rounds": args.rounds,
-            "summary": summary,
-            "segments": segments,
-            "wall_s": time.time() - started,
-            "machine": machine_summary(),
-        }
-        Path(args.json).write_text(json.dumps(record, indent=1))
+        write_record(
+            args.json,
+            "core-state",
+            threads=threads,
+            segments_run=len(segments),
+            rounds=args.rounds,
+            summary=summary,
+            segments=segments,
+            wall_s=time.time() - started,
+        )
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def main() -> None:
         sys.exit("setarch (util-linux) is needed to run a process without layout randomization")
 
     sys.path.insert(0, str(ROOT))
-    from workbench.environment import machine_summary
+    from record import write_record
 
     started = time.time()
     processes: list[dict] = []
@@ -185,19 +185,18 @@ def main() -> None:
                 f"spread between processes {spread_pct(means):.1f}%, between segments in a process {within:.1f}%"
             )
     if args.json:
-        record = {
-            "benchmark": "process-dependence",
-            "arm": args.arm,
-            "processes_per_layout": args.processes,
-            "conditions": conditions,
-            "segments": args.segments,
-            "rounds": args.rounds,
-            "summary": summary,
-            "processes": processes,
-            "wall_s": time.time() - started,
-            "machine": machine_summary(),
-        }
-        Path(args.json).write_text(json.dumps(record, indent=1))
+        write_record(
+            args.json,
+            "process-dependence",
+            arm=args.arm,
+            processes_per_layout=args.processes,
+            conditions=conditions,
+            segments=args.segments,
+            rounds=args.rounds,
+            summary=summary,
+            processes=processes,
+            wall_s=time.time() - started,
+        )
 
 
 if __name__ == "__main__":

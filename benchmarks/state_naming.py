@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import random
 import sys
@@ -48,9 +47,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from quick_preset import run_once
+    from record import write_record
 
     from workbench.core_sync import split_states
-    from workbench.environment import machine_summary
     from workbench.results import STATE_GAP_SE, STATE_SPEEDUP_GAP, _speedups_by_state
 
     started = time.time()
@@ -108,16 +107,15 @@ def main() -> None:
             f"7% more in {row['detects_7pct']:.0%}{mark}"
         )
     if args.json:
-        record = {
-            "benchmark": "state-naming",
-            "runs": args.runs,
-            "blocks_in_one_state": len(cases),
-            "cuts_per_block": args.cuts,
-            "rules": figures,
-            "wall_s": time.time() - started,
-            "machine": machine_summary(),
-        }
-        Path(args.json).write_text(json.dumps(record, indent=1))
+        write_record(
+            args.json,
+            "state-naming",
+            runs=args.runs,
+            blocks_in_one_state=len(cases),
+            cuts_per_block=args.cuts,
+            rules=figures,
+            wall_s=time.time() - started,
+        )
 
 
 if __name__ == "__main__":
