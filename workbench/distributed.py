@@ -83,6 +83,11 @@ class Rank:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE, else every rank (workbench starts them all here)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"

@@ -149,8 +149,7 @@ def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | Non
     if rank.distributed and device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one machine share its cores: each would otherwise start one thread per core,
         # and the oversubscribed cores would time-slice between ranks (noise, not a measurement).
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", rank.world_size))
-        torch.set_num_threads(max(1, usable_cores() // local))
+        torch.set_num_threads(max(1, usable_cores() // rank.local_world_size))
     if spec.run.threads is not None:  # the run's own choice comes before either default
         torch.set_num_threads(spec.run.threads)
     heap = hold_heap_steady(spec.run.heap)  # before the first tensor of any arm (workbench.heap)
@@ -399,7 +398,7 @@ class _Block:
             "torch_threads": torch.get_num_threads(),
             # With torch_threads, whether the threads had cores of their own (results warn if not).
             "usable_cores": usable_cores(),
-            "ranks_here": int(os.environ.get("LOCAL_WORLD_SIZE", self.rank.world_size)),
+            "ranks_here": self.rank.local_world_size,
             "device_type": self.device.type,
             "heap": self.heap,
             "core_sync_us": self.core_sync_us,
