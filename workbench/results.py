@@ -371,17 +371,14 @@ def _parity_notes(row: dict, arm: dict, baseline: str | None) -> list[str]:
     """Warnings when the loss drifted from the baseline's, or the control missed its own interval."""
     notes = []
     drift = row["loss_vs_baseline"] - 1.0
-    if (
-        arm["name"] != baseline
-        and abs(drift) > LOSS_DRIFT
-        and not loss_drifted(row["loss_vs_baseline"], row["loss_gap_of_fall"])
-    ):
+    drifted = arm["name"] != baseline and loss_drifted(row["loss_vs_baseline"], row["loss_gap_of_fall"])
+    if arm["name"] != baseline and abs(drift) > LOSS_DRIFT and not drifted:
         notes.append(
             f"final loss {abs(drift):.0%} {'above' if drift > 0 else 'below'} the baseline's, but both near the end "
             f"of their fall: the gap is {abs(row['loss_gap_of_fall']):.1%} of how far the baseline's loss fell, "
             "which the last steps' batches decide; not a change in convergence"
         )
-    if arm["name"] != baseline and loss_drifted(row["loss_vs_baseline"], row["loss_gap_of_fall"]):
+    if drifted:
         why = (
             # A different pipeline draws its own random augmentations (crops, flips): the arms
             # trained on different samples of the same distribution, not on different maths.
