@@ -178,8 +178,13 @@ def test_missing_gpu_is_a_clear_error():
     [
         (["ablate", "-t", "ampp"], "unknown technique 'ampp'; valid techniques:"),
         (["ablate", "--model", "vit"], "unknown model 'vit'; valid models:"),
-        (["ablate", "--steps", "0"], "ablate: steps must be >= 1; got 0"),
+        # the API's checks, reworded to name the flags the user typed (cli.in_cli_terms)
+        (["ablate", "--steps", "0"], "ablate: --steps must be >= 1; got 0"),
+        (["advise", "--steps", "0"], "advise: --steps must be >= 1; got 0"),
+        (["ablate", "--rounds", "50", "--steps", "10"], "ablate: --rounds 50 exceeds --steps 10;"),
+        (["ablate", "--batch-size", "5000"], "fewer than --batch-size 5000; pass a smaller --batch-size"),
         (["ablate", "-t", "amp:dtype=fp8"], "amp: dtype must be one of"),
+        (["ablate", "-t", "grad_accum:steps=0"], "grad_accum: steps must be >= 1; got 0"),
         (["ablate", "-t", "amp:dtype"], "cannot read technique option 'dtype'"),
         (["ablate", "--techniques", "{not json"], "--techniques is not valid JSON"),
         (["show", "/no/such/folder"], "no results at /no/such/folder"),
@@ -194,6 +199,17 @@ def test_cli_bad_input_exits_2_with_one_line(arguments, message, capsys):
     stderr = capsys.readouterr().err
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("workbench: error: ") and message in lines[0], stderr
+
+
+def test_cli_errors_name_the_flag_not_the_keyword():
+    """tune's budget is ``--budget`` on the command line and ``budget_s`` in Python."""
+    from workbench.cli import _parser, in_cli_terms
+
+    args = _parser().parse_args(["tune", "--budget", "5"])
+    message = "tune: budget_s=5 is too small to tune this job ... Pass budget_s=14 or more, or fewer steps"
+    assert in_cli_terms(message, args) == (
+        "tune: --budget 5 is too small to tune this job ... Pass --budget 14 or more, or fewer steps"
+    )
 
 
 def test_cli_unknown_flag_is_argparse_exit_2():

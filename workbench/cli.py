@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Honest, controlled ablations of PyTorch training-acceleration techniques.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(command_parsers=commands.choices)  # for in_cli_terms
 
     listing = commands.add_parser("list", help="list the techniques and whether they can run here")
     listing.add_argument("--device", default="auto")
@@ -373,6 +375,41 @@ def _run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+# A setting whose flag is not its keyword's name with dashes.
+FLAG_FOR_KEYWORD = {"tune": {"budget_s": "--budget"}}
+
+
+def in_cli_terms(message: str, args: argparse.Namespace) -> str:
+    """An error from the Python API, reworded for the command line that called it.
+
+    The checks are shared with ``wb.ablate`` and name its keywords (``ablate: batch_size must
+    be >= 1``); on the command line the same message names the flag the user typed
+    (``ablate: --batch-size must be >= 1``), and ``advise`` and ``tune`` say their own name
+    where they validate through ablate's checks. A technique's own option (``grad_accum:
+    steps must be ...``) is written the same way in ``-t grad_accum:steps=4``, so it stays.
+    """
+    command = args.command
+    flags = {
+        action.dest: next(name for name in action.option_strings if name.startswith("--"))
+        for action in args.command_parsers[command]._actions
+        if action.option_strings and action.dest not in ("help", "command_parsers")
+    }
+    flags |= FLAG_FOR_KEYWORD.get(command, {})
+    if command in ("ablate", "advise", "tune") and message.startswith("ablate: "):
+        message = f"{command}: {message[len('ablate: ') :]}"
+    prefix = f"{command}: "
+    head = re.match(r"(\w+) must ", message[len(prefix) :]) if message.startswith(prefix) else None
+    if head and head[1] in flags:
+        message = prefix + flags[head[1]] + message[len(prefix) + len(head[1]) :]
+    # keyword=value where the keyword stands alone ("Pass budget_s=14"), and keywords with an
+    # underscore in prose ("a smaller batch_size"), which cannot be ordinary words; not a
+    # technique's option inside -t text ("grad_accum:steps=4")
+    message = re.sub(
+        r"(?<![\w:.,-])(\w+)=(?=\S)", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message
+    )
+    return re.sub(r"(?<![\w:.,=-])([a-z]+_\w+)\b(?!=)", lambda m: flags.get(m[1], m[1]), message)
+
+
 EXIT_CODES = {0: "every arm ran", 1: "some arms failed (their rows say why)", 2: "bad input: nothing ran"}
 
 
@@ -446,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run_tune(args)
         return _run_ablate(args)
     except (ValueError, FileNotFoundError) as error:
-        print(f"workbench: error: {error}", file=sys.stderr)
+        print(f"workbench: error: {in_cli_terms(str(error), args)}", file=sys.stderr)
         return 2
     except NothingMeasured as error:  # advise or tune: their baseline failed, or no round finished
         print(f"workbench: {error}", file=sys.stderr)
