@@ -146,6 +146,38 @@ def test_another_environment_gets_a_fresh_template_and_the_kept_one_ends_when_id
     assert workbench.template.kept_template() is None and not left_behind()
 
 
+def test_the_run_forks_from_the_template_the_command_started_unless_its_environment_changed(monkeypatch):
+    """The command line starts the template before it imports torch (template.prewarm); the run
+    takes that one, and closes it instead where the environment changed in between."""
+    workbench.template.close_kept_template()
+    workbench.template.prewarm()
+    started, _how = workbench.template._starting.started.result()
+    res = _one_block()
+    assert res.record["worker_start"].endswith(", started before the run was set up")
+    assert workbench.template.kept_template() is started and started.alive()
+
+    workbench.template.close_kept_template()
+    assert not started.alive()
+    workbench.template.prewarm()
+    stale, _how = workbench.template._starting.started.result()
+    monkeypatch.setenv("WORKBENCH_TEST_TEMPLATE_ENV", "changed after the template started")
+    res = _one_block()
+    assert res.record["worker_start"].startswith("forked from a warm template (ready in")
+    assert "started before" not in res.record["worker_start"]
+    assert not stale.alive(), "a template started for another environment was used or left running"
+    assert workbench.template.kept_template() not in (None, stale)
+
+
+def test_the_command_line_starts_the_template_only_for_a_run_here(monkeypatch):
+    from workbench.cli import main
+
+    calls = []
+    monkeypatch.setattr(workbench.template, "prewarm", lambda: calls.append(True))
+    assert main(["ablate", "--dry-run", "--model", "mlp"]) == 0 and calls == []
+    assert main(["ablate", "--executor", "slurm", "--steps", "0"]) == 2 and calls == []
+    assert main(["ablate", "--steps", "0"]) == 2 and calls == [True]
+
+
 @pytest.mark.parametrize("value", ["soon", "-1", "nan"])
 def test_a_bad_keep_warm_setting_is_refused_before_anything_runs(monkeypatch, value):
     monkeypatch.setenv("WORKBENCH_KEEP_WARM_S", value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -437,9 +438,25 @@ def format_table(table) -> str:
     return text_table([str(c) for c in table.columns], rows, numeric, terminal_width(), spaced=True)
 
 
+def _prewarm_template(args: argparse.Namespace) -> None:
+    """Start the run's warm template (workbench.template) before this process imports torch: the
+    two imports then overlap on two cores, and the first block starts about 1.5 s sooner."""
+    runs_here = args.command in ("ablate", "advise", "tune") and not getattr(args, "dry_run", False)
+    if (
+        runs_here
+        and getattr(args, "executor", None) != "slurm"  # each Slurm job starts its own
+        and getattr(args, "start", None) != "spawn"
+        and "TORCHELASTIC_RUN_ID" not in os.environ  # a torchrun rank is the process that measures
+    ):
+        from workbench.template import prewarm
+
+        prewarm()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    _prewarm_template(args)
     try:
         if args.command == "list":
             import workbench as wb
