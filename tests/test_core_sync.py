@@ -116,6 +116,36 @@ def test_a_gap_within_the_rounds_noise_names_no_arm():
     assert "channels_last 1.24x when they were fast, 1.29x when slow" in core_sync_states(blocks, units)[0]
 
 
+def test_each_arm_is_judged_against_its_own_baseline_and_baselines_are_not_judged():
+    """A loader-only arm runs beside the training arms in a shared block; its gain in each state is
+    over the loader's baseline, and the loader's baseline is not a gain over the training one."""
+    blocks, units = _run(
+        set(range(6, 12)), {"loader: baseline": (80.0, 90.0), "loader: pipeline": (160.0, 180.0)}
+    )
+    arms = [
+        {"name": "baseline", "role": "baseline", "kind": "train", "process": "block"},
+        {"name": "loader: baseline", "role": "baseline", "kind": "loader", "process": "block"},
+        {"name": "loader: pipeline", "role": "treatment", "kind": "loader", "process": "block"},
+    ]
+    (warning,) = core_sync_states(blocks, units, arms)
+    assert "two speeds" in warning and "differed" not in warning  # 2.00x over its own baseline in both
+    blocks, units = _run(
+        set(range(6, 12)), {"loader: baseline": (80.0, 80.0), "loader: pipeline": (160.0, 184.0)}
+    )
+    (warning,) = core_sync_states(blocks, units, arms)
+    assert "loader: pipeline 2.00x when they were fast, 2.30x when slow" in warning
+    assert "loader: baseline" not in warning.split("differed")[1]
+
+
+def test_a_block_without_probes_is_not_named_as_slow():
+    """A block on one thread takes no probes: it saw neither state."""
+    blocks, units = _run(set(range(6, 12)), {"amp": (1.5, 1.5)})
+    silent, silent_units = _run(set(), {"amp": (1.5, 1.5)}, block=1)
+    silent[0]["core_sync_us"] = []
+    (warning,) = core_sync_states(blocks + silent, units + silent_units)
+    assert "in block 1 (6 of 12)" in warning and "block 2" not in warning
+
+
 def test_threads_beyond_the_cores_are_named_and_threads_that_fit_are_not():
     assert oversubscription(threads=2, cores=2) is None
     assert oversubscription(threads=1, cores=2, ranks=2) is None  # two ranks of one thread each

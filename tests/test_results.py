@@ -112,6 +112,23 @@ def test_a_single_block_takes_its_interval_from_its_rounds():
         ]
     )
     assert one.low < one.point < one.high
+    # One step a side: no spread to resample, so no interval (not one of zero width).
+    single = stats.combine_blocks(
+        [stats.block_ratio(stats.Side([[0.010]], 1.0), stats.Side([[0.008]], 1.0), paired=True)]
+    )
+    assert single.point == pytest.approx(1.25) and math.isnan(single.low) and math.isnan(single.high)
+
+
+def test_a_one_window_interval_is_centred_on_the_speedup_the_row_reports():
+    """An arm whose every fifth step is 4x slower is compared by its capped mean (its own slow
+    steps count); the bootstrap must resample around that point, not the trimmed mean's."""
+    baseline = stats.Side([[0.010, 0.0101, 0.0099, 0.0100, 0.0102] * 4], 1.0)
+    arm = stats.Side([[0.008, 0.0081, 0.0079, 0.0080, 0.032] * 4], 1.0)
+    result = stats.arm_speedup([(baseline, arm)], paired=True)
+    assert result.estimator == "capped_mean"
+    speedup = result.speedup
+    assert speedup.point < 1.0  # slower, once its slow steps count
+    assert speedup.low <= speedup.point <= speedup.high
 
 
 def test_estimators_are_the_candidates_the_calibration_compares():
@@ -362,6 +379,62 @@ def test_loss_drift_is_called_out():
         and "convergence" not in rows[4]["notes"]
     )
     assert rows[3]["speedup"] == 1.0 and rows[4]["speedup"] == 1.0  # equal throughput, own baseline
+
+
+def test_a_control_without_an_interval_is_not_called_a_failed_a_a_check():
+    """With the baseline failed in every block, nothing has an interval: the control's row says
+    there was no baseline to compare with, not that it missed its own interval."""
+    from workbench.results import summarize
+
+    arms = [
+        {"name": "baseline", "role": "baseline", "techniques": "none", "unavailable": None},
+        {"name": "baseline (control)", "role": "control", "techniques": "none", "unavailable": None},
+    ]
+    failed = {
+        "arm": "baseline",
+        "block": 0,
+        "status": "failed",
+        "reason": "RuntimeError: boom",
+        "result": None,
+    }
+    rows = summarize(
+        arms, [failed, _fake_unit("baseline (control)", [1.0] * 5)], planned_blocks=1, complete=True
+    )
+    control = rows[1]
+    assert math.isnan(control["speedup_low"]) and "no baseline block to compare with" in control["notes"]
+    assert "A/A check failed" not in control["notes"]
+
+
+def test_an_arm_moved_to_its_own_process_mid_run_is_compared_only_with_the_lone_baseline():
+    """amp ran beside the others in block 1, then out of memory there in block 2, and alone from
+    then on (from_block); its shared block is not paired with the lone baseline's blocks, and
+    neither it nor the lone baseline is short of blocks."""
+    from workbench.results import summarize
+
+    def arm(name, role, process="block", from_block=0):
+        return {"name": name, "role": role, "process": process, "from_block": from_block,
+                "techniques": name, "unavailable": None}  # fmt: skip
+
+    arms = [
+        arm("baseline", "baseline"),
+        arm("baseline (own process)", "baseline", "own", from_block=1),
+        arm("amp", "treatment", "own", from_block=1),
+    ]
+
+    def unit(name, block, process, step_s):
+        return {**_fake_unit(name, [1.0] * 5, [step_s] * 4, block=block), "process": process}
+
+    units = [
+        unit("baseline", 0, "block", 0.010), unit("amp", 0, "block", 0.005),  # beside the others: 2x
+        unit("baseline", 1, "block", 0.010), unit("baseline", 2, "block", 0.010),
+        unit("baseline (own process)", 1, "own", 0.012), unit("amp", 1, "own", 0.010),  # alone: 1.2x
+        unit("baseline (own process)", 2, "own", 0.012), unit("amp", 2, "own", 0.010),
+    ]  # fmt: skip
+    rows = {row["arm"]: row for row in summarize(arms, units, planned_blocks=3, complete=True)}
+    amp, lone = rows["amp"], rows["baseline (own process)"]
+    assert amp["status"] == lone["status"] == "ok", (amp["reason"], lone["reason"])
+    assert amp["blocks"] == 2 and amp["speedup"] == pytest.approx(1.2)
+    assert "block(s) 1 measured it beside the other arms before it moved to its own process" in amp["notes"]
 
 
 def test_near_the_end_of_the_fall_a_ratio_of_tiny_losses_is_not_a_loss_of_parity():

@@ -502,7 +502,7 @@ class _Runner:
         """Take in one finished process's record (just run, or read back when resuming)."""
         self.done.add((job["block"], job["job"]))
         for name, reason in job.get("moved", {}).items():
-            self._move(name, reason)
+            self._move(name, reason, job["block"])
         self.units += job["units"]
         for unit in job["units"]:
             if unit["status"] in ("failed", "oom"):
@@ -510,12 +510,12 @@ class _Runner:
         if job.get("process"):
             self.block_records.append(job["process"])
 
-    def _move(self, name: str, reason: str) -> None:
-        """From now on, run arm ``name`` in a process of its own (it could not share the block)."""
+    def _move(self, name: str, reason: str, block: int) -> None:
+        """From block ``block`` on, run arm ``name`` in a process of its own (it could not share it)."""
         arm = next(arm for arm in self.prepared.arms if arm.name == name)
         if not arm.own_process:
-            arm.own_process = reason
-            add_own_baseline(self.prepared.arms, arm.kind)
+            arm.own_process, arm.from_block = reason, block
+            add_own_baseline(self.prepared.arms, arm.kind, from_block=block)
 
     def save(self, complete: bool) -> Results:
         arms = [arm.record() for arm in self.prepared.arms]

@@ -25,6 +25,9 @@ class Arm:
     unavailable: str | None = None  # why it cannot run here; None when it can
     kind: str = "train"  # "train", or "loader": the input pipeline alone, with a no-op model
     own_process: str | None = None  # why it runs in a process of its own; None: it shares the block
+    # The first block it runs in that kind of process: an arm moved to its own process in a
+    # later block (out of memory beside the others) ran shared before, and so did not run alone.
+    from_block: int = 0
 
     @property
     def process(self) -> str:
@@ -44,6 +47,7 @@ class Arm:
             # Only the input pipeline differs from the baseline (dataloader, dali).
             "input_pipeline": bool(self.techniques) and all(t.input_pipeline for t, _ in self.techniques),
             "unavailable": self.unavailable,
+            "from_block": self.from_block,
         }
 
     def spec(self) -> ArmSpec:
@@ -183,14 +187,19 @@ def _own_process_reason(arm: Arm, ctx: Context, holder: dict[str, str]) -> str |
     return None
 
 
-def add_own_baseline(arms: list[Arm], kind: str) -> Arm:
-    """The baseline that arms of ``kind`` running in their own processes are compared with."""
+def add_own_baseline(arms: list[Arm], kind: str, from_block: int = 0) -> Arm:
+    """The baseline that arms of ``kind`` running in their own processes are compared with (from
+    block ``from_block`` on, when the first such arm was moved there during the run)."""
     name = own_baseline_name(kind)
     for arm in arms:
         if arm.name == name:
             return arm
     baseline = Arm(
-        name, "baseline", kind=kind, own_process="the baseline for the arms that run in their own processes"
+        name,
+        "baseline",
+        kind=kind,
+        own_process="the baseline for the arms that run in their own processes",
+        from_block=from_block,
     )
     shared = [i for i, arm in enumerate(arms) if arm.kind == kind and arm.role in ("baseline", "control")]
     arms.insert(shared[-1] + 1 if shared else 0, baseline)

@@ -142,14 +142,30 @@ def summarize(
     A unit is one arm in one block: ``{"arm", "block", "status", "reason", "result"}``.
     """
     by_arm: dict[str, list[dict]] = {arm["name"]: [] for arm in arms}
+    earlier: dict[str, set[int]] = {}  # an arm moved to its own process -> blocks it ran in shared
     for unit in units:
+        arm_process = next((a.get("process", "block") for a in arms if a["name"] == unit["arm"]), None)
+        if arm_process is not None and unit.get("process", "block") != arm_process:
+            # Measured beside the other arms before it had to move: against another baseline,
+            # in another kind of process, so not combined with its own-process blocks.
+            if unit["status"] == "ok":
+                earlier.setdefault(unit["arm"], set()).add(unit["block"])
+            continue
         by_arm.setdefault(unit["arm"], []).append(unit)
     lingering = follower_effects(units)  # work that goes on after an arm's windows
     rows = []
     for arm in arms:
         baseline = _baseline_of(arm, arms)
         base_ok = {u["block"]: u["result"] for u in by_arm.get(baseline, []) if u["status"] == "ok"}
-        row = _row(arm, sorted(by_arm[arm["name"]], key=lambda u: u["block"]), planned_blocks, complete)
+        # An arm moved to its own process in a later block runs alone from there on (from_block).
+        planned = planned_blocks - arm.get("from_block", 0)
+        row = _row(arm, sorted(by_arm[arm["name"]], key=lambda u: u["block"]), planned, complete)
+        if arm["name"] in earlier:
+            shared = ", ".join(str(block + 1) for block in sorted(earlier[arm["name"]]))
+            row["_notes"].append(
+                f"block(s) {shared} measured it beside the other arms before it moved to its own process; "
+                "those figures are in the record's units, not in this row"
+            )
         if row["status"] != "unavailable" and row["blocks"]:
             notes = row.pop("_notes")
             ok = [u for u in by_arm[arm["name"]] if u["status"] == "ok"]
@@ -294,7 +310,11 @@ def _compare(
             within_block_pct=speedup.within_block_pct,
             between_block_pct=speedup.between_block_pct,
         )
-        if speedup.blocks == 1:
+        if speedup.blocks == 1 and not math.isfinite(speedup.low):
+            notes.append(
+                "1 block of 1 step: no interval (one step says nothing of the noise); time more steps"
+            )
+        elif speedup.blocks == 1:
             notes.append("1 block: the interval ignores process-to-process variation")
         if speedup.blocks_disagree:
             notes.append(
@@ -391,7 +411,12 @@ def _parity_notes(row: dict, arm: dict, baseline: str | None) -> list[str]:
             f"convergence: final loss {abs(drift):.0%} {'above' if drift > 0 else 'below'} the baseline's "
             f"after the same steps; {why}"
         )
-    if arm["role"] == "control" and not row["speedup_low"] <= 1.0 <= row["speedup_high"]:
+    interval = (row["speedup_low"], row["speedup_high"])
+    if (
+        arm["role"] == "control"
+        and all(map(math.isfinite, interval))
+        and not interval[0] <= 1.0 <= interval[1]
+    ):
         notes.append(
             "A/A check failed: this rerun of the baseline is outside its own interval, so the machine "
             "is noisier than the intervals say; distrust small speedups"
@@ -695,7 +720,7 @@ class Results:
         found += mixed_blocks(self.record.get("blocks", []), self.record.get("units", []))
         # An oversubscribed block's probe times threads waiting for cores: that is warned of above.
         fitting = [block for block in self.record.get("blocks", []) if not _oversubscribed(block)]
-        found += core_sync_states(fitting, self.record.get("units", []))
+        found += core_sync_states(fitting, self.record.get("units", []), self.record.get("arms"))
         return found
 
     def summary(self, width: int | None = None, colour: bool = False) -> str:
@@ -814,14 +839,16 @@ def _probes_of(blocks: list[dict]) -> list[float]:
     return [probe for block in blocks for probe in block.get("core_sync_us") or []]
 
 
-def core_sync_states(blocks: list[dict], units: list[dict]) -> list[str]:
+def core_sync_states(blocks: list[dict], units: list[dict], arms: list[dict] | None = None) -> list[str]:
     """A warning when the machine's threads worked together at two speeds while the run measured.
 
     Each block probed, after every round, how long a tiny operation split over the CPU threads
     takes (workbench.core_sync). If the probes fall into two states, the warning says which
     blocks were slow. In blocks that saw both states, each shared-process arm's speedup is also
     taken in each state (from that state's rounds: process luck cancels), and the arms whose
-    speedup clearly differs between the states (StateGain.moved) are named.
+    speedup clearly differs between the states (StateGain.moved) are named. ``arms`` (the
+    record's) gives each arm its own baseline (a loader-only arm's is the loader's baseline);
+    without it every arm is compared with "baseline".
     """
     probes = _probes_of(blocks)
     middle = split_states(probes)
@@ -833,7 +860,8 @@ def core_sync_states(blocks: list[dict], units: list[dict]) -> list[str]:
     for block in blocks:
         probed = block.get("core_sync_us") or []
         slow_here = sum(probe > middle for probe in probed)
-        if slow_here >= min(MIN_ROUNDS_PER_STATE, len(probed)):  # not a passing interruption
+        # not a passing interruption; a block that took no probes (one thread) says nothing
+        if probed and slow_here >= min(MIN_ROUNDS_PER_STATE, len(probed)):
             share = "all its rounds" if slow_here == len(probed) else f"{slow_here} of {len(probed)}"
             own = f"{block['arms'][0]}'s own process in " if len(block.get("arms", [])) == 1 else ""
             where.append(f"{own}block {block['block'] + 1} ({share})")
@@ -849,7 +877,7 @@ def core_sync_states(blocks: list[dict], units: list[dict]) -> list[str]:
     )
     gaps = [
         f"{arm} {gain.fast:.2f}x when they were fast, {gain.slow:.2f}x when slow"
-        for arm, gain in _speedups_by_state(blocks, units, middle).items()
+        for arm, gain in _speedups_by_state(blocks, units, middle, arms).items()
         if gain.moved
     ]
     if gaps:
@@ -875,8 +903,12 @@ class StateGain:
         return gap > math.log1p(STATE_SPEEDUP_GAP) and gap > STATE_GAP_SE * self.log_gap_se
 
 
-def _speedups_by_state(blocks: list[dict], units: list[dict], middle: float) -> dict[str, StateGain]:
-    """Each shared-process arm's speedup over its block's baseline in the fast and the slow state.
+def _speedups_by_state(
+    blocks: list[dict], units: list[dict], middle: float, arms: list[dict] | None = None
+) -> dict[str, StateGain]:
+    """Each shared-process arm's speedup over its own baseline in its block, in the fast and the
+    slow state (baselines themselves are not compared: a loader's with the training one's would
+    measure nothing).
 
     Round by round inside a block the arm and the baseline ran side by side, so each round gives a
     log ratio of their typical steps with the process's luck cancelled. A block that saw both
@@ -900,10 +932,14 @@ def _speedups_by_state(blocks: list[dict], units: list[dict], middle: float) -> 
             windows[unit["block"], unit["arm"]] = {
                 w["round"]: w["step_s"] for w in result.get("windows") or []
             }
+    reference = {"baseline": None}  # an arm -> its baseline's name; None: it is a baseline
+    for arm in arms or []:
+        reference[arm["name"]] = None if arm.get("role") == "baseline" else _baseline_of(arm, arms)
     per_block: dict[str, list[tuple[float, float, float]]] = {}  # arm -> (fast, slow, variance of the gap)
     for (block, arm), rounds in windows.items():
-        base = windows.get((block, "baseline"))
-        if arm == "baseline" or base is None:
+        baseline = reference.get(arm, "baseline")
+        base = windows.get((block, baseline)) if baseline is not None else None
+        if base is None:
             continue
         states: dict[bool, list[float]] = {False: [], True: []}
         for r, probe in enumerate(probes[block]):

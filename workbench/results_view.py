@@ -137,6 +137,8 @@ def speedup_text(row) -> str:
         return "-"
     if row.speedup_low == row.speedup_high:  # the baseline against itself
         return times(row.speedup)
+    if not (math.isfinite(row.speedup_low) and math.isfinite(row.speedup_high)):
+        return f"{times(row.speedup)} [no interval]"  # one timed step: its notes say why
     return f"{times(row.speedup)} [{row.speedup_low:.2f}, {row.speedup_high:.2f}]"
 
 

@@ -42,7 +42,8 @@ Speedup
     With a single block there is no block-to-block information: the interval then comes
     from the block's own rounds (paired round by round in a shared block), and the row says
     that it ignores process-to-process variation. With a single round too, it comes from
-    resampling step times within the two windows (2,000 bootstrap draws).
+    resampling step times within the two windows (2,000 bootstrap draws); with a single step
+    in either window, there is no interval (the verdict is "not compared").
 
 Spread within and between blocks
     ``within_block_pct``: the standard error of a block's log ratio from its own rounds (the
@@ -242,7 +243,7 @@ def combine_blocks(
     if only.degrees_of_freedom >= 1:
         half = t_quantile(confidence, only.degrees_of_freedom) * only.within_se
         return Speedup(math.exp(mean), math.exp(mean - half), math.exp(mean + half), 1, within_pct, math.nan)
-    low, high = _within_window_interval(only.baseline, only.arm, confidence, seed)
+    low, high = _within_window_interval(only.baseline, only.arm, math.exp(mean), confidence, seed)
     return Speedup(math.exp(mean), low, high, 1, within_pct, math.nan)
 
 
@@ -302,16 +303,20 @@ def _halves(side: Side) -> tuple[Side, Side]:
 
 
 def _resampled_step_means(steps: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
-    if len(steps) < 2:
-        return np.full(n, steps.mean())
     return steps[rng.integers(0, len(steps), size=(n, len(steps)))].mean(axis=1)
 
 
-def _within_window_interval(baseline: Side, arm: Side, confidence: float, seed: int) -> tuple[float, float]:
-    """One block, one window each: resample the step times of the two windows (a bootstrap)."""
-    rng = np.random.default_rng(seed)
+def _within_window_interval(
+    baseline: Side, arm: Side, point: float, confidence: float, seed: int
+) -> tuple[float, float]:
+    """One block, one window each: resample the step times of the two windows (a bootstrap)
+    around ``point``, the speedup the row reports (by whichever estimator ``arm_speedup`` chose).
+    A window of one step says nothing about its spread: no interval then (nan, "not compared"),
+    rather than one of zero width that would call a single step's difference certain."""
     base_steps, arm_steps = _all_steps(baseline.windows), _all_steps(arm.windows)
-    point = arm.throughput() / baseline.throughput()
+    if len(base_steps) < 2 or len(arm_steps) < 2:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
     # Each replicate scales the point by the resampled change in mean step time.
     ratios = (
         point
