@@ -405,6 +405,41 @@ def test_a_control_without_an_interval_is_not_called_a_failed_a_a_check():
     assert "A/A check failed" not in control["notes"]
 
 
+def test_a_run_of_one_timed_step_says_it_has_no_interval_and_plots_every_point():
+    """One block, one step: no interval for any arm; no A/A warning for the control either (it has
+    no interval to miss), and the plot's axis still reaches every point."""
+    results = wb.ablate(
+        model="mlp",
+        techniques={"checkpointing": True},
+        steps=1,
+        warmup=1,
+        blocks=1,
+        out=False,
+        progress=False,
+    )
+    table = results.table.set_index("arm")
+    assert set(table.status) == {"ok"}, table.reason
+    row = table.loc["checkpointing"]
+    assert row.verdict == "not compared" and "1 block of 1 step: no interval" in row.notes
+    said = " ".join(results.warnings()) + table.loc["baseline (control)", "notes"]
+    assert "A/A" not in said and "the control arm" not in said
+    assert "[no interval]" in results.summary(width=100)
+    results.plot()  # draws
+
+
+def test_the_speedup_axis_reaches_points_that_have_no_interval():
+    import pandas as pd
+
+    from workbench.plots import plot_speedups
+
+    table = pd.DataFrame(
+        {"arm": ["baseline", "amp"], "status": ["ok", "ok"], "speedup": [1.0, 2.94],
+         "speedup_low": [1.0, math.nan], "speedup_high": [1.0, math.nan]}
+    )  # fmt: skip
+    (axes,) = plot_speedups(table, "one timed step").axes
+    assert axes.get_xlim()[1] > 2.94
+
+
 def test_an_arm_moved_to_its_own_process_mid_run_is_compared_only_with_the_lone_baseline():
     """amp ran beside the others in block 1, then out of memory there in block 2, and alone from
     then on (from_block); its shared block is not paired with the lone baseline's blocks, and

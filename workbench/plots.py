@@ -105,7 +105,12 @@ def _plot_speedups(axes, table, y) -> None:
     for index in y[~measured]:
         axes.text(1.0, index, f"  {table.status[index]}", va="center", ha="left", color="#c44e52", fontsize=9)
     axes.set_xscale("log")
-    readable_log_ticks(axes, table.speedup_low[measured], table.speedup_high[measured])
+    # Points without an interval (one timed step) count too, so that none falls off the axis.
+    readable_log_ticks(
+        axes,
+        [*table.speedup_low[measured], *table.speedup[measured]],
+        [*table.speedup_high[measured], *table.speedup[measured]],
+    )
     axes.set_xlabel("speedup vs baseline (95% interval, log scale)")
     axes.set_yticks(y, list(table.arm))
     axes.set_title("Throughput")
@@ -328,7 +333,10 @@ def _legend_outside(axes) -> None:
 
 
 def _legend_below(axes) -> None:
-    """The axes' legend under its x label, for the narrow axes of the machine's row."""
+    """The axes' legend under its x label, for the narrow axes of the machine's row (none where
+    nothing is labelled, e.g. a table without a control arm has no noise band)."""
+    if not axes.get_legend_handles_labels()[1]:
+        return
     axes.legend(
         loc="upper center", bbox_to_anchor=(0.5, -0.3), borderaxespad=0, fontsize=7, frameon=False, ncol=1
     )

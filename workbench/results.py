@@ -705,7 +705,9 @@ class Results:
         speeds, then the CPU threads' cooperation changing state."""
         found = [self.record["smoke_test"]] if self.record.get("smoke_test") else []
         table = self.table
-        control = table[(table.arm == "baseline (control)") & table.speedup.notna()]
+        control = table[
+            (table.arm == "baseline (control)") & table.speedup_low.notna() & table.speedup_high.notna()
+        ]
         for row in control.itertuples():
             if not row.speedup_low <= 1.0 <= row.speedup_high:
                 found.append(
