@@ -135,6 +135,30 @@ def test_activation_memory_counts_what_autograd_saves_but_not_the_weights():
     assert activations == pytest.approx(2.0)
 
 
+def test_a_batch_sliced_from_a_preloaded_dataset_counts_as_the_slice_not_the_dataset():
+    """Batches cut from one tensor in memory (X[i:i + B]) are views of all of X; what autograd
+    saved is the slice, as it would be for a copied batch. Overlapping saves count once."""
+    weight = torch.nn.Parameter(torch.ones(1024))
+    model = torch.nn.Module()
+    model.weight = weight
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    dataset = torch.ones(4096, 1024)  # 16 MiB, held before and after the step
+
+    def step():
+        inputs = dataset[1024:1280]  # 1 MiB of it, saved by the multiplication
+        (inputs * weight).sum().backward()
+
+    _, activations = ArmMemory(torch.device("cpu")).measure_step(step, model, optimizer)
+    assert activations == pytest.approx(1.0)
+
+    def together():  # 2 MiB and 2 MiB, overlapping by 1 MiB: 3 MiB of the dataset, not 4 nor 16
+        halves = dataset[:512], dataset[256:768]
+        ((halves[0] * weight).sum() + (halves[1] * weight).sum()).backward()
+
+    _, activations = ArmMemory(torch.device("cpu")).measure_step(together, model, optimizer)
+    assert activations == pytest.approx(3.0)
+
+
 def test_rss_growth_sees_a_known_allocation():
     rss = ProcessRss()
     rss.mark_before_models()

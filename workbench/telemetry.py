@@ -224,43 +224,73 @@ def _profiled_peak_bytes(step: Callable[[], object]) -> int:
     return peak
 
 
+def _saved_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``tensor`` reaches: [start, end). A view of a larger tensor
+    (a batch sliced from a dataset held in memory) reaches only its own part."""
+    if tensor.numel() == 0:
+        return 0, 0
+    size = tensor.element_size()
+    start = tensor.storage_offset() * size
+    reach = 1 + sum(
+        (length - 1) * abs(stride) for length, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return start, start + reach * size
+
+
+def _union_bytes(spans: dict[tuple[int, int], int]) -> int:
+    """How many bytes the spans cover together (overlaps counted once)."""
+    covered, reached = 0, -1
+    for start, end in sorted(spans):
+        if end > reached:
+            covered += end - max(start, reached)
+            reached = end
+    return covered
+
+
 def _saved_activation_bytes(step: Callable[[], object], model: torch.nn.Module) -> int:
     """Peak bytes autograd held for backward during ``step``: the activations, read with saved-tensor hooks.
 
-    Every tensor an operation saves for its backward passes the pack hook; the distinct
-    storages among them, less the parameters (weights are saved too, but they are not
-    activations), are the activation memory. A storage counts from its first save until the
-    last tensor autograd saved on it is released (after the backward that used it), so
-    under gradient accumulation each micro-batch's activations come and go, and the figure
-    is the most held at once. Inside a checkpointed region PyTorch's own hook takes over and
-    keeps nothing, which is exactly the saving this number shows.
+    Every tensor an operation saves for its backward passes the pack hook; the bytes they
+    span in their storages, less the parameters' (weights are saved too, but they are not
+    activations), are the activation memory. Spans, not whole storages: a batch sliced from a
+    dataset preloaded as one tensor counts as the slice, as a copied batch would, not as the
+    whole dataset; and a tensor saved twice, or two views that overlap, count once. A span
+    counts from its first save until the last tensor autograd saved on it is released (after
+    the backward that used it), so under gradient accumulation each micro-batch's activations
+    come and go, and the figure is the most held at once. Inside a checkpointed region
+    PyTorch's own hook takes over and keeps nothing, which is exactly the saving this number
+    shows.
     """
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors still held]
+    live: dict[int, dict[tuple[int, int], int]] = {}  # storage address -> {span: saved tensors}
     held = {"now": 0, "peak": 0}
 
-    def release(address: int) -> None:
-        entry = live.get(address)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                held["now"] -= entry[0]
-                del live[address]
+    def release(address: int, span: tuple[int, int]) -> None:
+        spans = live.get(address)
+        if spans is None or span not in spans:
+            return
+        before = _union_bytes(spans)
+        spans[span] -= 1
+        if spans[span] == 0:
+            del spans[span]
+        held["now"] -= before - _union_bytes(spans)
+        if not spans:
+            del live[address]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         try:
-            storage = tensor.untyped_storage()
-            address = storage.data_ptr()
+            address = tensor.untyped_storage().data_ptr()
+            span = _saved_span(tensor)
         except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
             return tensor
         if address in parameters:
             return tensor
-        if address not in live:
-            live[address] = [storage.nbytes(), 0]
-            held["now"] += storage.nbytes()
-            held["peak"] = max(held["peak"], held["now"])
-        live[address][1] += 1
-        weakref.finalize(tensor, release, address)  # autograd lets go of it after its backward
+        spans = live.setdefault(address, {})
+        before = _union_bytes(spans)
+        spans[span] = spans.get(span, 0) + 1
+        held["now"] += _union_bytes(spans) - before
+        held["peak"] = max(held["peak"], held["now"])
+        weakref.finalize(tensor, release, address, span)  # autograd lets go of it after its backward
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
