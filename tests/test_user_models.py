@@ -115,6 +115,15 @@ def test_an_output_the_loss_cannot_use_is_refused_before_any_arm_runs():
         ValueError, match=r"the default loss failed on this model's output \(a tensor of shape"
     ):
         wb.plan(model=lambda: nn.Linear(4, 3), data=wrong_targets, device="cpu", batch_size=8)
+    # One output per sample (a regression without its loss_fn): cross-entropy would train nothing.
+    regression = [(torch.randn(8, 4), torch.randn(8, 1))] * 2
+    with pytest.raises(ValueError, match=r"one output per sample \(a tensor of shape \(8, 1\)\).*mse_loss"):
+        wb.plan(model=lambda: nn.Linear(4, 1), data=regression, device="cpu", batch_size=8)
+    assert len(wb.plan(model=lambda: nn.Linear(4, 1), data=regression, loss_fn=nn.functional.mse_loss,
+                       device="cpu", batch_size=8))  # fmt: skip
+    with pytest.raises(ValueError, match=r"must be one tensor \(stack several into one.*got dict"):
+        wb.plan(model=lambda: nn.Linear(4, 1), data=[(torch.randn(8, 4), {"a": torch.randn(8)})] * 2,
+                device="cpu", batch_size=8)  # fmt: skip
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor.*shape \(8, 3\)"):
         wb.plan(
             model=TwoInputs,

@@ -299,7 +299,8 @@ def ablate(
                 a JPEG ImageFolder (``"jpeg-folder:PATH"`` or ``wb.JpegFolder``), a Dataset,
                 an iterable of (inputs, targets) batches, or a callable returning one;
                 None picks the built-in model's own dataset
-    loss_fn     ``(outputs, targets) -> loss``; default cross-entropy
+    loss_fn     ``(outputs, targets) -> loss``, the batch's mean loss (grad_accum weights
+                micro-batches by their share, right for a mean); default cross-entropy
     techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``, or names with their
                 defaults (``["amp", "tf32"]``); None = all, defaults; a list of values sweeps a setting: ``{"dataloader": {"num_workers": [0, 2]}}``
 

@@ -412,7 +412,10 @@ def _check_batch(batch: object) -> None:
             f"computes its own loss (input_ids, attention_mask, labels); got {type(batch).__name__}"
         )
     if not isinstance(batch[1], torch.Tensor):
-        raise ValueError(f"batch targets must be a tensor; got {type(batch[1]).__name__}")
+        raise ValueError(
+            f"batch targets must be one tensor (stack several into one, and split them again in loss_fn); "
+            f"got {type(batch[1]).__name__}"
+        )
 
 
 def _seed_worker(worker_id: int) -> None:

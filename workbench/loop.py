@@ -45,9 +45,22 @@ def default_loss(outputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
             + (
                 "it holds no 'loss', 'logits' or tensor to take cross-entropy of"
                 if logits is None
-                else "it computed no loss, and the batch has no targets (a dict batch needs 'labels')"
+                else "it has no 'loss' field, and a dict batch has no targets: the model must compute its "
+                "own loss (a Hugging Face model does, given 'labels' in the batch and return_dict=True)"
             )
             + "; pass loss_fn=lambda outputs, targets: ... returning a scalar tensor"
+        )
+    if logits.dim() == 0:
+        raise UnusableOutput(
+            "the default loss is cross-entropy over the model's classes, and this model returns a single "
+            "number: if it is the model's own loss, pass loss_fn=lambda outputs, targets: outputs"
+        )
+    if logits.dim() == 1 or logits.shape[-1] == 1:
+        raise UnusableOutput(
+            f"the default loss is cross-entropy over the model's classes, and this model returns one output "
+            f"per sample ({describe_output(outputs)}): cross-entropy needs a score per class (over one class "
+            "it is zero whatever the model predicts, and nothing trains); for a regression pass loss_fn=torch.nn.functional.mse_loss "
+            "(or your own, returning the batch's mean loss)"
         )
     if logits.dim() > 2:
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
