@@ -94,6 +94,9 @@ QUIET = {"progress": False, "out": False}
         ({"model": lambda: torch.nn.Linear(2, 2), "data": (b for b in [])}, r"one-shot iterator"),
         ({"model": lambda: torch.nn.Linear(2, 2), "data": 3}, r"data must be a built-in name"),
         ({"loss_fn": "mse"}, r"loss_fn must be a callable"),
+        ({"overwrite": "False"}, r"ablate: overwrite must be True or False; got 'False'"),
+        ({"steps": 10**20}, r"ablate: steps must be <= 10000000; got 100000000000000000000$"),
+        ({"blocks": 20_000}, r"ablate: blocks must be <= 10000; got 20000$"),
     ],
 )
 def test_bad_input_gives_one_clear_line(kwargs, message):
@@ -210,6 +213,31 @@ def test_cli_errors_name_the_flag_not_the_keyword():
     assert in_cli_terms(message, args) == (
         "tune: --budget 5 is too small to tune this job ... Pass --budget 14 or more, or fewer steps"
     )
+    args = _parser().parse_args(["ablate"])  # a flag that takes no value is suggested without one
+    message = (
+        "out='/tmp/x' holds a different ablation; choose another out, or pass overwrite=True to discard it"
+    )
+    assert in_cli_terms(message, args) == (
+        "--out '/tmp/x' holds a different ablation; choose another out, or pass --overwrite to discard it"
+    )
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["advise", "--blocks", "3"],  # advise measures one block of the baseline: not a flag of its own
+        ["advise", "--mode", "grid"],
+        ["tune", "--budget", "60", "--mode", "grid"],  # not read as a prefix of --model
+        ["ablate", "--step", "3"],
+    ],
+)
+def test_flags_a_command_does_not_take_are_refused_by_name(arguments, capsys):
+    from workbench.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(arguments)
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {' '.join(arguments[-2:])}" in capsys.readouterr().err
 
 
 def test_cli_unknown_flag_is_argparse_exit_2():

@@ -62,6 +62,8 @@ def test_a_budget_reads_as_seconds_minutes_or_hours():
     [
         ({"budget_s": 0}, "budget_s must be a positive number"),
         ({"budget_s": "10m"}, "budget_s must be a positive number"),
+        ({"budget_s": 3.6e8}, r"at most 2592000 \(30 days\)"),  # 100000h: a typo, not a plan
+        ({"budget_s": 60, "overwrite": "no"}, "overwrite must be True or False; got 'no'"),
         ({"budget_s": 60, "blocks": 3}, "blocks is decided by the tuner"),
         ({"budget_s": 60, "techniques": ["amp"], "advice": object()}, "not both"),
         ({"budget_s": 60, "max_candidates": 0}, "max_candidates must be"),
@@ -71,6 +73,15 @@ def test_a_budget_reads_as_seconds_minutes_or_hours():
 def test_bad_input_is_refused_before_anything_runs(arguments, message):
     with pytest.raises(ValueError, match=message):
         wb.tune("mlp", **arguments, out=False, **QUIET)
+
+
+def test_a_round_never_plans_more_blocks_than_a_run_may_have():
+    from workbench.config import MAX_BLOCKS
+    from workbench.tuner import Costs
+
+    costs = Costs(run_s=1.0, process_s=0.1, default_arm_s=0.01)
+    assert costs.blocks_within(["baseline", "amp"], 30 * 24 * 3600) == MAX_BLOCKS
+    assert costs.blocks_within(["baseline", "amp"], 2.2) == 10
 
 
 def test_best_of_an_ablation_is_the_fastest_arm_measurably_faster_with_matching_loss():

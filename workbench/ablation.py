@@ -64,7 +64,7 @@ from workbench.arms import (
     slug,
     sweep_names,
 )
-from workbench.config import SMOKE_NOTE, RunConfig, SlurmOptions, smoke_test, takes_run_options
+from workbench.config import SMOKE_NOTE, RunConfig, SlurmOptions, check_bool, smoke_test, takes_run_options
 from workbench.core_sync import oversubscription
 from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
 from workbench.devices import resolve_device
@@ -335,6 +335,9 @@ def ablate(
         raise ValueError(
             f"ablate: out must be a folder path, None (a new folder) or False (keep nothing); got {out!r}"
         )
+    # A string such as "False" from a config file is true to Python: it would discard results.
+    check_bool("ablate", "overwrite", overwrite)
+    check_bool("ablate", "retry_failed", retry_failed)
     settings = _blocks_from(settings, repeats)
     launcher = Torchrun.detect()
     if launcher is not None:

@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from workbench.ablation import ablate
-from workbench.config import NothingMeasured, RunConfig, takes_run_options
+from workbench.config import ADVISOR_FIXES, NothingMeasured, RunConfig, takes_run_options
 from workbench.data import resolve_data
 from workbench.devices import cpu_lacks_native
 from workbench.results import Results
@@ -505,7 +505,6 @@ def _capacity(results: Results, gpu: bool, memory_cap_mb: float | None) -> tuple
 
 
 # The run settings the advisor decides: one block of the baseline alone.
-ADVISOR_FIXES = {"blocks": 1, "control": False, "loader_arms": False, "isolate": False}
 
 
 @takes_run_options

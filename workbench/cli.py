@@ -173,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="workbench",
         description="Honest, controlled ablations of PyTorch training-acceleration techniques.",
+        allow_abbrev=False,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parser.set_defaults(command_parsers=commands.choices)  # for in_cli_terms
@@ -229,22 +230,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("path", help="a results folder or its results.json")
     report.add_argument("--out", help="where to write it (default: report.html in the results folder)")
+    for command in commands.choices.values():  # --mode must not be read as a prefix of --model
+        command.allow_abbrev = False
     return parser
 
 
 def _add_advise_command(commands) -> None:
+    from workbench.config import ADVISOR_FIXES
+
     advise = commands.add_parser(
         "advise", help="profile a short baseline, name its bottleneck and the techniques to try"
     )
     advise.add_argument("--model", default="mlp", help="mlp | resnet-mini | gpt-mini")
     advise.add_argument("--data", help="as for ablate (default: the model's own)")
-    add_run_flags(advise)
+    add_run_flags(advise, leave_out=(*ADVISOR_FIXES, "mode"))
     advise.add_argument("--json", metavar="FILE", help="also write the advice as JSON")
     advise.add_argument("--plot", metavar="PNG", help="also save the figure: the step's parts, memory")
     advise.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_tune_command(commands) -> None:
+    from workbench.config import TUNER_DECIDES
+
     tune = commands.add_parser(
         "tune", help="search, within a time budget, for the fastest combination whose loss still matches"
     )
@@ -256,8 +263,6 @@ def _add_tune_command(commands) -> None:
                       help="search these (key=a|b tries each value) instead of the advisor's ranking")  # fmt: skip
     tune.add_argument("--techniques", dest="techniques_json", metavar="JSON", help="the same, as JSON")
     tune.add_argument("--max-candidates", type=int, help="combinations screened at most (default 24)")
-    from workbench.config import TUNER_DECIDES
-
     add_run_flags(tune, leave_out=TUNER_DECIDES)
     tune.add_argument("--out", help="the search's folder (default: a new one under ./workbench-results)")
     tune.add_argument("--overwrite", action="store_true", help="discard an earlier search in --out")
@@ -396,6 +401,11 @@ def in_cli_terms(message: str, args: argparse.Namespace) -> str:
         if action.option_strings and action.dest not in ("help", "command_parsers")
     }
     flags |= FLAG_FOR_KEYWORD.get(command, {})
+    switches = {  # flags that take no value: "overwrite=True" is "--overwrite"
+        action.dest
+        for action in args.command_parsers[command]._actions
+        if action.option_strings and action.nargs == 0
+    }
     if command in ("ablate", "advise", "tune") and message.startswith("ablate: "):
         message = f"{command}: {message[len('ablate: ') :]}"
     prefix = f"{command}: "
@@ -405,6 +415,9 @@ def in_cli_terms(message: str, args: argparse.Namespace) -> str:
     # keyword=value where the keyword stands alone ("Pass budget_s=14"), and keywords with an
     # underscore in prose ("a smaller batch_size"), which cannot be ordinary words; not a
     # technique's option inside -t text ("grad_accum:steps=4")
+    message = re.sub(
+        r"(?<![\w:.,-])(\w+)=True\b", lambda m: flags[m[1]] if m[1] in switches else m[0], message
+    )
     message = re.sub(
         r"(?<![\w:.,-])(\w+)=(?=\S)", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message
     )

@@ -75,7 +75,7 @@ def check_int(
     if value < minimum:
         raise ValueError(f"{owner}: {field} must be >= {minimum}; got {value!r}{why}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{owner}: {field} must be <= {maximum}; got {value!r}{why}")
+        raise ValueError(f"{owner}: {field} must be <= {maximum}; got {value!r}")
     return int(value)
 
 
@@ -405,6 +405,13 @@ def run_options() -> dict[str, Option]:
     return {f.name: f.metadata["option"] for f in fields(RunConfig)}
 
 
+# Bounds far beyond any real run (ten million steps of 1 ms are three hours per arm and block),
+# so that a typo of extra digits is refused at once instead of planning for years, or filling
+# memory with the plan (a worker keeps a record per window, the parent per planned block).
+MAX_STEPS = 10_000_000
+MAX_BLOCKS = 10_000
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """How each arm is trained and timed: the same for every arm, and the one object that
@@ -415,6 +422,7 @@ class RunConfig:
         "timed optimizer steps per arm in each block, split into `rounds` windows",
         int,
         least=1,
+        most=MAX_STEPS,
         main=True,
     )
     warmup: int = option(
@@ -422,6 +430,7 @@ class RunConfig:
         "untimed optimizer steps per arm before its first window",
         int,
         least=1,
+        most=MAX_STEPS,
         main=True,
         why=" (the first steps pay one-off costs: allocation, compilation, autotuning)",
     )
@@ -431,6 +440,7 @@ class RunConfig:
         "computed inside its block and combined over blocks",
         int,
         least=1,
+        most=MAX_BLOCKS,
         main=True,
         aliases=("repeats",),
     )
@@ -614,6 +624,9 @@ class RunConfig:
 
 # The run settings wb.tune decides round by round (the CLI's tune command has no flag for them).
 TUNER_DECIDES = ("blocks", "mode", "loader_arms", "profile_steps", "trace_dir")
+# advise measures the baseline alone, once: these settings are its own, and the command line has
+# no flags for them (nor for mode: with no techniques there is nothing to combine).
+ADVISOR_FIXES = {"blocks": 1, "control": False, "loader_arms": False, "isolate": False}
 
 
 def describe_run_options(indent: str = "    ") -> str:

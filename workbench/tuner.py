@@ -50,10 +50,12 @@ import numpy as np
 
 from workbench.ablation import Prepared, _default_out, _run_in_folder, prepare, refuse_a_different_run
 from workbench.config import (
+    MAX_BLOCKS,
     SMOKE_BUDGET_S,
     TUNER_DECIDES,
     NothingMeasured,
     RunConfig,
+    check_bool,
     smoke_test,
     takes_run_options,
 )
@@ -64,6 +66,7 @@ from workbench.template import WarmTemplate, acquire_template, release_template
 
 # Settings the tuner decides for each round itself; the advisor's own run fixes some more.
 MAX_CANDIDATES = 24
+MAX_BUDGET_S = 30 * 24 * 3600  # beyond it, a typo of extra digits: refused, not planned for
 RESERVE = 0.8  # the final round plans for this share of what is left: costs are estimates
 # After screening, at most this many combinations of the techniques that helped on their own
 # join the next round (the union of the best two, the best three...).
@@ -112,7 +115,7 @@ class Costs:
 
     def blocks_within(self, names: list[str], seconds: float) -> int:
         """The most blocks of these arms a round can run in ``seconds``."""
-        return max(int((seconds - self.run_s) // self.block_s(names)), 0)
+        return min(max(int((seconds - self.run_s) // self.block_s(names)), 0), MAX_BLOCKS)
 
     def learn(
         self, results: Results, began: float, starts: list[float], last_unit: float, ended: float
@@ -282,8 +285,16 @@ def tune(
 
     {run_options}
     """
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
-        raise ValueError(f"tune: budget_s must be a positive number of seconds (e.g. 600); got {budget_s!r}")
+    if (
+        isinstance(budget_s, bool)
+        or not isinstance(budget_s, (int, float))
+        or not 0 < budget_s <= MAX_BUDGET_S
+    ):
+        raise ValueError(
+            f"tune: budget_s must be a positive number of seconds (e.g. 600), at most {MAX_BUDGET_S} "
+            f"(30 days); got {budget_s!r}"
+        )
+    check_bool("tune", "overwrite", overwrite)  # "False" from a config file would discard a search
     if not (isinstance(max_candidates, int) and max_candidates >= 1):
         raise ValueError(f"tune: max_candidates must be a whole number of at least 1; got {max_candidates!r}")
     for name in TUNER_DECIDES:
