@@ -33,6 +33,26 @@ def test_a_run_enters_every_file_it_writes_in_the_manifest(tmp_path):
     )
 
 
+def test_an_ablation_and_a_search_never_share_a_folder(tmp_path):
+    """A search into an ablation's folder, or an ablation into a search's, would mix their files
+    and replace the other's results.json: refused, naming what is there, unless overwrite."""
+    out = tmp_path / "run"
+    wb.ablate(**TINY, out=out)
+    before = (out / "results.json").read_bytes()
+    with pytest.raises(ValueError, match=r"holds other workbench results \(.*plan\.json.*\), not a search's"):
+        wb.tune("mlp", budget_s=60, out=out, progress=False)
+    assert (out / "results.json").read_bytes() == before and not (out / "tune.json").exists()
+
+    search = tmp_path / "search"
+    folder = ResultsFolder(search)
+    folder.lock()
+    folder.file("tune.json").write_text("{}")
+    folder.unlock()
+    with pytest.raises(ValueError, match=r"holds other workbench results \(tune\.json\), not an ablation's"):
+        wb.ablate(**TINY, out=search)
+    assert not (search / "plan.json").exists()
+
+
 @pytest.mark.slow  # a real ablation in fresh processes
 def test_overwrite_keeps_the_users_files_and_refuses_naming_them(tmp_path):
     out = tmp_path / "run"

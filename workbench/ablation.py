@@ -223,6 +223,7 @@ def _open_out(
         plan_file = folder.path / "plan.json"
         if overwrite:
             folder.clear()  # only what workbench wrote; refuses if the user's files are there
+        folder.refuse_other_results("plan.json", "an ablation")  # a search's, say (tune.json)
         foreign = [] if plan_file.exists() else folder.foreign_files(limit=5)
         if foreign:
             raise ValueError(

@@ -164,6 +164,26 @@ class ResultsFolder:
     def _nested(self) -> list[str]:
         return sorted(entry[:-1] for entry in self._owned if entry.endswith("/"))
 
+    def own_files(self) -> list[str]:
+        """What workbench wrote here that is still here (manifest entries; ``name/`` for a nested
+        run's folder, ``name/**`` for a tree)."""
+        return sorted(
+            entry for entry in self._owned if (self.path / entry.rstrip("/").removesuffix("/**")).exists()
+        )
+
+    def refuse_other_results(self, marker: str, what: str) -> None:
+        """Raise when the folder holds workbench results but not ``marker``, the file that ``what``
+        ("an ablation", "a search") keeps: a run of another kind must not mix into them."""
+        if (self.path / marker).exists():
+            return
+        own = self.own_files()
+        if own:
+            raise ValueError(
+                f"out={str(self.path)!r} holds other workbench results ({', '.join(own[:4])}"
+                f"{', ...' if len(own) > 4 else ''}), not {what}'s; choose another out, or pass "
+                "overwrite=True to discard them"
+            )
+
     def foreign_files(self, limit: int | None = None) -> list[str]:
         """Files in the folder that workbench did not write (relative paths, sorted), or the
         first ``limit`` found (a user who points ``out`` at a big folder waits for no full scan)."""

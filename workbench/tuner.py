@@ -366,6 +366,7 @@ class _Search:
             state_file = path / "tune.json"
             if overwrite:
                 folder.clear()
+            folder.refuse_other_results("tune.json", "a search")  # an ablation's, say (plan.json)
             if state_file.exists():
                 state = json.loads(state_file.read_text())
                 refuse_a_different_run(path, state, fingerprint, "search")
