@@ -1,5 +1,6 @@
 """The workbench command, used as a person would: list, env, ablate, show."""
 
+import json
 import re
 import subprocess
 import sys
@@ -111,3 +112,37 @@ def test_advise_whose_baseline_cannot_run_says_why_in_one_line_and_exits_1():
     assert done.returncode == 1, done.stderr
     assert "workbench: advise: the baseline did not run (failed): timed out" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_advise_checks_where_it_will_write_before_it_measures(tmp_path, capsys):
+    """A user's file is never replaced, and a path that cannot be written is said at once, not
+    after the measurement (which it would throw away)."""
+    from workbench.cli import main
+
+    mine = tmp_path / "notes.json"
+    mine.write_text("the user's notes")
+    for flag, path, said in [
+        ("--json", mine, "exists and workbench did not write it"),
+        ("--json", tmp_path, "is a folder; name a file"),
+        ("--plot", tmp_path / "missing" / "advice.png", "does not exist"),
+    ]:
+        assert main(["advise", "--model", "mlp", flag, str(path), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Plan:" not in capsys.readouterr().out, err
+    assert mine.read_text() == "the user's notes"
+
+
+def test_advise_recognises_the_files_it_wrote(tmp_path):
+    from matplotlib.figure import Figure
+
+    from workbench.cli import ADVICE_GENERATOR, _advice_json, _advice_png
+
+    ours, theirs = tmp_path / "advice.json", tmp_path / "other.json"
+    ours.write_text(json.dumps({"generator": ADVICE_GENERATOR, "bottleneck": "launch"}))
+    theirs.write_text(json.dumps({"bottleneck": "launch"}))
+    assert _advice_json(ours) and not _advice_json(theirs)
+    figure = Figure()
+    figure.savefig(tmp_path / "ours.png", metadata={"Software": ADVICE_GENERATOR})
+    figure.savefig(tmp_path / "theirs.png")
+    assert _advice_png(tmp_path / "ours.png") and not _advice_png(tmp_path / "theirs.png")
+    assert not _advice_png(theirs)  # not an image at all

@@ -343,17 +343,58 @@ def _run_ablate(args: argparse.Namespace) -> int:
     return exit_code(results.table)
 
 
+ADVICE_GENERATOR = "workbench advise"  # in the files advise writes: it replaces only those
+
+
+def _check_output_file(flag: str, path: str, written_by_us) -> Path:
+    """A file a command will write, checked before anything is measured: its folder exists, it
+    is not a folder, and it is new or one workbench wrote (``written_by_us(path)``)."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; name a file")
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {target.parent} does not exist")
+    if target.exists() and not written_by_us(target):
+        raise ValueError(
+            f"{flag} {path} exists and workbench did not write it; choose another path "
+            "(workbench replaces only files it wrote)"
+        )
+    return target
+
+
+def _advice_json(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("generator") == ADVICE_GENERATOR
+    except (ValueError, UnicodeDecodeError, AttributeError, OSError):
+        return False
+
+
+def _advice_png(path: Path) -> bool:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.info.get("Software") == ADVICE_GENERATOR
+    except (UnidentifiedImageError, OSError):
+        return False
+
+
 def _run_advise(args: argparse.Namespace) -> int:
     import workbench as wb
 
     settings = run_settings(args)
+    # Before measuring: a bad path found afterwards would throw the measurement away.
+    json_file = _check_output_file("--json", args.json, _advice_json) if args.json else None
+    plot_file = _check_output_file("--plot", args.plot, _advice_png) if args.plot else None
     advice = wb.advise(args.model, args.data, progress=not args.no_progress, **settings)
     print()
     print(advice.summary())
-    if args.json:
-        Path(args.json).write_text(json.dumps(advice.to_json(), indent=1, default=str))
-    if args.plot:
-        advice.plot(args.plot)
+    if json_file is not None:
+        json_file.write_text(
+            json.dumps({"generator": ADVICE_GENERATOR, **advice.to_json()}, indent=1, default=str)
+        )
+    if plot_file is not None:
+        advice.plot().savefig(plot_file, dpi=110, metadata={"Software": ADVICE_GENERATOR})
     if args.trace_dir:
         print(
             f"\nProfiler traces in {args.trace_dir} (open them in https://ui.perfetto.dev or chrome://tracing)"
