@@ -135,3 +135,32 @@ def test_a_stop_during_a_long_submission_ends_it_and_cancels_what_was_submitted(
         blocks.run()
     assert len(blocks.attempts) == 3 and cancelled == ["1000", "1001", "1002"]
     assert all(a["cancelled_by_run"] for a in blocks.attempts)
+
+
+def test_a_submission_sbatch_refuses_is_one_line_naming_its_complaint(tmp_path, monkeypatch):
+    """submitit raises its FailedJobError with sbatch's output in several lines: the run says
+    sbatch's complaint, for the block it was submitting, as bad input (nothing ran)."""
+    pytest.importorskip("submitit")
+    from submitit.core.utils import FailedJobError
+
+    from workbench.results_folder import ResultsFolder
+    from workbench.slurm import SlurmBlocks
+
+    blocks = SlurmBlocks(SlurmOptions(partition="gpuu"), 0, ResultsFolder(tmp_path), [0], None, None, None,
+                         lambda event: None, None, None)  # fmt: skip
+    executor = blocks._make_executor()
+
+    def refuse(*args, **kwargs):
+        raise FailedJobError(
+            "Job submission failed.\nsbatch: error: invalid partition specified: gpuu\n"
+            "sbatch: error: Batch job submission failed: Invalid partition name specified"
+        )
+
+    monkeypatch.setattr(executor, "submit", refuse)
+    blocks.executor = executor
+    with pytest.raises(ValueError) as caught:
+        blocks._submit(0)
+    assert str(caught.value) == (
+        "slurm: sbatch refused block 1's job: invalid partition specified: gpuu; "
+        "Batch job submission failed: Invalid partition name specified"
+    )

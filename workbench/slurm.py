@@ -255,7 +255,12 @@ class SlurmBlocks:
         relative = attempt_folder(block, number)
         folder = self.files.nest(relative)
         self.executor.update_parameters(job_name=f"workbench-b{block}")
-        job = self.executor.submit(self.run_block, str(folder), block)
+        try:
+            job = self.executor.submit(self.run_block, str(folder), block)
+        except Exception as error:  # submitit's FailedJobError: sbatch said no (a partition, a limit)
+            raise ValueError(
+                f"slurm: sbatch refused block {block + 1}'s job: {_first_error_line(error)}"
+            ) from None
         attempt = {
             "block": block,
             "attempt": number,
@@ -391,3 +396,10 @@ class SlurmBlocks:
                            cancelled_by_run=True)  # fmt: skip
         if own:
             self._save_state()
+
+
+def _first_error_line(error: Exception) -> str:
+    """sbatch's complaints from a submission error, in one line (submitit wraps them in several)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = [line.removeprefix("sbatch: error:").strip() for line in lines if "error" in line.lower()]
+    return "; ".join(said) if said else (lines or [type(error).__name__])[-1]
