@@ -591,6 +591,18 @@ def test_summary_and_repr_mention_what_did_not_run(small_results):
             '{"schema": "%s", "table": [3], "units": [], "config": {}, "environment": {}}',
             "row 0 of its table",
         ),
+        (
+            '{"schema": "%s", "table": [{"arm": "a", "speedup": "abc"}], "units": [], "config": {}, "environment": {}}',
+            "row 0 of its table has speedup 'abc', not a number",
+        ),
+        (
+            '{"schema": "%s", "table": [], "units": [], "config": {}, "environment": {}, "arms": null}',
+            "its 'arms' is null, not a list",
+        ),
+        (
+            '{"schema": "%s", "table": [], "units": [], "config": {}, "environment": {}, "arms": [{"role": "x"}]}',
+            "arm 0 of its plan has no name or role",
+        ),
         ("[1, 2, 3]", "it holds a JSON list, not an object"),
         ('{"schema": "%s", "table": [', "is not valid JSON"),
         ("", "is not valid JSON"),

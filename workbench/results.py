@@ -1008,9 +1008,19 @@ def _malformed(record: dict) -> str | None:
     for index, row in enumerate(record["table"]):
         if not isinstance(row, dict) or "arm" not in row:
             return f"row {index} of its table is not an arm's row"
+        for column in ("speedup", "speedup_low", "speedup_high", "samples_per_s", "step_ms"):
+            value = row.get(column)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                return f"row {index} of its table has {column} {value!r}, not a number"
     for index, unit in enumerate(record["units"]):
         if not isinstance(unit, dict) or "arm" not in unit:
             return f"unit {index} is not a measured arm"
+    arms = record.get("arms", [])
+    if not isinstance(arms, list):
+        return f"its 'arms' is {'null' if arms is None else 'a JSON ' + type(arms).__name__}, not a list"
+    for index, arm in enumerate(arms):
+        if not isinstance(arm, dict) or not isinstance(arm.get("name"), str) or "role" not in arm:
+            return f"arm {index} of its plan has no name or role"
     return None
 
 
