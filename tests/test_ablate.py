@@ -442,6 +442,25 @@ def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     assert (foreign / "thesis.tex").read_text() == "precious"
 
 
+def test_a_tuner_round_cut_by_the_budget_does_not_offer_to_resume(tmp_path, capsys):
+    """The tuner's last round plans more blocks than the budget may hold and is stopped when the
+    budget runs out, on purpose: it says so, without the Ctrl-C advice to run it again."""
+    from workbench.tuner import Deadline
+
+    deadline = Deadline()
+
+    def expire_after_first_block(event):
+        if event["type"] == "unit":
+            deadline.expire()
+
+    cut = wb.ablate(model="mlp", techniques={}, steps=4, warmup=1, blocks=3, out=tmp_path / "round",
+                    stop=deadline, on_event=expire_after_first_block, **QUIET)  # fmt: skip
+    assert not cut.complete
+    printed = capsys.readouterr().out
+    assert "Stopped, as the search's budget ran out: 1 of 3 processes finished, and count" in printed
+    assert "resumes" not in printed
+
+
 def test_a_block_stopped_midway_is_run_again_whole(tmp_path):
     """Stop while a block's process is running: its arms' windows so far are dropped, the finished
     block is kept, and the rerun runs the stopped block from its start (a block is one process)."""

@@ -633,7 +633,13 @@ class _Runner:
             if self.kept
             else "are in the returned results only (out=False)."
         )
-        if self._on_slurm():  # this run's Slurm jobs were cancelled (workbench.slurm)
+        why = getattr(self.stop, "why", None)  # a tuner's round, cut by the search's budget on purpose
+        if why is not None:
+            print(
+                f"\nStopped, as {why}: {len(self.done)} of {planned} processes finished, and count",
+                flush=True,
+            )
+        elif self._on_slurm():  # this run's Slurm jobs were cancelled (workbench.slurm)
             done = run.blocks - len(self._blocks_not_done())
             print(f"\nStopped, its Slurm jobs cancelled: {done} of {run.blocks} blocks {where}", flush=True)
         else:

@@ -92,6 +92,18 @@ class Candidate:
         self.dropped, self.dropped_in = why, round_index
 
 
+class Deadline(threading.Event):
+    """A round's stop: set when the search's budget runs out (``why`` then says so, and the
+    round's ablation does not offer to resume what the search meant to cut), or when the user
+    stops the search."""
+
+    why: str | None = None
+
+    def expire(self) -> None:
+        self.why = "the search's budget ran out"
+        self.set()
+
+
 @dataclass
 class Costs:
     """What a round costs here, in seconds: once per round (its warm template's start, saving),
@@ -612,8 +624,8 @@ class _Search:
                            "loader_arms": False, "profile_steps": 0, "trace_dir": None})  # fmt: skip
         prepared = prepare(self.model, self.data, self.loss_fn, {}, run, {c.name: c.pairs for c in alive})
         self._hold_template()  # held already, unless this search resumed: not part of the round's cost
-        deadline = threading.Event()
-        timer = threading.Timer(max(self.left_s, 0.0), deadline.set)
+        deadline = Deadline()
+        timer = threading.Timer(max(self.left_s, 0.0), deadline.expire)
         relay = threading.Thread(target=self._relay_stop, args=(deadline,), daemon=True)
         timer.start()
         relay.start()
