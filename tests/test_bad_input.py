@@ -189,6 +189,7 @@ def test_missing_gpu_is_a_clear_error():
         (["ablate", "-t", "amp:dtype=fp8"], "amp: dtype must be one of"),
         (["ablate", "-t", "grad_accum:steps=0"], "grad_accum: steps must be >= 1; got 0"),
         (["ablate", "-t", "amp:dtype"], "cannot read technique option 'dtype'"),
+        (["ablate", "-t", "amp:dtype=bfloat16,dtype=float16"], "option 'dtype' is given twice"),
         (["ablate", "--techniques", "{not json"], "--techniques is not valid JSON"),
         (["show", "/no/such/folder"], "no results at /no/such/folder"),
     ],

@@ -70,6 +70,10 @@ def parse_technique_flag(flag: str) -> tuple[str, Any]:
             raise ValueError(
                 f"cannot read technique option {item!r} in {flag!r}; write NAME:key=value,key=value"
             )
+        if key in settings:  # one would silently win; a sweep is written key=a|b
+            raise ValueError(
+                f"technique option {key!r} is given twice in {flag!r}; to try both, write {key}=a|b"
+            )
         settings[key] = _value(value)
     return name, settings
 
