@@ -227,6 +227,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_advise_command(commands)
     _add_tune_command(commands)
 
+    _add_saved_results_commands(commands)
+    for command in commands.choices.values():  # --mode must not be read as a prefix of --model
+        command.allow_abbrev = False
+    return parser
+
+
+def _add_saved_results_commands(commands) -> None:
     show = commands.add_parser("show", help="print a saved results table")
     show.add_argument("path", help="a results folder or its results.json")
     report = commands.add_parser(
@@ -234,9 +241,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("path", help="a results folder or its results.json")
     report.add_argument("--out", help="where to write it (default: report.html in the results folder)")
-    for command in commands.choices.values():  # --mode must not be read as a prefix of --model
-        command.allow_abbrev = False
-    return parser
 
 
 def _add_advise_command(commands) -> None:

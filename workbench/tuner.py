@@ -297,15 +297,10 @@ def tune(
 
     {run_options}
     """
-    if (
-        isinstance(budget_s, bool)
-        or not isinstance(budget_s, (int, float))
-        or not 0 < budget_s <= MAX_BUDGET_S
-    ):
-        raise ValueError(
-            f"tune: budget_s must be a positive number of seconds (e.g. 600), at most {MAX_BUDGET_S} "
-            f"(30 days); got {budget_s!r}"
-        )
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
+        raise ValueError(f"tune: budget_s must be a positive number of seconds (e.g. 600); got {budget_s!r}")
+    if budget_s > MAX_BUDGET_S:
+        raise ValueError(f"tune: budget_s must be at most {MAX_BUDGET_S} (30 days); got {budget_s!r}")
     check_bool("tune", "overwrite", overwrite)  # "False" from a config file would discard a search
     if not (isinstance(max_candidates, int) and max_candidates >= 1):
         raise ValueError(f"tune: max_candidates must be a whole number of at least 1; got {max_candidates!r}")
