@@ -1,6 +1,6 @@
 """The main job's figures: wall time, table and stability of ``workbench ablate --preset quick``.
 
-Run:  python benchmarks/quick_preset.py [--runs 5] [--start template|spawn|both]
+Run:  python benchmarks/quick_preset.py [--runs 5] [--start template|spawn|late|both|prewarm]
           [--plan BLOCKSxSTEPS ...] [--threads N] [--json FILE]
 
 Each run is the command a user types, start to exit, in a fresh process. With several runs
@@ -8,6 +8,8 @@ it also reports how far each arm's speedup strays from its median over the runs:
 is every arm within +-3% (and the whole command within 45 s on the 2-core CI machine).
 ``--start both`` alternates the two ways a run starts its processes (forked from a warm
 template, or a new interpreter each), run by run, to measure what the template saves.
+``--start prewarm`` alternates the template the command starts before it imports torch
+(the default) with one the run starts afterwards, to measure what starting it first saves.
 ``--plan 3x20 --plan 6x10`` alternates ways of splitting the timed steps into blocks (3
 blocks of 20 steps per arm, or 6 of 10), run by run, to measure what more blocks buy.
 ``--threads 1`` runs every measuring process on one intra-op thread, out of reach of the
@@ -44,6 +46,11 @@ COLUMNS = [
 ]
 
 
+LATE_TEMPLATE = (
+    "import sys, workbench.cli as cli; cli._prewarm_template = lambda args: None; sys.exit(cli.main())"
+)
+
+
 def run_once(
     folder: Path, start: str, plan: tuple[int, int] | None, threads: int | None = None
 ) -> tuple[float, object]:
@@ -51,10 +58,12 @@ def run_once(
 
     out = folder / "quick"
     started = time.perf_counter()
+    # "late": the warm template, started by the run itself once this process has imported torch
+    # (as before the command started it first, workbench.template.prewarm), for comparison.
+    launcher = ["-c", LATE_TEMPLATE] if start == "late" else ["-m", "workbench"]
     command = [
         sys.executable,
-        "-m",
-        "workbench",
+        *launcher,
         "ablate",
         "--preset",
         "quick",
@@ -62,7 +71,7 @@ def run_once(
         str(out),
         "--no-progress",
         "--start",
-        start,
+        "template" if start == "late" else start,
     ]
     if plan:  # the same timed steps per arm, split over a different number of blocks
         blocks, steps = plan
@@ -150,9 +159,11 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument(
         "--start",
-        choices=["template", "spawn", "both"],
+        choices=["template", "spawn", "late", "both", "prewarm"],
         default="template",
-        help="how the preset's processes start; both: alternate, run by run",
+        help="how the preset's processes start: forked from the template the command starts first "
+        "(template), or the run starts later (late), or new interpreters (spawn); both alternates "
+        "template and spawn, prewarm template and late, run by run",
     )
     parser.add_argument(
         "--plan",
@@ -165,7 +176,7 @@ def main() -> None:
         "--threads", type=int, help="intra-op CPU threads in every measuring process (the preset's --threads)"
     )
     args = parser.parse_args()
-    starts = ["template", "spawn"] if args.start == "both" else [args.start]
+    starts = {"both": ["template", "spawn"], "prewarm": ["template", "late"]}.get(args.start, [args.start])
     # Every combination of start and plan, alternated run by run so that the hour's noise
     # falls on all of them alike.
     conditions = [(start, plan) for start in starts for plan in (args.plan or [None])]
@@ -173,7 +184,12 @@ def main() -> None:
     def label(condition: tuple[str, tuple[int, int] | None]) -> str:
         start, plan = condition
         threads = f" --threads {args.threads}" if args.threads else ""
-        return f"--start {start}" + (f" --blocks {plan[0]} --steps {plan[1]}" if plan else "") + threads
+        how = (
+            "--start template (the run starts the template, not the command)"
+            if start == "late"
+            else f"--start {start}"
+        )
+        return how + (f" --blocks {plan[0]} --steps {plan[1]}" if plan else "") + threads
 
     from workbench.environment import machine_summary
 
