@@ -193,12 +193,14 @@ def main() -> None:
 
     from workbench.environment import machine_summary
 
-    walls, tables, ran, by_estimator, probes, warnings = [], [], [], [], [], []
+    walls, outside, tables, ran, by_estimator, probes, warnings = [], [], [], [], [], [], []
     for run in range(args.runs * len(conditions)):
         condition = conditions[run % len(conditions)]
         with tempfile.TemporaryDirectory() as folder:
             wall, results = run_once(Path(folder), *condition, threads=args.threads)
         walls.append(wall)
+        # What the run spent outside its blocks' processes: start-up, the template, saving.
+        outside.append(wall - sum(block.get("wall_s", 0.0) for block in results.record["blocks"]))
         ran.append(condition)
         tables.append(json.loads(results.table[COLUMNS].to_json(orient="records")))
         by_estimator.append(speedups_by_estimator(results))
@@ -218,6 +220,8 @@ def main() -> None:
         print(
             f"\nwall time of `workbench ablate --preset quick {label(condition)}` (start to exit): "
             f"{', '.join(f'{walls[i]:.1f}' for i in these)} s; median {statistics.median(walls[i] for i in these):.1f} s"
+            f"; outside the blocks' processes: {', '.join(f'{outside[i]:.1f}' for i in these)} s, median "
+            f"{statistics.median(outside[i] for i in these):.1f} s"
         )
         if len(these) > 1:
             speedups, estimators = stability_of([tables[i] for i in these], [by_estimator[i] for i in these])
@@ -227,6 +231,7 @@ def main() -> None:
             "benchmark": "quick-preset",
             "runs": args.runs,
             "wall_s": walls,
+            "outside_blocks_s": outside,
             "start": [start for start, _ in ran],
             "plan": [list(plan) if plan else None for _, plan in ran],
             "table": tables[-1],
