@@ -151,7 +151,7 @@ def test_the_run_forks_from_the_template_the_command_started_unless_its_environm
     takes that one, and closes it instead where the environment changed in between."""
     workbench.template.close_kept_template()
     workbench.template.prewarm()
-    started, _how = workbench.template._starting.started.result()
+    started = workbench.template._starting.started.result()
     res = _one_block()
     assert res.record["worker_start"].endswith(", started before the run was set up")
     assert workbench.template.kept_template() is started and started.alive()
@@ -159,13 +159,21 @@ def test_the_run_forks_from_the_template_the_command_started_unless_its_environm
     workbench.template.close_kept_template()
     assert not started.alive()
     workbench.template.prewarm()
-    stale, _how = workbench.template._starting.started.result()
+    stale = workbench.template._starting.started.result()
     monkeypatch.setenv("WORKBENCH_TEST_TEMPLATE_ENV", "changed after the template started")
     res = _one_block()
     assert res.record["worker_start"].startswith("forked from a warm template (ready in")
     assert "started before" not in res.record["worker_start"]
     assert not stale.alive(), "a template started for another environment was used or left running"
     assert workbench.template.kept_template() not in (None, stale)
+
+    # No run comes (the command's input was refused): closing ends it without waiting for its
+    # imports, so that the command's error does not wait on them either.
+    workbench.template.close_kept_template()
+    workbench.template.prewarm()
+    unused = workbench.template._starting.started.result()
+    workbench.template.close_kept_template()
+    assert unused.process.poll() is not None and workbench.template._starting is None
 
 
 def test_the_command_line_starts_the_template_only_for_a_run_here(monkeypatch):

@@ -79,7 +79,7 @@ class ForkedWorker:
 class WarmTemplate:
     """The parent's handle on a running template (see the module docstring)."""
 
-    def __init__(self, log_path: Path):
+    def __init__(self, log_path: Path, wait: bool = True):
         self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
@@ -99,12 +99,28 @@ class WarmTemplate:
         self._early_exits: dict[int, int] = {}
         self.log_path = log_path
         self.temporary_dir: str | None = None  # a folder workbench made for the log, removed at the end
+        self._replies = threading.Condition()
+        self._ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the template has imported everything and can fork (``wait=False`` left it to
+        the caller); raises, closing it, when it cannot start."""
+        if self._ready:
+            return
         ready = self._read_line(READY_TIMEOUT_S)
         if ready.get("ready") is not True:
             self.close()
-            raise RuntimeError(ready.get("error") or f"the template did not start (see {log_path})")
-        self._replies = threading.Condition()
+            raise RuntimeError(ready.get("error") or f"the template did not start (see {self.log_path})")
+        self._ready = True
         threading.Thread(target=self._follow, name="workbench-template", daemon=True).start()
+
+    def discard(self) -> None:
+        """End a template that no run will use, without waiting for it to finish its imports."""
+        self.process.kill()
+        self.process.wait()
+        self._control.close()
 
     def _read_line(self, timeout_s: float) -> dict:
         self._control.settimeout(timeout_s)
@@ -261,7 +277,8 @@ class _Starting:
 
     fingerprint: tuple
     log_dir: str
-    started: Future
+    started: Future  # the WarmTemplate, still importing (wait=False)
+    began: float
 
 
 _starting: _Starting | None = None
@@ -272,9 +289,10 @@ def prewarm() -> None:
 
     The command line calls this before it imports torch itself, so that the template's imports
     (about 2 s here) overlap the parent's own instead of following them. The run's
-    ``acquire_template`` takes it if nothing it depends on changed in between (else closes it
-    and starts another); if no run comes, it closes with the process. Where no template would
-    be kept or forked from, this does nothing.
+    ``acquire_template`` takes it if nothing it depends on changed in between (else ends it
+    and starts another); if no run comes (bad input), it is killed as the process exits,
+    without waiting for its imports. Where no template would be kept or forked from, this
+    does nothing.
     """
     global _starting
     if _no_fork_reason() is not None:
@@ -287,23 +305,27 @@ def prewarm() -> None:
         if _kept is not None or _starting is not None:
             return
         log_dir = tempfile.mkdtemp(prefix="workbench-template-")
-        started = _starter.submit(start_template, Path(log_dir) / "template.log")
-        _starting = _Starting(_fingerprint(), log_dir, started)
+        # The starter thread starts the process (it dies with that thread), without waiting.
+        started = _starter.submit(WarmTemplate, Path(log_dir) / "template.log", False)
+        _starting = _Starting(_fingerprint(), log_dir, started, time.perf_counter())
 
 
-def _adopt_started_locked() -> str | None:
-    """The prewarmed template becomes the kept one when it started and still fits (then: how it
-    started, for the results); else it ends, and None."""
+def _adopt_started_locked(use: bool) -> str | None:
+    """With ``use``, the prewarmed template becomes the kept one once ready, if it still fits
+    (then: how it started, for the results); otherwise it is ended at once, and None."""
     global _kept, _starting
     if _starting is None:
         return None
     starting, _starting = _starting, None
-    template, how = starting.started.result()
-    if template is not None and _kept is None and starting.fingerprint == _fingerprint():
-        _kept = _Kept(template, starting.fingerprint, starting.log_dir)
-        return how
-    if template is not None:
-        template.close()
+    try:
+        template = starting.started.result()
+        if use and _kept is None and starting.fingerprint == _fingerprint():
+            template.wait_ready()
+            _kept = _Kept(template, starting.fingerprint, starting.log_dir)
+            return f"forked from a warm template (ready in {time.perf_counter() - starting.began:.1f} s)"
+        template.discard()
+    except Exception:  # it could not start: the run starts its own, which says why if it fails too
+        pass
     shutil.rmtree(starting.log_dir, ignore_errors=True)
     return None
 
@@ -318,7 +340,7 @@ def acquire_template() -> tuple[WarmTemplate | None, str]:
     if (reason := _no_fork_reason()) is not None:
         return None, reason
     with _kept_lock:
-        prewarmed = _adopt_started_locked()
+        prewarmed = _adopt_started_locked(use=True)
         fingerprint = _fingerprint()
         if _kept is not None and _kept.users == 0:
             if _kept.fingerprint != fingerprint or not _kept.template.alive():
@@ -391,7 +413,7 @@ def _close_kept_locked() -> None:
 def close_kept_template() -> None:
     """Close the template kept between runs now, if it is idle (it closes by itself anyway)."""
     with _kept_lock:
-        _adopt_started_locked()
+        _adopt_started_locked(use=False)
         if _kept is not None and _kept.users == 0:
             _close_kept_locked()
 
@@ -399,7 +421,7 @@ def close_kept_template() -> None:
 def kept_template() -> WarmTemplate | None:
     """The template kept between runs, if one is running (for tests and diagnostics)."""
     with _kept_lock:
-        _adopt_started_locked()
+        _adopt_started_locked(use=True)
         return _kept.template if _kept is not None and _kept.template.alive() else None
 
 
