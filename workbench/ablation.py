@@ -68,7 +68,7 @@ from workbench.config import SMOKE_NOTE, RunConfig, SlurmOptions, check_bool, sm
 from workbench.core_sync import oversubscription
 from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
 from workbench.devices import resolve_device
-from workbench.distributed import Torchrun
+from workbench.distributed import Torchrun, ranks_on_this_machine
 from workbench.environment import environment
 from workbench.loop import check_the_loss
 from workbench.models import build_model, inspect_model, model_label
@@ -591,7 +591,7 @@ class _Runner:
             plan_event["executor"] = "slurm"
         elif run.threads is not None and self.prepared.config["device"] == "cpu":
             # Said before anything runs; each block's record carries what it found (Results.warnings).
-            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))  # ranks on this machine
+            ranks = ranks_on_this_machine(run.world_size)
             plan_event["oversubscribed"] = oversubscription(run.threads, usable_cores(), ranks)
         self.on_event(plan_event)
         if progress:  # before the bar exists, so that the two never share a line

@@ -504,9 +504,6 @@ def _capacity(results: Results, gpu: bool, memory_cap_mb: float | None) -> tuple
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20, "this machine's RAM"
 
 
-# The run settings the advisor decides: one block of the baseline alone.
-
-
 @takes_run_options
 def advise(
     model="mlp",

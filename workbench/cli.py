@@ -444,17 +444,13 @@ def in_cli_terms(message: str, args: argparse.Namespace) -> str:
     steps must be ...``) is written the same way in ``-t grad_accum:steps=4``, so it stays.
     """
     command = args.command
-    flags = {
-        action.dest: next(name for name in action.option_strings if name.startswith("--"))
-        for action in args.command_parsers[command]._actions
-        if action.option_strings and action.dest not in ("help", "command_parsers")
-    }
+    flags, switches = {}, set()  # switches: flags that take no value ("overwrite=True" is "--overwrite")
+    for action in args.command_parsers[command]._actions:
+        if action.option_strings and action.dest != "help":
+            flags[action.dest] = next(name for name in action.option_strings if name.startswith("--"))
+            if action.nargs == 0:
+                switches.add(action.dest)
     flags |= FLAG_FOR_KEYWORD.get(command, {})
-    switches = {  # flags that take no value: "overwrite=True" is "--overwrite"
-        action.dest
-        for action in args.command_parsers[command]._actions
-        if action.option_strings and action.nargs == 0
-    }
     if command in ("ablate", "advise", "tune") and message.startswith("ablate: "):
         message = f"{command}: {message[len('ablate: ') :]}"
     prefix = f"{command}: "

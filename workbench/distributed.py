@@ -85,8 +85,12 @@ class Rank:
 
     @property
     def local_world_size(self) -> int:
-        """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE, else every rank (workbench starts them all here)."""
-        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        return ranks_on_this_machine(self.world_size)
+
+
+def ranks_on_this_machine(world_size: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE, else every rank (workbench starts them all here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def backend_for(device: torch.device) -> str:

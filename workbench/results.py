@@ -143,8 +143,9 @@ def summarize(
     """
     by_arm: dict[str, list[dict]] = {arm["name"]: [] for arm in arms}
     earlier: dict[str, set[int]] = {}  # an arm moved to its own process -> blocks it ran in shared
+    process_of = {arm["name"]: arm.get("process", "block") for arm in arms}
     for unit in units:
-        arm_process = next((a.get("process", "block") for a in arms if a["name"] == unit["arm"]), None)
+        arm_process = process_of.get(unit["arm"])
         if arm_process is not None and unit.get("process", "block") != arm_process:
             # Measured beside the other arms before it had to move: against another baseline,
             # in another kind of process, so not combined with its own-process blocks.

@@ -214,7 +214,12 @@ def start_template(log_path: Path) -> tuple[WarmTemplate | None, str]:
         template = WarmTemplate(log_path)
     except Exception as error:
         return None, f"plain spawn: the warm template did not start ({error})"
-    return template, f"forked from a warm template (ready in {time.perf_counter() - started:.1f} s)"
+    return template, _forked_after(time.perf_counter() - started)
+
+
+def _forked_after(ready_s: float) -> str:
+    """How the run's workers started, for the results."""
+    return f"forked from a warm template (ready in {ready_s:.1f} s)"
 
 
 # --- one template kept warm between the runs of a Python process ------------------------------
@@ -322,7 +327,7 @@ def _adopt_started_locked(use: bool) -> str | None:
         if use and _kept is None and starting.fingerprint == _fingerprint():
             template.wait_ready()
             _kept = _Kept(template, starting.fingerprint, starting.log_dir)
-            return f"forked from a warm template (ready in {time.perf_counter() - starting.began:.1f} s)"
+            return _forked_after(time.perf_counter() - starting.began)
         template.discard()
     except Exception:  # it could not start: the run starts its own, which says why if it fails too
         pass
