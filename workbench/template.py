@@ -19,6 +19,10 @@ or at ``close_kept_template()``. It is started afresh when anything it imported 
 another interpreter, ``sys.path``, working directory or environment (bar ``PYTEST_CURRENT_TEST``),
 or an edited workbench source file.
 
+Its log lives in a folder of its own in the temporary folder, removed when it closes. A run
+killed outright (SIGKILL: no exit handlers) cannot remove it; the next run that starts a
+template removes such abandoned folders, and only those (``_sweep_abandoned_log_dirs``).
+
 It falls back to a plain spawn (``python -m workbench.worker`` per process), and the results
 say so, where forking is unsafe or unavailable: on platforms other than Linux, when the
 template cannot start, or when the run asks for it (``start="spawn"``).
@@ -33,6 +37,7 @@ its message pipe and its log); the template answers ``{"pid": N}``, and ``{"exit
 from __future__ import annotations
 
 import atexit
+import fcntl
 import importlib.util
 import json
 import os
@@ -83,6 +88,10 @@ class WarmTemplate:
         self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
+            # The lock travels with the log's open file into the template (its stdout), so it is
+            # held exactly as long as the template lives, however its parent ended: a later
+            # run's sweep (_sweep_abandoned_log_dirs) can tell an abandoned log folder by it.
+            fcntl.flock(log.fileno(), fcntl.LOCK_EX)
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "workbench.template", str(theirs.fileno())],
                 stdin=subprocess.DEVNULL,
@@ -276,6 +285,58 @@ def _fingerprint() -> tuple:
     return (sys.executable, tuple(sys.path), os.getcwd(), environment, sources)
 
 
+LOG_DIR_PREFIX = "workbench-template-"
+LOG_NAME = "template.log"
+ABANDONED_AFTER_S = 3600.0  # a template that failed to start leaves its log this long, for its reader
+_swept = False
+
+
+def _new_log_dir() -> str:
+    """A fresh folder for a template's log (after sweeping the ones killed runs left behind)."""
+    global _swept
+    if not _swept:
+        _swept = True
+        _sweep_abandoned_log_dirs(Path(tempfile.gettempdir()))
+    return tempfile.mkdtemp(prefix=LOG_DIR_PREFIX)
+
+
+def _sweep_abandoned_log_dirs(folder: Path) -> list[Path]:
+    """Remove the template log folders that runs killed outright (SIGKILL: no atexit) left behind.
+
+    Only folders this user owns, named as workbench names them, holding nothing but workbench's
+    own log (or nothing), untouched for ABANDONED_AFTER_S, and whose template is gone: the log's
+    lock (taken in WarmTemplate) is free. Anything else is left alone. Returns what it removed.
+    """
+    removed = []
+    now = time.time()
+    for log_dir in folder.glob(LOG_DIR_PREFIX + "*"):
+        try:
+            if log_dir.is_symlink() or not log_dir.is_dir() or log_dir.stat().st_uid != os.getuid():
+                continue
+            contents = {entry.name for entry in log_dir.iterdir()}
+            log = log_dir / LOG_NAME
+            if contents - {LOG_NAME}:  # something workbench did not write: not ours to remove
+                continue
+            touched = max(path.stat().st_mtime for path in [log_dir, log] if path.exists())
+            if now - touched < ABANDONED_AFTER_S or (log.exists() and not _lock_is_free(log)):
+                continue
+            shutil.rmtree(log_dir)
+            removed.append(log_dir)
+        except OSError:  # another process's sweep, or a folder we may not read: not ours to fight over
+            continue
+    return removed
+
+
+def _lock_is_free(log: Path) -> bool:
+    """Whether no template holds ``log``'s lock (it ended, however its parent ended)."""
+    with open(log, "rb") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+
 @dataclass
 class _Starting:
     """A template that ``prewarm`` started in the background, not yet taken by a run."""
@@ -309,9 +370,9 @@ def prewarm() -> None:
     with _kept_lock:
         if _kept is not None or _starting is not None:
             return
-        log_dir = tempfile.mkdtemp(prefix="workbench-template-")
+        log_dir = _new_log_dir()
         # The starter thread starts the process (it dies with that thread), without waiting.
-        started = _starter.submit(WarmTemplate, Path(log_dir) / "template.log", False)
+        started = _starter.submit(WarmTemplate, Path(log_dir) / LOG_NAME, False)
         _starting = _Starting(_fingerprint(), log_dir, started, time.perf_counter())
 
 
@@ -361,8 +422,8 @@ def acquire_template() -> tuple[WarmTemplate | None, str]:
                 _kept.template,
                 "forked from a warm template kept from an earlier run in this Python process",
             )
-        log_dir = tempfile.mkdtemp(prefix="workbench-template-")
-        template, how = _starter.submit(start_template, Path(log_dir) / "template.log").result()
+        log_dir = _new_log_dir()
+        template, how = _starter.submit(start_template, Path(log_dir) / LOG_NAME).result()
         # A template that did not start leaves its log where ``how`` points, for whoever reads why.
         if template is not None and _kept is None:  # kept for the runs after this one
             _kept = _Kept(template, fingerprint, log_dir, users=1)
