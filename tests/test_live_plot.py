@@ -147,6 +147,8 @@ def test_live_legends_never_cover_the_data(clock, nvml):
     result = {
         "losses": [2.0, 1.0],
         "phase_ms": {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0},
+        "wall_s": 0.1,
+        "steps": 10,
     }
     for arm in ARMS:
         live({"type": "unit", "arm": arm, "block": 0, "status": "ok", "result": result})
@@ -165,9 +167,9 @@ def test_live_losses_leave_out_the_loader_only_twins(clock):
     live({"type": "plan", "arms": arms, "blocks": 1, "processes": 1, "remaining": 1})
     phases = {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0}
     live({"type": "unit", "arm": "baseline", "block": 0, "status": "ok",
-          "result": {"losses": [2.0, 1.5, 1.0], "phase_ms": phases}})  # fmt: skip
+          "result": {"losses": [2.0, 1.5, 1.0], "phase_ms": phases, "wall_s": 0.1, "steps": 10}})  # fmt: skip
     live({"type": "unit", "arm": "loader: baseline", "block": 0, "status": "ok",
-          "result": {"losses": [0.0, 0.0, 0.0], "phase_ms": phases}})  # fmt: skip
+          "result": {"losses": [0.0, 0.0, 0.0], "phase_ms": phases, "wall_s": 0.1, "steps": 10}})  # fmt: skip
     figure = plot_live(live.snapshot())
     losses = next(axes for axes in figure.axes if axes.get_title().startswith("Loss"))
     assert [list(line.get_ydata()) for line in losses.get_lines()] == [[2.0, 1.5, 1.0]]

@@ -203,15 +203,13 @@ def test_table_has_the_contract_columns_and_sane_values(small_results):
     )
     assert (ok.step_ms > 0).all() and (ok.peak_mem_mb > 0).all() and (ok.startup_s > 0).all()
     parts = ok[["data_ms", "forward_ms", "backward_ms", "optimizer_ms"]].sum(axis=1)
-    # Each phase is a median over steps, and step_ms comes from the wall clock: on a loaded
-    # machine (CI shares it) the sum of four medians strays a few percent from the whole (5.03%
-    # seen in CI); a breakdown that misses a phase or counts one twice is off by far more. Where
-    # the run itself saw other processes take the cores (its load warning), stalls land in some
-    # steps' phases and not in the fastest windows (seen: phases 5x the step), and no bound holds.
+    # The phases divide step_ms by their shares of the timed windows: never more than the step
+    # (on the CPU every step's phases are clocked), and the rest is the harness between steps.
+    # Where the run saw other processes take the cores (its load warning), a stall can land
+    # between two steps, outside every phase, and no lower bound holds.
+    assert (parts <= ok.step_ms * 1.001).all(), "the breakdown claims more than the step"
     if not small_results.load.get("warning"):
-        assert ((parts <= ok.step_ms * 1.10) & (parts >= ok.step_ms * 0.5)).all(), (
-            "the breakdown must explain the step"
-        )
+        assert (parts >= ok.step_ms * 0.9).all(), "the breakdown must explain the step"
     assert table.set_index("arm").loc["baseline", "speedup"] == 1.0
     assert (ok.loss_vs_baseline.between(0.5, 2.0)).all()
     assert set(ok.blocks) == {2} and set(ok.process) == {"block"}
@@ -669,3 +667,19 @@ def test_blocks_on_different_devices_or_at_very_different_speeds_are_warned_abou
     mixed = [*same[:2], {"block": 2, "host": "node2", "device_name": "NVIDIA A100"}]
     (kinds,) = mixed_blocks(mixed, units([1000, 1100, 1050]))
     assert "2 kinds of device (NVIDIA A100; NVIDIA H100)" in kinds and "constraint" in kinds
+
+
+def test_the_step_breakdown_divides_the_tables_step_even_when_one_block_stalled():
+    """Each phase's figure is its share of the arm's timed windows times step_ms, so the bars add
+    up to the step the table shows. Medians of each phase over blocks, apart from step_ms's,
+    claimed three times the step here: one block ran ten times slower (a loaded machine)."""
+    from workbench.results import summarize
+
+    arms = [{"name": "baseline", "role": "baseline", "techniques": "none", "unavailable": None}]
+    quiet, stalled = _fake_unit("baseline", [1.0] * 5), _fake_unit("baseline", [1.0] * 5, [0.1] * 4, block=1)
+    quiet["result"]["phase_ms"] = {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 0.5}
+    stalled["result"]["phase_ms"] = {"data": 10.0, "forward": 30.0, "backward": 50.0, "optimizer": 5.0}
+    (row,) = summarize(arms, [quiet, stalled], planned_blocks=2, complete=True)
+    parts = [row[f"{phase}_ms"] for phase in ("data", "forward", "backward", "optimizer")]
+    assert sum(parts) == pytest.approx(0.95 * row["step_ms"])  # 5% of each window between the steps
+    assert parts == pytest.approx([share * row["step_ms"] for share in (0.1, 0.3, 0.5, 0.05)])

@@ -328,6 +328,8 @@ def test_live_run_gathers_events_and_the_live_plot_renders():
         "samples_per_s": 130.0,
         "losses": [2.0, 1.5, 1.2],
         "phase_ms": {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0},
+        "wall_s": 0.1,
+        "steps": 10,
     }
     live({"type": "unit", "arm": "amp", "block": 0, "status": "ok", "result": result})
     live({"type": "process_done", "block": 0, "job": "block"})

@@ -47,6 +47,7 @@ from workbench.config import ADVISOR_FIXES, NothingMeasured, RunConfig, takes_ru
 from workbench.data import resolve_data
 from workbench.devices import cpu_lacks_native
 from workbench.results import Results
+from workbench.stats import PHASES, phase_shares
 from workbench.techniques import all_techniques, technique_context
 
 PARTS = ("data", "launch", "compute", "communication")
@@ -438,8 +439,10 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
         raise NothingMeasured(f"advise: the baseline did not run ({unit['status']}): {unit['reason']}")
     result, profile = unit["result"], unit["result"]["profile"]
     gpu = run_device == "cuda"
-    phases = result["phase_ms"]
     step_ms = 1e3 * float(np.median(result["step_s"]))
+    # The phases divide that typical step by their shares of the timed windows: their own means
+    # beside a median step would claim more than the whole step after a few stalls.
+    phases = {phase: share * step_ms for phase, share in zip(PHASES, phase_shares(result), strict=True)}
     capacity, source = _capacity(results, gpu, memory_cap_mb)
     return Facts(
         device="cuda" if gpu else "cpu",

@@ -410,14 +410,19 @@ def _plot_live_throughput(axes, throughput: dict, colors: dict, running: str | N
 
 
 def _plot_live_breakdown(axes, finished: list[dict], arms: list[str]) -> None:
-    """Per arm, the median time of each phase over its finished blocks."""
+    """Per arm, its median step over its finished blocks, divided by the phases' mean shares of
+    their windows (as the results table divides it: ``stats.phase_shares``)."""
+    from workbench.stats import PHASES, phase_shares
+
     per_arm: dict[str, list[dict]] = {}
     for unit in finished:
         per_arm.setdefault(unit["arm"], []).append(unit["result"])
     names = [arm for arm in arms if arm in per_arm]
+    step_ms = np.array([1e3 * np.median([r["wall_s"] / r["steps"] for r in per_arm[arm]]) for arm in names])
+    shares = np.array([np.mean([phase_shares(r) for r in per_arm[arm]], axis=0) for arm in names])
     left = np.zeros(len(names))
     for phase, color in PHASE_COLORS.items():
-        values = np.array([np.median([r["phase_ms"].get(phase, 0.0) for r in per_arm[arm]]) for arm in names])
+        values = shares[:, PHASES.index(phase)] * step_ms if names else np.zeros(0)
         if values.any():  # only phases that occurred: "replay" appears with cuda_graphs alone
             axes.barh(names, values, left=left, color=color, label=phase, height=0.6)
             left += values

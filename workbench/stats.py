@@ -88,6 +88,20 @@ DISAGREEMENT = 3.0  # blocks disagree when their spread is this many times their
 PHASES = ("data", "forward", "backward", "optimizer", "replay")
 
 
+def phase_shares(result: dict) -> list[float]:
+    """Each phase's share (in PHASES order) of one block's timed wall clock for an arm.
+
+    ``phase_ms`` is a mean per marked step (on CUDA every 8th step is marked), so times the
+    steps it estimates the phase's whole time in the windows. Records from before the replay
+    phase existed lack it. On the CPU every step is marked and the shares add up to at most 1
+    (the rest is the harness between steps); on CUDA the marked steps only estimate the whole.
+    """
+    window_ms = 1e3 * result["wall_s"]
+    if not window_ms > 0:
+        return [0.0] * len(PHASES)
+    return [result["phase_ms"].get(phase, 0.0) * result["steps"] / window_ms for phase in PHASES]
+
+
 def _all_steps(windows: Sequence[Sequence[float]]) -> np.ndarray:
     return np.concatenate([np.asarray(w, dtype=float) for w in windows]) if windows else np.array([])
 
