@@ -421,7 +421,18 @@ def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     saved = wb.load_results(out)
     assert set(saved.table.status) == {"interrupted"} and set(saved.table.blocks) == {1}
 
-    started = []
+    # Stopped before it began (a tuner resuming a search whose budget is spent): it reads back
+    # what finished and starts no process only to end it.
+    already, started = threading.Event(), []
+    already.set()
+    idle = wb.ablate(
+        **arguments,
+        stop=already,
+        on_event=lambda e: started.append(e) if e["type"] == "start" else None,
+        **QUIET,
+    )
+    assert not idle.complete and not started and set(idle.table.blocks) == {1}
+
     second = wb.ablate(
         **arguments, on_event=lambda e: started.append(e) if e["type"] == "start" else None, **QUIET
     )

@@ -120,6 +120,35 @@ def test_best_of_an_ablation_is_the_fastest_arm_measurably_faster_with_matching_
             value() if callable(value) else value
 
 
+def _figures(speedup, low, high, blocks=3, verdict="faster", band=(0.95, 1.05)):
+    return {"round": 1, "blocks": blocks, "status": "ok", "speedup": speedup, "speedup_low": low,
+            "speedup_high": high, "loss_vs_baseline": 1.0, "loss_gap_of_fall": 0.0, "verdict": verdict,
+            "noise_band": list(band)}  # fmt: skip
+
+
+def test_the_fastest_is_called_best_only_when_faster_than_the_control_band_over_two_blocks_or_more():
+    from workbench.tuner import _not_decided
+
+    assert _not_decided(_figures(1.30, 1.20, 1.40, blocks=2)) is None
+    # One block: its interval holds only the noise inside one process (a budget spent on screening).
+    assert _not_decided(_figures(1.72, 1.13, 2.59, blocks=1)).startswith("measured in one block only")
+    # Above 1 but inside what the control (the baseline measured again) showed: not a gain.
+    why = _not_decided(_figures(1.06, 1.01, 1.12, verdict="within noise", band=(0.91, 1.09)))
+    assert why.startswith("not measurably faster") and "[0.91, 1.09]" in why
+
+
+def test_clearly_slower_needs_a_gap_wider_than_the_control_band():
+    from workbench.tuner import _clearly_slower
+
+    leader = _figures(1.06, 1.00, 1.12, blocks=1, band=(0.91, 1.09))
+    # The intervals part, but by less than a change that does nothing spread: kept in the search.
+    assert not _clearly_slower(_figures(0.90, 0.85, 0.95, blocks=1), leader)
+    assert _clearly_slower(_figures(0.70, 0.65, 0.75, blocks=1), leader)
+    # With a narrow band the non-overlap decides.
+    narrow = _figures(1.06, 1.00, 1.12, blocks=1, band=(0.99, 1.01))
+    assert _clearly_slower(_figures(0.90, 0.85, 0.95, blocks=1), narrow)
+
+
 def test_a_nested_results_folder_is_cleared_with_its_parent_and_guards_the_users_files(tmp_path):
     parent = ResultsFolder(tmp_path)
     parent.file("tune.json").write_text("{}")
@@ -264,6 +293,37 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
         wb.tune(
             PausingNet, batches(), budget_s=2 * budget, techniques=known_techniques, out=out, **RUN, **QUIET
         )
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_round_keeps_the_time_it_took_spent(known_techniques, tmp_path, monkeypatch):
+    """Otherwise each interrupted round would give its time back, and a search stopped and
+    resumed again and again could run past its budget without end."""
+    import workbench.tuner
+
+    run_in_folder = workbench.tuner._run_in_folder
+
+    def interrupted_round(prepared, folder, *args):
+        if folder is False:  # the calibration, which keeps nothing
+            return run_in_folder(prepared, folder, *args)
+        spent_before.append(json.loads((out / "tune.json").read_text())["spent_s"])  # as the round starts
+        time.sleep(2.0)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workbench.tuner, "_run_in_folder", interrupted_round)
+    out, spent_before = tmp_path / "search", []
+    with pytest.raises(KeyboardInterrupt):
+        wb.tune(
+            PausingNet,
+            batches(),
+            budget_s=SEARCH_BUDGET_S,
+            techniques=known_techniques,
+            out=out,
+            **RUN,
+            **QUIET,
+        )
+    state = json.loads((out / "tune.json").read_text())
+    assert state["spent_s"] >= spent_before[0] + 2.0, (spent_before, state["spent_s"])
 
 
 @pytest.mark.slow

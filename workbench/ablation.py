@@ -739,6 +739,8 @@ class _Runner:
                     job = queue.pop(0)
                     if (block, job.key) in self.done:
                         continue
+                    if self.stop is not None and self.stop.is_set():  # not a process started to be ended
+                        raise Interrupted
                     self._run_job(job, Path(compile_cache), bar)
                     # Arms moved to their own processes run in this block too, after the others.
                     queued = {j.key for j in queue}

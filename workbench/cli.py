@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +421,9 @@ def _run_tune(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, progress=not args.no_progress, **limit, **run_settings(args),
     )  # fmt: skip
     print()
+    # The last round's own warnings (a control off its A/A band, a busy machine) bear on its verdict.
+    for warning in results.warnings():
+        print(textwrap.fill(f"WARNING: {warning}", 100), end="\n\n")
     print(results.tuning.drop(columns=["techniques"]).to_string(index=False))
 
     print()

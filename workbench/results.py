@@ -1047,11 +1047,9 @@ def tune_verdict(record: dict) -> str:
 
     if record.get("best"):
         text = f"best: {fastest['name']}, {figures(fastest)}"
-    else:
-        text = (
-            f"no combination was measurably faster than the baseline; the fastest, {fastest['name']}, "
-            f"came out at {figures(fastest)}"
-        )
+    else:  # searches saved before "undecided" was recorded judged by the interval alone
+        why = record.get("undecided") or "not measurably faster than the baseline"
+        text = f"no winner: the fastest, {fastest['name']}, came out at {figures(fastest)}, but {why}"
     if runner is not None:
         text += f"; runner-up: {runner['name']}, {figures(runner)}"
     text += f" ({spent}"

@@ -68,7 +68,7 @@ COLUMNS = {
 MFU_COLUMN = Column("MFU %")
 
 
-def _band_of(row, table) -> tuple[float, float]:
+def noise_band(row, table) -> tuple[float, float]:
     """The control arm's interval for this arm's kind of process, widened to hold 1.0 (or 1.0
     alone when there is no measured control): where an arm that changes nothing lands."""
     controls = table[
@@ -91,9 +91,15 @@ def verdict(row, table) -> str:
         return "reference"
     if row.role == "control":
         return "control"
+    return against_noise(row, table)
+
+
+def against_noise(row, table) -> str:
+    """faster, slower, within noise or not compared: the arm's interval against the control's band
+    (also for an arm whose blocks were cut short: the tuner judges what they measured)."""
     if not math.isfinite(row.speedup_low) or not math.isfinite(row.speedup_high):
         return "not compared"
-    band_low, band_high = _band_of(row, table)
+    band_low, band_high = noise_band(row, table)
     if row.speedup_low > band_high:
         return "faster"
     if row.speedup_high < band_low:

@@ -18,10 +18,11 @@ Hyperband):
 4. **Halve.** Each following round keeps the better half, and measures it with more blocks
    (fresh processes). A candidate leaves early when its final loss drifts from the baseline's
    (convergence parity: ``workbench.results_view.loss_drifted``), when it fails, or when its whole speedup interval
-   lies below the leader's.
+   lies below the leader's by more than the control's band is wide.
 5. **Decide.** The last round compares the two finalists over the most blocks; the better is
    ``best`` (``Results.best``: a techniques mapping for ``wb.ablate``), the other the runner-up.
-   A winner whose interval contains 1 is not called faster than the baseline.
+   The fastest is called best only when its round's verdict is "faster" (the whole interval
+   above the control arm's band, as in an ablation) over at least ``DECIDING_BLOCKS`` blocks.
 
 Each round is an ordinary ablation in ``out/round-N`` (arms side by side in one process, block
 by block), so its figures are as honest as any ablation's, and a rerun with the same ``out``
@@ -61,6 +62,7 @@ from workbench.config import (
 )
 from workbench.results import Results, loss_drifted
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
+from workbench.results_view import against_noise, noise_band, with_roles
 from workbench.techniques import Technique, all_techniques, get_technique, parse_techniques, settings_of
 from workbench.template import WarmTemplate, acquire_template, release_template
 
@@ -68,6 +70,10 @@ from workbench.template import WarmTemplate, acquire_template, release_template
 MAX_CANDIDATES = 24
 MAX_BUDGET_S = 30 * 24 * 3600  # beyond it, a typo of extra digits: refused, not planned for
 RESERVE = 0.8  # the final round plans for this share of what is left: costs are estimates
+# The least blocks a deciding figure comes from: one block's interval holds only the noise inside
+# its process, not the process's own luck (which the blocks' spread measures), so a winner seen
+# in one block alone (a budget spent on screening) is reported, not called best.
+DECIDING_BLOCKS = 2
 # After screening, at most this many combinations of the techniques that helped on their own
 # join the next round (the union of the best two, the best three...).
 GROWN_AFTER_SCREENING = 3
@@ -609,10 +615,11 @@ class _Search:
 
     def _run_round(self, index: int, alive: list[Candidate], blocks: int) -> tuple[Results, bool] | None:
         estimate = self.costs.round_s(self._arms_of([c.name for c in alive]), blocks)
-        self._say(
-            f"round {index + 1}: {len(alive)} candidate{'s' * (len(alive) != 1)} x {blocks} block"
-            f"{'s' * (blocks != 1)} (about {estimate:.0f} s of {self.left_s:.0f} s left)"
-        )
+        plan = f"round {index + 1}: {len(alive)} candidate{'s' * (len(alive) != 1)} x {blocks} block{'s' * (blocks != 1)}"
+        if self.left_s > 0:
+            self._say(f"{plan} (about {estimate:.0f} s of {self.left_s:.0f} s left)")
+        else:  # resuming a search whose budget is spent: what its blocks measured still counts
+            self._say(f"{plan}: the budget is spent; reading back the blocks that finished")
         self.on_event({"type": "tune_round", "round": index, "candidates": [c.name for c in alive],
                        "blocks": blocks, "estimate_s": estimate, "left_s": self.left_s})  # fmt: skip
         run = RunConfig(**{**self.run_config.to_json(), "blocks": blocks, "mode": "one-at-a-time",
@@ -620,6 +627,8 @@ class _Search:
         prepared = prepare(self.model, self.data, self.loss_fn, {}, run, {c.name: c.pairs for c in alive})
         self._hold_template()  # held already, unless this search resumed: not part of the round's cost
         deadline = Deadline()
+        if self.left_s <= 0:
+            deadline.expire()  # at once, not from the timer's thread: no block may start
         timer = threading.Timer(max(self.left_s, 0.0), deadline.expire)
         relay = threading.Thread(target=self._relay_stop, args=(deadline,), daemon=True)
         timer.start()
@@ -637,14 +646,15 @@ class _Search:
         began = time.monotonic()
         sub = f"round-{index}"
         where = self.folder.nest(sub)  # an ablation's folder of its own, inside the search's
+        self.state["rounds"][index]["folder"] = sub
         try:
             results = _run_in_folder(prepared, where, False, False, self.progress, watch, deadline, None)
         finally:
             timer.cancel()
             deadline.set()  # ends the relay thread
+            self._save_state()  # Ctrl-C included: the time this round took stays spent when it resumes
         self.costs.learn(results, began, starts, last_unit[0] or time.monotonic(), time.monotonic())
         ran = len({u["block"] for u in results.record["units"] if u["status"] == "ok"})
-        self.state["rounds"][index]["folder"] = sub
         self._save_state()
         if not ran:
             return None
@@ -692,6 +702,11 @@ class _Search:
 
     def _judge(self, index: int, alive: list[Candidate], results: Results, final: bool) -> list[Candidate]:
         """Record each candidate's figures; drop failures, loss drift and the clearly slower; halve."""
+        with_role = with_roles(results.table, results.record["arms"])
+        judged = {
+            row.arm: (against_noise(row, with_role), noise_band(row, with_role))
+            for row in with_role.itertuples()
+        }
         table = results.table.set_index("arm")
         standing = []
         for candidate in alive:
@@ -708,6 +723,10 @@ class _Search:
                 "speedup_high": row.speedup_high,
                 "loss_vs_baseline": row.loss_vs_baseline,
                 "loss_gap_of_fall": row.loss_gap_of_fall,
+                # Against the round's control band (the baseline measured again), as an ablation
+                # judges: "faster" only when the whole interval lies above what a no-op shows.
+                "verdict": judged[candidate.name][0],
+                "noise_band": list(judged[candidate.name][1]),
             }
             candidate.rounds.append(figures)
             # A round the deadline cut short still measured its finished blocks, side by side.
@@ -727,7 +746,7 @@ class _Search:
         kept = [standing[0]]
         for candidate in standing[1:]:
             mine = candidate.rounds[-1]
-            if mine["speedup_high"] < leader["speedup_low"]:
+            if _clearly_slower(mine, leader):
                 candidate.drop(
                     index,
                     f"clearly slower than {standing[0].name}: x{mine['speedup']:.2f} "
@@ -765,12 +784,14 @@ class _Search:
         # (its figures are from its last round, with that round's blocks).
         others = sorted(
             (c for c in measured if c is not best and c.rounds[-1]["speedup"] is not None),
-            key=lambda c: (-len(c.rounds), -c.rounds[-1]["speedup"]),
+            # the furthest, then one still in the search before one it dropped, then the faster
+            key=lambda c: (-len(c.rounds), bool(c.dropped), -c.rounds[-1]["speedup"]),
         )
         runner_up = others[0] if others else None
-        faster = best is not None and best.rounds[-1]["speedup_low"] > 1.0
+        undecided = _not_decided(best.rounds[-1]) if best is not None else None
+        faster = best is not None and undecided is None
         if best is not None:
-            best.dropped = "" if faster else "the winner, but not measurably faster than the baseline"
+            best.dropped = "" if faster else f"the fastest, but {undecided}"
         record = {
             "budget_s": self.budget_s,
             "spent_s": self.spent_s,
@@ -779,6 +800,7 @@ class _Search:
             "calibration": self.state["calibration"],
             "advice": self.state.get("advice"),
             "best": _summary(best) if faster else None,
+            "undecided": undecided,  # why the fastest is not called best (None when it is)
             "fastest": _summary(best),
             "runner_up": _summary(runner_up),
             "candidates": [_summary(c) for c in self.candidates],
@@ -795,13 +817,45 @@ class _Search:
         return results
 
 
+def _faster(figures: dict) -> bool:
+    """Its round called it faster: the whole interval above the control's band (state saved
+    before the verdict was recorded: above 1)."""
+    if "verdict" in figures:
+        return figures["verdict"] == "faster"
+    return figures["speedup_low"] > 1.0
+
+
 def _helped(figures: dict) -> bool:
-    """Measured faster than the baseline (the whole interval above 1), with its loss matching."""
+    """Measured faster than the baseline, beyond the control's band, with its loss matching."""
     return (
         figures["status"] in ("ok", "interrupted")
-        and figures["speedup_low"] > 1.0
+        and _faster(figures)
         and not loss_drifted(figures["loss_vs_baseline"], figures.get("loss_gap_of_fall", math.nan))
     )
+
+
+def _not_decided(figures: dict) -> str | None:
+    """Why these (the fastest's last) figures cannot name a winner; None when they can."""
+    if figures.get("blocks", 0) < DECIDING_BLOCKS:
+        return (
+            "measured in one block only: one process's figures cannot tell its luck "
+            f"from a gain (a winner needs a round of {DECIDING_BLOCKS} blocks or more; give the search more budget)"
+        )
+    if not _faster(figures):
+        low, high = figures.get("noise_band", (1.0, 1.0))
+        return (
+            f"not measurably faster than the baseline: its interval [{figures['speedup_low']:.2f}, "
+            f"{figures['speedup_high']:.2f}] reaches into the control's band [{low:.2f}, {high:.2f}]"
+        )
+    return None
+
+
+def _clearly_slower(mine: dict, leader: dict) -> bool:
+    """The intervals do not overlap, and the gap is wider than the control's band: the spread a
+    change that does nothing showed in the same round. (One block's intervals hold only the noise
+    inside its process, narrower than the band, so that their gap alone is not enough.)"""
+    low, high = leader.get("noise_band", (1.0, 1.0))
+    return mine["speedup_high"] < leader["speedup_low"] and leader["speedup"] / mine["speedup"] > high / low
 
 
 def _settings_key(techniques: Mapping[str, dict]) -> str:
