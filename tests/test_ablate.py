@@ -453,6 +453,39 @@ def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     assert (foreign / "thesis.tex").read_text() == "precious"
 
 
+def _mlp_of_width(width: int):
+    def make():  # one name for every width: the run's label ("make") cannot tell them apart
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+
+    return make
+
+
+def test_an_edited_model_under_the_same_name_does_not_resume_into_the_earlier_runs_folder(tmp_path):
+    """Editing a model in a notebook and running again is the usual way to iterate: the folder
+    of the earlier model must refuse the new one, not mix their blocks."""
+    data = torch.utils.data.TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    arguments = {
+        "techniques": {},
+        "steps": 2,
+        "warmup": 1,
+        "blocks": 1,
+        "batch_size": 16,
+        "out": tmp_path / "r",
+    }
+    wb.ablate(_mlp_of_width(16), data, **arguments, **QUIET)
+    with pytest.raises(ValueError, match=r"holds a different ablation \(differs in: model_structure\)"):
+        wb.ablate(_mlp_of_width(4096), data, **arguments, **QUIET)
+    other_data = torch.utils.data.TensorDataset(torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,)))
+    with pytest.raises(ValueError, match=r"differs in: data_shape\)"):
+        wb.ablate(_mlp_of_width(16), other_data, **arguments, **QUIET)
+    with pytest.raises(ValueError, match=r"differs in: loss_fn, loss_source\)"):
+        wb.ablate(
+            _mlp_of_width(16), data, lambda out, y: nn.functional.cross_entropy(out, y), **arguments, **QUIET
+        )
+    # The same job again finds its blocks done.
+    assert wb.ablate(_mlp_of_width(16), data, **arguments, **QUIET).complete
+
+
 def test_a_tuner_round_cut_by_the_budget_does_not_offer_to_resume(tmp_path, capsys):
     """The tuner's last round plans more blocks than the budget may hold and is stopped when the
     budget runs out, on purpose: it says so, without the Ctrl-C advice to run it again."""

@@ -44,12 +44,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
 from workbench.arms import (
     Arm,
@@ -97,6 +98,8 @@ class Prepared:
     loss_fn: Callable | None
     arms: list[Arm]
     config: dict
+    # What the labels in config do not say (two models built by functions of one name): see job_identity.
+    identity: dict = field(default_factory=dict)
 
 
 def prepare(
@@ -120,9 +123,12 @@ def prepare(
     inspected = inspect_model(model)
     source = resolve_data(data, model, run.seed)
     check_sample_count(source, run.batch_size, run.world_size)
+    first_batch = None
     if not (isinstance(model, str) and loss_fn is None):  # a built-in model with its own loss is known to fit
         first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
         check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn)
+    elif isinstance(source.user, (Dataset, list, tuple)):  # read again at no cost: its shape identifies it
+        first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
     ctx = technique_context(run, model, source, inspected=inspected)
     label = ctx.model_name
     runnable, runnable_names, unavailable = [], [], []
@@ -157,7 +163,8 @@ def prepare(
         **run.to_json(),
         "device": str(device),
     }
-    return Prepared(run, model, source, loss_fn, arms, config)
+    identity = job_identity(model, inspected[0], source, first_batch, loss_fn)
+    return Prepared(run, model, source, loss_fn, arms, config, identity)
 
 
 def _check_where_it_runs(run: RunConfig) -> torch.device:
@@ -190,11 +197,69 @@ def _described(chosen: list[tuple[Technique, Any]]) -> dict[str, str]:
     return described
 
 
+def job_identity(
+    model: Any, built: Any, source: DataSource, first_batch: Any, loss_fn: Callable | None
+) -> dict:
+    """What identifies the job beyond its labels, for deciding whether a folder holds this run.
+
+    The labels name a user's model, data and loss by their function or type names: editing a
+    model in a notebook and running again into the same ``out`` would otherwise resume, and
+    mix the old model's blocks with the new one's. So: the model's layers (its repr), its
+    tensors' names and shapes, and the source of its factory and of each layer class's
+    ``forward``; user data's length and first batch's shapes and dtypes (not their values,
+    which random augmentations change from run to run); the loss function's source; and the
+    torch and workbench versions that measure it. Each part is a short digest, named in the
+    "differs in" message when it changes.
+    """
+    from workbench import __version__
+
+    layers = sorted({type(module) for module in built.modules()}, key=lambda cls: cls.__qualname__)
+    model_text = [
+        repr(built),
+        *(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in built.state_dict().items()),
+    ]
+    model_text += [_source_of(model) if callable(model) else str(model)]
+    model_text += [_source_of(cls.forward) for cls in layers]
+    identity = {
+        "model_structure": _digest(model_text),
+        "loss_source": _digest([_source_of(loss_fn)]) if loss_fn is not None else "cross_entropy",
+        "torch_version": torch.__version__,
+        "workbench_version": __version__,
+    }
+    if source.builtin is None and source.images is None:  # user data: its label is only a type name
+        size = len(source.user) if hasattr(source.user, "__len__") else "a factory or an iterator"
+        identity["data_shape"] = _digest([str(size), repr(_shapes_of(first_batch))])
+    return identity
+
+
+def _source_of(obj: Any) -> str:
+    """Its source where Python can find it (a notebook cell's too), else its qualified name."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return getattr(obj, "__qualname__", type(obj).__qualname__)
+
+
+def _shapes_of(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape), str(batch.dtype))
+    if isinstance(batch, Mapping):
+        return {key: _shapes_of(value) for key, value in sorted(batch.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(batch, (list, tuple)):
+        return [_shapes_of(value) for value in batch]
+    return type(batch).__qualname__
+
+
+def _digest(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
 def _fingerprint(prepared: Prepared) -> dict:
     """What must match for a rerun with the same ``out`` to resume rather than start over."""
     # Where the blocks run and how long one may take do not change what is measured: a run
     # started locally may be resumed on a cluster, and the other way round.
     settings = {k: v for k, v in prepared.config.items() if k not in ("timeout_s", "executor", "slurm")}
+    settings |= prepared.identity
     settings["arms"] = [
         [arm.name, arm.record()["techniques"], arm.process] for arm in prepared.arms if not arm.unavailable
     ]

@@ -423,6 +423,7 @@ class _Search:
             "pool": "the advisor" if techniques is None else repr(pool_from_techniques(techniques)),
             "advice": None if advice is None else advice.recommended,
             "max_candidates": max_candidates,
+            **self.checked.identity,  # a model edited under the same name is another search
         }
         text = json.dumps(settings, sort_keys=True, default=str)
         return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16], "settings": json.loads(text)}
