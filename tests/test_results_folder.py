@@ -33,6 +33,33 @@ def test_a_run_enters_every_file_it_writes_in_the_manifest(tmp_path):
     )
 
 
+def test_a_file_another_workbench_process_entered_meanwhile_stays_in_the_manifest(tmp_path):
+    """``workbench report`` while the run goes on enters report.html; the run's next entry must
+    not drop it (overwrite would then refuse the folder for a file workbench wrote itself)."""
+    run, report = ResultsFolder(tmp_path), ResultsFolder(tmp_path)  # two processes' views
+    run.file("results.json").write_text("{}")
+    report.file("report.html").write_text("<html>")
+    run.file("table.csv").write_text("")
+    assert set(json.loads((tmp_path / MANIFEST).read_text())["files"]) == {
+        "results.json",
+        "report.html",
+        "table.csv",
+    }
+    ResultsFolder(tmp_path).clear()
+    assert not [p for p in tmp_path.iterdir() if p.name != MANIFEST]
+
+
+def test_json_results_are_as_readable_as_the_other_files(tmp_path):
+    """Colleagues on a shared file system who can open plot.png can open results.json too."""
+    from workbench.results_folder import write_json_atomic
+
+    write_json_atomic(tmp_path / "results.json", {})
+    (tmp_path / "table.csv").write_text("")
+    assert (tmp_path / "results.json").stat().st_mode & 0o777 == (
+        tmp_path / "table.csv"
+    ).stat().st_mode & 0o777
+
+
 def test_an_ablation_and_a_search_never_share_a_folder(tmp_path):
     """A search into an ablation's folder, or an ablation into a search's, would mix their files
     and replace the other's results.json: refused, naming what is there, unless overwrite."""

@@ -153,8 +153,15 @@ class ResultsFolder:
         return self.path / name.strip("/")
 
     def _own(self, entry: str) -> None:
-        """Enter a file (or a nested folder, or a tree) in the manifest, before it is written."""
+        """Enter a file (or a nested folder, or a tree) in the manifest, before it is written.
+
+        What another workbench process entered meanwhile (``workbench report`` while the run goes
+        on) is kept: the manifest on disk is read again and joined, not overwritten."""
         if entry not in self._owned:
+            try:
+                self._owned.update(self._read_manifest())
+            except ValueError:  # damaged meanwhile: this run's own entries are all it can vouch for
+                pass
             self._owned.add(entry)
             self._write_manifest()
 
@@ -355,11 +362,19 @@ def json_values(value: Any) -> Any:
     return value
 
 
+# Read once, at import (setting it is the only way to read it): mkstemp makes its files
+# readable by their owner only, and a rename keeps that; the results get the mode any other file
+# written here gets (table.csv, plot.png), so that colleagues on a shared file system can read them.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def write_json_atomic(path: Path, record: Any) -> None:
     """Write to a temporary file and rename it into place: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
+        os.fchmod(handle, 0o666 & ~_UMASK)
         with os.fdopen(handle, "w") as file:
             json.dump(json_values(record), file, indent=1, allow_nan=False)
         os.replace(temporary, path)
