@@ -49,6 +49,29 @@ def test_a_file_another_workbench_process_entered_meanwhile_stays_in_the_manifes
     assert not [p for p in tmp_path.iterdir() if p.name != MANIFEST]
 
 
+def test_traces_written_inside_out_are_workbenchs_own(tmp_path):
+    """trace_dir inside out: overwrite removes the traces, rather than refusing them as a stranger's."""
+    out = tmp_path / "run"
+    traced = {
+        **TINY,
+        "techniques": {},
+        "control": False,
+        "profile_steps": 1,
+        "trace_dir": str(out / "traces"),
+    }
+    wb.ablate(**traced, out=out)
+    assert sorted(p.name for p in (out / "traces").iterdir()) == ["b0-baseline.json"]
+    wb.ablate(**{**traced, "steps": 5}, out=out, overwrite=True)
+    assert not (
+        set(json.loads((out / MANIFEST).read_text())["files"])
+        ^ {
+            p.relative_to(out).as_posix()
+            for p in out.rglob("*")
+            if p.is_file() and p.name not in (MANIFEST, LOCK)
+        }
+    )
+
+
 def test_json_results_are_as_readable_as_the_other_files(tmp_path):
     """Colleagues on a shared file system who can open plot.png can open results.json too."""
     from workbench.results_folder import write_json_atomic

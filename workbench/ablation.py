@@ -85,7 +85,7 @@ from workbench.techniques import (
 )
 from workbench.telemetry import Sampler, competing_load, usable_cores
 from workbench.template import WarmTemplate, acquire_template, keep_warm_s, release_template
-from workbench.worker import BlockSpec
+from workbench.worker import BlockSpec, trace_file_name
 
 
 @dataclass
@@ -979,6 +979,21 @@ class _Runner:
         """
         return compile_cache / ("smoke" if smoke_test() else f"b{job.block}-{job.key}-{attempt}")
 
+    def _enter_traces(self, block: int, arms: list[Arm]) -> None:
+        """A trace_dir inside out holds workbench's files: enter the traces this process will write
+        in the manifest first, so that overwrite removes them and counts no stranger's file."""
+        trace_dir = self.run_config.trace_dir
+        if trace_dir is None or not self.kept:
+            return
+        inside = Path(trace_dir).resolve()
+        if not inside.is_relative_to(self.folder.resolve()):
+            return
+        ranks = range(self.run_config.world_size) if self.run_config.world_size > 1 else [None]
+        for arm in arms:
+            for rank in ranks:
+                name = trace_file_name(block, arm.name, rank)
+                self.files.file((inside / name).relative_to(self.folder.resolve()))
+
     def _launch(
         self, job: Job, arms: list[Arm], attempt: int, compile_cache: Path, bar: Progress
     ) -> tuple[dict, dict[str, dict]]:
@@ -992,6 +1007,7 @@ class _Runner:
             run=replace(run, device=prepared.config["device"]),
             block=job.block,
         )
+        self._enter_traces(job.block, arms)
         arm_errors: dict[str, dict] = {}
         where = f"block {job.block + 1}/{run.blocks}" + ("" if job.shared else f", {arms[0].name} alone")
 

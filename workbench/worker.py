@@ -70,6 +70,12 @@ WINDOW_TARGET_S = 0.005  # how long a window lasts when rounds are chosen from t
 LONE_ARM_ROUNDS = 10  # windows of an arm alone in its process
 
 
+def trace_file_name(block: int, arm: str, rank: int | None = None) -> str:
+    """The profiler trace's file name for ``arm`` in ``block`` (``rank``: under DDP), in trace_dir."""
+    name = re.sub(r"[^\w.-]+", "_", arm)  # "baseline (control)" -> "baseline_control_"
+    return f"b{block}-{name}" + (f"-rank{rank}" if rank is not None else "") + ".json"
+
+
 def window_steps(steps: int, rounds: int) -> list[int]:
     """The steps of each round's window: ``steps`` split into ``rounds`` as evenly as whole steps allow."""
     base, extra = divmod(steps, rounds)
@@ -369,9 +375,8 @@ class _Block:
     def _trace_path(self, arm: BlockArm) -> Path | None:
         if self.run.trace_dir is None:
             return None
-        rank = f"-rank{self.rank.rank}" if self.rank.distributed else ""
-        name = re.sub(r"[^\w.-]+", "_", arm.name)  # "baseline (control)" -> "baseline_control_"
-        return Path(self.run.trace_dir) / f"b{self.spec.block}-{name}{rank}.json"
+        rank = self.rank.rank if self.rank.distributed else None
+        return Path(self.run.trace_dir) / trace_file_name(self.spec.block, arm.name, rank)
 
     def record(self) -> dict:
         """How the block ran: its arms, orders, windows and process."""
