@@ -486,6 +486,20 @@ def test_an_edited_model_under_the_same_name_does_not_resume_into_the_earlier_ru
     assert wb.ablate(_mlp_of_width(16), data, **arguments, **QUIET).complete
 
 
+def test_an_interrupt_while_the_run_starts_leaves_no_thread_behind(monkeypatch):
+    """A notebook's interrupt can land at any moment, also while the run starts its sampler and
+    its template: each one left running would stay until the kernel exits."""
+    import workbench.ablation
+
+    def interrupted(self, bar):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workbench.ablation._Runner, "_start_template", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        wb.ablate("mlp", techniques={}, steps=2, warmup=1, blocks=1, out=False, **QUIET)
+    assert not [t for t in threading.enumerate() if t.name == "workbench-sampler"]
+
+
 def test_a_tuner_round_cut_by_the_budget_does_not_offer_to_resume(tmp_path, capsys):
     """The tuner's last round plans more blocks than the budget may hold and is stopped when the
     budget runs out, on purpose: it says so, without the Ctrl-C advice to run it again."""

@@ -72,6 +72,15 @@ def test_traces_written_inside_out_are_workbenchs_own(tmp_path):
     )
 
 
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    from workbench.ablation import _default_out
+
+    monkeypatch.chdir(tmp_path)
+    first, second = _default_out("mlp"), _default_out("mlp")  # well within one second
+    assert first != second and first.is_dir() and second.is_dir()
+    assert second.name.startswith(first.name) or first.name[:15] != second.name[:15]
+
+
 def test_json_results_are_as_readable_as_the_other_files(tmp_path):
     """Colleagues on a shared file system who can open plot.png can open results.json too."""
     from workbench.results_folder import write_json_atomic

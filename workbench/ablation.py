@@ -269,7 +269,19 @@ def _fingerprint(prepared: Prepared) -> dict:
 
 
 def _default_out(label: str) -> Path:
-    return Path("workbench-results") / f"{datetime.now():%Y%m%d-%H%M%S}-{slug(label)}"
+    """A new folder under ./workbench-results, named by the time and the model. Made here, at
+    once and exclusively: two runs started in the same second (a sweep launched in parallel)
+    each get their own, the second with a suffix, instead of one refusing the other's lock."""
+    stem = Path("workbench-results") / f"{datetime.now():%Y%m%d-%H%M%S}-{slug(label)}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 1000):
+        folder = stem if attempt == 1 else stem.with_name(f"{stem.name}-{attempt}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise ValueError(f"ablate: could not make a new results folder beside {stem}; pass out=")
 
 
 def _open_out(
@@ -661,20 +673,22 @@ class _Runner:
         self.on_event(plan_event)
         if progress:  # before the bar exists, so that the two never share a line
             print(describe_plan(plan_event), flush=True)
-        if self._on_slurm():
-            # The bar counts blocks (a Slurm job is one block); each job samples its own node and
-            # starts its own template, so this process does neither.
+        here = not self._on_slurm()
+        if here:
+            bar = Progress(progress, total=planned, already=len(self.done))
+        else:  # the bar counts blocks (a Slurm job is one block)
             done = run.blocks - len(self._blocks_not_done())
             bar = Progress(progress, total=run.blocks, already=done, unit="block")
-            work = self._run_on_slurm
-        else:
-            bar = Progress(progress, total=planned, already=len(self.done))
-            self.sampler.start()
-            self.template = self._start_template(bar)
-            work = self._run_here
         stopped = False
         try:
-            work(bar)
+            if here:
+                # Inside the try: an interrupt while they start (a notebook's, at any moment)
+                # must still end the sampler's thread and give the template back.
+                self.sampler.start()
+                self.template = self._start_template(bar)
+                self._run_here(bar)
+            else:  # each job samples its own node and starts its own template; this process does neither
+                self._run_on_slurm(bar)
         except (Interrupted, KeyboardInterrupt):
             stopped = True
         finally:  # however the run ends, its template is given back and its sampler stopped

@@ -423,13 +423,26 @@ def acquire_template() -> tuple[WarmTemplate | None, str]:
                 "forked from a warm template kept from an earlier run in this Python process",
             )
         log_dir = _new_log_dir()
-        template, how = _starter.submit(start_template, Path(log_dir) / LOG_NAME).result()
+        starting = _starter.submit(start_template, Path(log_dir) / LOG_NAME)
+        try:
+            template, how = starting.result()
+        except BaseException:  # interrupted while it starts (a notebook's interrupt): end it once started
+            starting.add_done_callback(lambda future: _end_unclaimed(future, log_dir))
+            raise
         # A template that did not start leaves its log where ``how`` points, for whoever reads why.
         if template is not None and _kept is None:  # kept for the runs after this one
             _kept = _Kept(template, fingerprint, log_dir, users=1)
         elif template is not None:  # the kept one is busy with another run (another environment)
             template.temporary_dir = log_dir  # so this one ends with its run, log folder and all
         return template, how
+
+
+def _end_unclaimed(started: Future, log_dir: str) -> None:
+    """A template whose run was interrupted before it was ready: nobody will use or close it."""
+    template, _ = started.result()
+    if template is not None:
+        template.close()
+    shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def release_template(template: WarmTemplate | None) -> None:
