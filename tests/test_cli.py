@@ -24,6 +24,15 @@ def test_list_shows_availability_with_reasons():
     assert run("list", "--models").stdout.count("gpt-mini") >= 1
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`workbench list --models | head -1`: the pipe closes before the output ends."""
+    listing = subprocess.Popen([sys.executable, "-m", "workbench", "list", "--models"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    listing.stdout.close()  # the reader is gone before the first line
+    assert listing.wait(timeout=60) == 141
+    assert b"Traceback" not in listing.stderr.read()
+
+
 def test_env_names_versions_and_cores():
     done = run("env")
     assert done.returncode == 0
@@ -125,6 +134,7 @@ def test_advise_checks_where_it_will_write_before_it_measures(tmp_path, capsys):
         ("--json", mine, "exists and workbench did not write it"),
         ("--json", tmp_path, "is a folder; name a file"),
         ("--plot", tmp_path / "missing" / "advice.png", "does not exist"),
+        ("--plot", tmp_path / "advice.txt", "--plot writes a PNG image; name a .png file"),
     ]:
         assert main(["advise", "--model", "mlp", flag, str(path), "--no-progress"]) == 2
         err = capsys.readouterr().err

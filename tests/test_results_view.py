@@ -242,6 +242,15 @@ def test_the_report_names_the_gpu_and_its_driver(tmp_path):
     }
 
 
+def test_the_report_shows_the_measuring_processes_threads_and_takes_a_folder_to_make(tmp_path):
+    results = _typical()
+    results.record["environment"]["torch_threads"] = 2  # the parent's: not what measured
+    results.record["blocks"] = [{"block": b, "torch_threads": 1} for b in range(2)]
+    page = results.to_html(str(tmp_path / "new") + "/").read_text()  # "new/": a folder, made
+    assert (tmp_path / "new" / "report.html").is_file()
+    assert "<th>torch threads</th><td>1</td>" in page
+
+
 def test_the_report_says_the_controls_failure_and_a_busy_machine(tmp_path):
     results = _typical(control=(1.1, 1.3))
     results.record["load"] = {"warning": "other processes used 0.80 of this machine's 2 cores"}

@@ -47,6 +47,7 @@ from workbench.config import ADVISOR_FIXES, NothingMeasured, RunConfig, takes_ru
 from workbench.data import resolve_data
 from workbench.devices import cpu_lacks_native
 from workbench.results import Results
+from workbench.results_folder import json_values
 from workbench.stats import PHASES, phase_shares
 from workbench.techniques import all_techniques, technique_context
 
@@ -346,7 +347,8 @@ class Advice:
         return plot_advice(self, path)
 
     def to_json(self) -> dict:
-        return {
+        """The advice as JSON values (a figure that does not apply, NaN in the tables, is null)."""
+        return json_values({
             "bottleneck": self.bottleneck,
             "shares": self.shares,
             "evidence": self.evidence.to_dict(orient="records"),
@@ -354,7 +356,7 @@ class Advice:
             "recommendations": self.recommendations.to_dict(orient="records"),
             "not_recommended": self.not_recommended.to_dict(orient="records"),
             "caveats": self.caveats,
-        }
+        })  # fmt: skip
 
 
 def _gain(row) -> str:

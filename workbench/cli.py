@@ -394,14 +394,15 @@ def _run_advise(args: argparse.Namespace) -> int:
     settings = run_settings(args)
     # Before measuring: a bad path found afterwards would throw the measurement away.
     json_file = _check_output_file("--json", args.json, _advice_json) if args.json else None
+    if args.plot and Path(args.plot).suffix.lower() != ".png":
+        raise ValueError(f"advise: --plot writes a PNG image; name a .png file (got {args.plot})")
     plot_file = _check_output_file("--plot", args.plot, _advice_png) if args.plot else None
     advice = wb.advise(args.model, args.data, progress=not args.no_progress, **settings)
     print()
     print(advice.summary())
     if json_file is not None:
-        json_file.write_text(
-            json.dumps({"generator": ADVICE_GENERATOR, **advice.to_json()}, indent=1, default=str)
-        )
+        record = {"generator": ADVICE_GENERATOR, **advice.to_json()}
+        json_file.write_text(json.dumps(record, indent=1, default=str, allow_nan=False))
     if plot_file is not None:
         advice.plot().savefig(plot_file, dpi=110, metadata={"Software": ADVICE_GENERATOR})
     if args.trace_dir:
@@ -569,6 +570,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `workbench show run | head`: the reader left, which is no error of ours
+        # Python would complain again while flushing stdout at exit: point it at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a pipeline's writer
 
 
 if __name__ == "__main__":

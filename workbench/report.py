@@ -39,7 +39,7 @@ def write_report(results, path: str | os.PathLike | None = None) -> Path:
         target = ResultsFolder(results.path).file(REPORT_NAME)  # entered in the folder's manifest
     else:
         target = Path(path)
-        if target.is_dir():
+        if target.is_dir() or str(path).endswith(("/", os.sep)):  # "newdir/" names a folder to make
             target = target / REPORT_NAME
     if target.exists() and GENERATOR not in target.read_text(errors="replace")[:2000]:
         raise ValueError(
@@ -121,6 +121,12 @@ def _notes_html(table) -> str:
     return f'<ul class="wb-notes">{"".join(items)}</ul>' if items else "<p>No notes.</p>"
 
 
+def _block_threads(record: dict) -> str:
+    """The intra-op threads each block's process ran with ("1", or "1, 2" if they differed)."""
+    threads = sorted({b["torch_threads"] for b in record.get("blocks", []) if b.get("torch_threads")})
+    return ", ".join(str(t) for t in threads)
+
+
 def _environment_html(record: dict) -> str:
     env = record.get("environment") or {}
     shown = {
@@ -134,7 +140,8 @@ def _environment_html(record: dict) -> str:
         if env.get("logical_cores")
         else None,
         "torch": env.get("torch"),
-        "torch threads": env.get("torch_threads"),
+        # The measuring processes' (the threads setting applies there), not the parent's.
+        "torch threads": _block_threads(record) or env.get("torch_threads"),
         "python": env.get("python"),
         "platform": env.get("platform"),
         "numpy": env.get("numpy"),
