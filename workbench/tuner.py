@@ -8,7 +8,10 @@ Hyperband):
 
 1. **Calibrate.** The advisor (``wb.advise``) profiles the baseline and ranks what could help;
    its run also says what one process and one arm cost here. With ``techniques=`` given, a
-   plain one-block baseline does the costing instead.
+   plain one-block baseline does the costing instead. A technique slow to start
+   (``Technique.costly_start``: torch.compile) runs once beside that baseline, and its
+   candidates are costed with the start it measured until a round measures them; a block is
+   costed as the processes its arms need (a second compiled arm runs in a process of its own).
 2. **Screen.** Every candidate combination (conflicts and unavailable ones left out, with the
    reason) runs beside the baseline and its control in one block: a cheap, noisy first look.
 3. **Combine.** Screening alone cannot find a combination it had no budget to screen, and a
@@ -35,6 +38,7 @@ and why it left; ``out/plot.png`` shows the candidates' speedups round by round.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -114,7 +118,8 @@ class Deadline(threading.Event):
 class Costs:
     """What a round costs here, in seconds: once per round (its warm template's start, saving),
     per process (its start and exit), and per arm in a process: the arm's own time (by name; an
-    arm not yet measured costs the baseline's) plus what the block spends on each arm besides."""
+    arm not yet measured costs the baseline's, or its prior) plus what the block spends on each
+    arm besides. A block is as many processes as its arms need (``_Search._processes_of``)."""
 
     run_s: float
     process_s: float
@@ -124,16 +129,25 @@ class Costs:
     # executor="slurm": each block is a job, and what a job costs (its queueing, a fresh interpreter
     # importing torch, the results' way back) is per block, not per round.
     per_job: bool = False
+    # Arms not measured yet whose start costs far more than the baseline's (a technique's
+    # ``costly_start``: torch.compile compiling), costed from the calibration's measurement.
+    prior_s: dict[str, float] = field(default_factory=dict)
 
-    def block_s(self, names: list[str]) -> float:
-        return self.process_s + sum(self.arm_s.get(n, self.default_arm_s) + self.per_arm_s for n in names)
+    def block_s(self, processes: list[list[str]]) -> float:
+        """One block: each process's start (one job's on Slurm), and each arm's time in it."""
+        arms = sum(
+            self.arm_s.get(n, self.prior_s.get(n, self.default_arm_s)) + self.per_arm_s
+            for names in processes
+            for n in names
+        )
+        return (1 if self.per_job else len(processes)) * self.process_s + arms
 
-    def round_s(self, names: list[str], blocks: int) -> float:
-        return self.run_s + blocks * self.block_s(names)
+    def round_s(self, processes: list[list[str]], blocks: int) -> float:
+        return self.run_s + blocks * self.block_s(processes)
 
-    def blocks_within(self, names: list[str], seconds: float) -> int:
-        """The most blocks of these arms a round can run in ``seconds``."""
-        return min(max(int((seconds - self.run_s) // self.block_s(names)), 0), MAX_BLOCKS)
+    def blocks_within(self, processes: list[list[str]], seconds: float) -> int:
+        """The most blocks of these processes a round can run in ``seconds``."""
+        return min(max(int((seconds - self.run_s) // self.block_s(processes)), 0), MAX_BLOCKS)
 
     def learn(
         self, results: Results, began: float, starts: list[float], last_unit: float, ended: float
@@ -484,39 +498,60 @@ class _Search:
             pool = pool_from_techniques(techniques)
             if not pool:
                 raise ValueError("tune: techniques names nothing to search (every one is switched off)")
+        # A technique whose arms start far slower than the baseline (compile) is measured once
+        # here, beside the baseline: costed as the baseline, its candidates would overrun the
+        # rounds that hold them (a screening cut by the budget measures nothing).
+        costly = {t.name: config for t, configs in pool if t.costly_start for config in configs[:1]}
         calibration = advice.results if advice is not None else None
-        if calibration is None or techniques is not None:
-            self._say("calibrating: one block of the baseline alone, to learn what a process costs here")
+        if calibration is None or techniques is not None or costly:
+            also = f" and {', '.join(costly)} (slow to start)" if costly else " alone"
+            self._say(f"calibrating: one block of the baseline{also}, to learn what a process costs here")
             self._hold_template()  # part of the search's cost, but not of a round's: timed apart
             began = time.monotonic()
             alone = RunConfig(
                 **{**self.run_config.to_json(), "blocks": 1, "control": False, "isolate": False}
             )
-            calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, {}, alone), False, False,
+            calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False, False,
                                          False, self.progress, None, None, None)  # fmt: skip
-        wall = time.monotonic() - began
-        unit = next(u for u in calibration.record["units"] if u["arm"] == "baseline")
+        self._learn_calibration(calibration, time.monotonic() - began, list(costly))
+        self._choose_candidates(pool, max_candidates)
+
+    def _learn_calibration(self, calibration: Results, wall: float, costly: list[str]) -> None:
+        """What a process, an arm and each slow-starting technique cost here, from the calibration."""
+        units = {u["arm"]: u for u in calibration.record["units"]}
+        unit = units["baseline"]
         if unit["status"] != "ok":
             raise NothingMeasured(f"tune: the baseline did not run ({unit['status']}): {unit['reason']}")
         arm = _arm_seconds(unit["result"])
-        # One process of one arm cannot tell the round's start from the process's: all of the rest
-        # is charged to the round, a conservative guess that the first round's figures replace. An
-        # Advice passed in ran earlier (wall is ~0 here): its arm's cost stands in for the rest.
-        overhead = wall - arm if wall > arm else arm
+        # What each slow-starting technique adds to an arm: its own arm's time beyond the baseline's.
+        extra = {}
+        for record in calibration.record["arms"]:
+            names, measured = record.get("technique_names") or [], units.get(record["name"])
+            if len(names) == 1 and names[0] in costly and measured and measured["status"] == "ok":
+                extra[names[0]] = max(_arm_seconds(measured["result"]) - arm, 0.0)
+        arms = arm + sum(extra.values())
+        # One process cannot tell the round's start from the process's: all of the rest is charged
+        # to the round, a conservative guess that the first round's figures replace. An Advice
+        # passed in ran earlier (wall is ~0 here): its arm's cost stands in for the rest.
+        overhead = wall - arms if wall > arms else arm
         if self.run_config.executor == "slurm":  # the calibration was a job, and each block will be one
             self.costs = Costs(run_s=0.0, process_s=overhead, default_arm_s=arm, per_job=True)
         else:
             self.costs = Costs(run_s=overhead, process_s=0.0, default_arm_s=arm)
-        self.state["calibration"] = {"wall_s": wall, "arm_s": arm, "overhead_s": overhead}
-        self._choose_candidates(pool, max_candidates)
+        self.state["calibration"] = {
+            "wall_s": wall,
+            "arm_s": arm,
+            "overhead_s": overhead,
+            "startup_extra_s": extra,
+        }
 
     def _choose_candidates(self, pool, max_candidates: int) -> None:
         from workbench.arms import plan_combinations
-        from workbench.techniques import technique_context
 
-        ctx = technique_context(self.run_config, self.model, self.checked.data)
         everything = candidates_from(pool, limit=10_000)
-        runnable, unavailable = plan_combinations(ctx, {c.name: c.pairs for c in everything}, control=False)
+        runnable, unavailable = plan_combinations(
+            self._context, {c.name: c.pairs for c in everything}, control=False
+        )
         reasons = {arm.name: arm.unavailable for arm in unavailable}
         self.excluded = [{"name": c.name, "why": reasons[c.name]} for c in everything if c.name in reasons]
         kept = [c for c in everything if c.name not in reasons]
@@ -526,23 +561,46 @@ class _Search:
         if not self.candidates:
             shown = "; ".join(f"{e['name']}: {e['why']}" for e in self.excluded[:5])
             raise ValueError(f"tune: no combination can run here ({shown})")
+        extra = self.state["calibration"].get("startup_extra_s", {})
+        for candidate in [*self.candidates, *self.reserve]:
+            slow = sum(extra.get(technique.name, 0.0) for technique, _ in candidate.pairs)
+            if slow:
+                self.costs.prior_s[candidate.name] = self.costs.default_arm_s + slow
         self._check_budget()
         self._save_state()
 
-    def _arms_of(self, names: list[str]) -> list[str]:
-        return ["baseline", *(["baseline (control)"] if self.run_config.control else []), *names]
+    @functools.cached_property
+    def _context(self):
+        from workbench.techniques import technique_context
+
+        return technique_context(self.run_config, self.model, self.checked.data)
+
+    def _processes_of(self, names: list[str]) -> list[list[str]]:
+        """The processes one block of a round of these candidates runs, each with its arms: the
+        shared one (the baseline, its control and every arm that can share it), and one for each
+        arm that cannot (torch.compile's second arm, say), with a baseline of its own."""
+        from workbench.arms import assign_processes, plan_combinations
+
+        by_name = {c.name: c.pairs for c in [*self.candidates, *self.reserve]}
+        arms, _ = plan_combinations(self._context, {n: by_name[n] for n in names}, self.run_config.control)
+        arms = [
+            a for a in assign_processes(arms, self._context, self.run_config.isolate) if not a.unavailable
+        ]
+        shared = [a.name for a in arms if not a.own_process]
+        return ([shared] if shared else []) + [[a.name] for a in arms if a.own_process]
 
     def _check_budget(self) -> None:
         """Refuse a budget that cannot hold the least search: two candidates screened, then compared."""
         pair = [c.name for c in self.candidates[:2]]
         least = (
             self.spent_s  # the calibration, and the template's start
-            + self.costs.round_s(self._arms_of(pair), 1)
-            + self.costs.round_s(self._arms_of(pair), 2)
+            + self.costs.round_s(self._processes_of(pair), 1)
+            + self.costs.round_s(self._processes_of(pair), 2)
         )
         if self.budget_s < least:
+            measured = " and ".join(["its baseline", *self.state["calibration"].get("startup_extra_s", {})])
             raise ValueError(
-                f"tune: budget_s={self.budget_s:g} is too small to tune this job: measuring its baseline once took "
+                f"tune: budget_s={self.budget_s:g} is too small to tune this job: calibrating ({measured} measured once) took "
                 f"{self.state['calibration']['wall_s']:.1f} s here, and the least search (two candidates screened "
                 f"beside the baseline, then compared over 2 blocks) needs about {math.ceil(least)} s. Pass "
                 f"budget_s={math.ceil(least * 1.2)} or more, or fewer steps"
@@ -600,14 +658,14 @@ class _Search:
         rounds_left = max(1, math.ceil(math.log2(len(names)))) if len(names) > 1 else 1
         share = self.left_s / (rounds_left + (index == 0))  # the screening leaves room for combining
         if index == 0:  # screening: one block each, as many of the best-ranked as a share holds
-            while len(names) > 2 and self.costs.round_s(self._arms_of(names), 1) > share:
+            while len(names) > 2 and self.costs.round_s(self._processes_of(names), 1) > share:
                 names.pop()
             blocks = 1
         elif len(names) <= 2:  # the final: all that is left
-            blocks = self.costs.blocks_within(self._arms_of(names), RESERVE * self.left_s)
+            blocks = self.costs.blocks_within(self._processes_of(names), RESERVE * self.left_s)
         else:
-            blocks = self.costs.blocks_within(self._arms_of(names), share)
-        if blocks < 1 or self.costs.round_s(self._arms_of(names), blocks) > self.left_s:
+            blocks = self.costs.blocks_within(self._processes_of(names), share)
+        if blocks < 1 or self.costs.round_s(self._processes_of(names), blocks) > self.left_s:
             return None
         final = index > 0 and len(names) <= 2
         recorded.append({"round": index, "candidates": names, "blocks": blocks, "final": final})
@@ -615,7 +673,7 @@ class _Search:
         return names, blocks
 
     def _run_round(self, index: int, alive: list[Candidate], blocks: int) -> tuple[Results, bool] | None:
-        estimate = self.costs.round_s(self._arms_of([c.name for c in alive]), blocks)
+        estimate = self.costs.round_s(self._processes_of([c.name for c in alive]), blocks)
         plan = f"round {index + 1}: {len(alive)} candidate{'s' * (len(alive) != 1)} x {blocks} block{'s' * (blocks != 1)}"
         if self.left_s > 0:
             self._say(f"{plan} (about {estimate:.0f} s of {self.left_s:.0f} s left)")

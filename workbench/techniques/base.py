@@ -136,6 +136,9 @@ class Technique:
     own_process_reason: ClassVar[str | None] = None
     # Why only one arm per process may use it (its caches are per process); None: no limit.
     one_per_process: ClassVar[str | None] = None
+    # Why its arms take far longer to start than the baseline's (None: they do not). The tuner
+    # measures that start once, in its calibration, to cost the rounds that hold such arms.
+    costly_start: ClassVar[str | None] = None
     # The main settings wb.tune tries besides the ones it was given (setting -> values): few, and
     # each one that changes speed for a reason the method card explains.
     tune_space: ClassVar[Mapping[str, tuple]] = {}

@@ -62,6 +62,7 @@ class Compile(Technique):
         "TorchDynamo's code cache and inductor's state are per process: a second compiled arm would reuse "
         "the first's (a warm compile) and share its recompilation limit"
     )
+    costly_start = "it compiles the model in every process before its first step (16-20 s for mlp on 2 cores)"
 
     def check(self, ctx: Context, config: CompileConfig) -> str | None:
         if ctx.device.type == "cpu" and not (
