@@ -252,20 +252,28 @@ def readable_log_ticks(axis, lows, highs) -> None:
     finite = [v for v in [*lows, *highs, 1.0] if np.isfinite(v) and v > 0]
     low, high = min(finite), max(finite)
     # 6 and 8: with only 5 and 10 above 4, CUDA Graphs' 6.7x on an H200 had no number near it.
-    candidates = [0.1, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5,
-                  2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50]  # fmt: skip
-    ticks = [t for t in candidates if low / 1.15 <= t <= high * 1.15] or [1.0]
-    # Labels need room: on a wide axis, 0.8, 1 and 1.25 sit too close to be read. Keep 1, then the
-    # outermost ticks (a number beyond each end of the intervals), then, nearest to 1 first, only
-    # ticks at least a ninth of the axis (in log terms) from every tick kept.
-    gap = math.log(max(high, 1.0) * 1.08 / (min(low, 1.0) / 1.08)) / 9
-    kept = [1.0] if 1.0 in ticks else []
-    for tick in [max(ticks), min(ticks), *sorted(ticks, key=lambda t: abs(math.log(t)))]:
+    # The decades at both ends: an interval of one noisy block can reach 0.0001x or 1000x.
+    candidates = [0.00001, 0.0001, 0.001, 0.01, 0.02, 0.05, 0.1, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1,
+                  1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50, 100, 200, 500, 1000, 10000, 100000]  # fmt: skip
+    # Labels need room: on a wide axis, 0.8, 1 and 1.25 sit too close to be read. Keep 1; then a
+    # number beyond each end of the intervals (1 itself where they all lie on one side of it),
+    # the nearest at least a ninth of the axis (in log terms; a fifth beyond 3 decades) from 1; then, nearest to 1 first,
+    # the ticks inside at least that far from every tick kept.
+    span = math.log(max(high, 1.0) * 1.08 / (min(low, 1.0) / 1.08))
+    gap = span / (9 if span < math.log(1000) else 5)  # beyond three decades the labels grow long
+    kept = [1.0]
+    if high > 1.0:
+        kept += [t for t in candidates if t >= high and math.log(t) >= gap][:1]
+    if low < 1.0:
+        kept += [t for t in candidates[::-1] if t <= low and -math.log(t) >= gap][:1]
+    for tick in sorted((t for t in candidates if low <= t <= high), key=lambda t: abs(math.log(t))):
         if all(abs(math.log(tick / other)) >= gap for other in kept):
             kept.append(tick)
-    ticks = sorted(kept) or ticks
+    ticks = sorted(kept)
     axis.xaxis.set_major_locator(FixedLocator(ticks))
-    axis.xaxis.set_major_formatter(lambda value, _: f"{value:g}")
+    axis.xaxis.set_major_formatter(
+        lambda value, _: np.format_float_positional(value, trim="-")
+    )  # 0.00001, not 1e-05
     axis.xaxis.set_minor_locator(NullLocator())
     axis.xaxis.set_minor_formatter(NullFormatter())
     # The axis reaches the outermost ticks kept, so the farthest interval has a number beyond it

@@ -145,7 +145,15 @@ def speedup_text(row) -> str:
         return times(row.speedup)
     if not (math.isfinite(row.speedup_low) and math.isfinite(row.speedup_high)):
         return f"{times(row.speedup)} [no interval]"  # one timed step: its notes say why
-    return f"{times(row.speedup)} [{row.speedup_low:.2f}, {row.speedup_high:.2f}]"
+    return f"{times(row.speedup)} [{_interval_end(row.speedup_low)}, {_interval_end(row.speedup_high)}]"
+
+
+def _interval_end(value: float) -> str:
+    """Two decimals, as people read speedups; below 0.01 two significant digits, so that a very
+    wide interval's low end (0.000054 from one noisy block) does not read as a speedup of 0.00."""
+    if value >= 0.01:
+        return f"{value:.2f}"
+    return np.format_float_positional(value, precision=2, fractional=False, trim="-")
 
 
 def loss_drifted(ratio: float | None, gap_of_fall: float | None = math.nan) -> bool:
