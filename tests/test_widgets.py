@@ -95,6 +95,21 @@ def test_an_unavailable_technique_says_why_in_one_short_line():
     assert row.settings_box.layout.display == "none"
 
 
+def test_a_choice_comes_back_with_its_technique_and_a_mended_settings_error_goes():
+    panel = wb.panel(model="mlp")
+    row, ranks = panel.rows["ddp_compression"], panel.settings["world_size"]
+    ranks.value = 2
+    row.toggle.value = True
+    ranks.value = 1  # unavailable at one rank: switched off, and the choice remembered
+    assert row.unavailable and not row.toggle.value
+    ranks.value = 2
+    assert row.unavailable is None and row.toggle.value
+    ranks.value = 0
+    assert "world_size must be" in panel.status.value
+    ranks.value = 1
+    assert "must be" not in panel.status.value and "Run ablation" in panel.status.value
+
+
 def test_optional_switches_show_auto_rather_than_a_blank():
     row = wb.panel(model="mlp").rows["dataloader"]
     persistent = row.fields["persistent_workers"][1]

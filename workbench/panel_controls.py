@@ -164,6 +164,8 @@ class TechniqueRow(w.VBox):
         header = w.HBox([self.place, self.toggle, self.note], layout=w.Layout(align_items="center"))
         super().__init__([header, self.settings_box])
         self.toggle.observe(lambda _: self._show_settings(), names="value")
+        self.unavailable: str | None = None  # why it cannot run here (set_reason)
+        self._wanted = False  # ticked when it became unavailable: ticked again when it comes back
         self.set_reason(None)
 
     def _show_settings(self) -> None:
@@ -173,15 +175,20 @@ class TechniqueRow(w.VBox):
     def set_reason(self, reason: str | None) -> None:
         """Disable the row, showing why in one line (the whole reason as its tooltip), when the
         technique cannot run here."""
-        self.unavailable = reason
+        was_unavailable, self.unavailable = self.unavailable, reason
         self.toggle.disabled = reason is not None
         self.toggle.tooltip = reason  # the whole reason where the pointer rests, too
         for _, widget in self.fields.values():
             widget.disabled = reason is not None
         if reason:
+            if not was_unavailable:  # the user's choice, given back if it becomes available again
+                self._wanted = self.toggle.value
             self.toggle.value = False
             self.note.value = _one_line(f"unavailable: {_short_reason(reason)}", reason, "#a33")
         else:
+            if was_unavailable and self._wanted:
+                self.toggle.value = True  # ddp_compression ticked at 2 ranks, 1 rank, then 2 again
+            self._wanted = False
             self.note.value = _one_line(self.summary, self.summary, "#666")
         self._show_settings()
 

@@ -49,6 +49,7 @@ from workbench.techniques import all_techniques, technique_context
 from workbench.tuner import check_advice_has_candidates, tune
 
 REDRAW_S = 1.0
+READY = "Choose the techniques, then press <b>Run ablation</b>."  # the status line before any run
 TUNE_BUDGETS = [
     ("1 min", 60),
     ("2 min", 120),
@@ -190,7 +191,8 @@ class AblationPanel(w.VBox):
         self.stop_button.add_class("workbench-stop")
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
-        self.status = w.HTML("Choose the techniques, then press <b>Run ablation</b>.")
+        self.status = w.HTML(READY)
+        self._settings_error: str | None = None  # the status line's settings error, cleared once mended
         self.status.add_class("workbench-status")
         self.live_image = w.Image(
             format="png", layout=w.Layout(width="100%", max_width="1200px", display="none")
@@ -308,8 +310,11 @@ class AblationPanel(w.VBox):
                 self._sources[key] = resolve_data(self._data_value(), model, run.seed)
             ctx = technique_context(run, model, self._sources[key])
         except ValueError as error:
-            self.status.value = _error_html(str(error))
+            self.status.value = self._settings_error = _error_html(str(error))
             return
+        if self.status.value == self._settings_error:  # mended: its error goes
+            self.status.value = READY
+        self._settings_error = None
         for row in self.rows.values():
             row.set_reason(row.technique.unavailable_reason(ctx, row.technique.Config()))
 
