@@ -32,6 +32,7 @@ Design, in the order a run happens:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -266,6 +267,23 @@ def _fingerprint(prepared: Prepared) -> dict:
     text = json.dumps(settings, sort_keys=True, default=str)
     # Compare in the form it is stored in (JSON), so a reloaded plan equals a fresh one.
     return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16], "settings": json.loads(text)}
+
+
+@contextlib.contextmanager
+def _ctrl_c_waits():
+    """Ctrl-C waits (said so) while what finished is saved; only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def wait(signum, frame):
+        print("\nworkbench: saving what finished; a moment...", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, wait)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _default_out(label: str) -> Path:
@@ -703,30 +721,40 @@ class _Runner:
 
     def _stopped(self, bar: Progress, planned: int) -> Results:
         """Ctrl-C or Stop: keep what finished, say how to resume; Ctrl-C goes on up as itself."""
-        run = self.run_config
         bar.close()
         self.stopped = True
-        results = self.save(complete=False)
-        where = (
-            f"are saved in {self.folder}. The same call again, with the same out, resumes."
-            if self.kept
-            else "are in the returned results only (out=False)."
-        )
-        why = getattr(self.stop, "why", None)  # a tuner's round, cut by the search's budget on purpose
-        if why is not None:
-            print(
-                f"\nStopped, as {why}: {len(self.done)} of {planned} processes finished, and count",
-                flush=True,
-            )
-        elif self._on_slurm():  # this run's Slurm jobs were cancelled (workbench.slurm)
-            done = run.blocks - len(self._blocks_not_done())
-            print(f"\nStopped, its Slurm jobs cancelled: {done} of {run.blocks} blocks {where}", flush=True)
-        else:
-            print(f"\nStopped: {len(self.done)} of {planned} processes {where}", flush=True)
+        with _ctrl_c_waits():  # a second Ctrl-C would cut the save short: the files, then the line
+            results = self.save(complete=False)
+            line = self._stopped_line(planned)
+            if line is not None:
+                print(f"\n{line}", flush=True)
         self.on_event({"type": "stopped", "out": str(self.folder)})
         if self.stop is not None and self.stop.is_set():
             return results
         raise KeyboardInterrupt from None
+
+    def _stopped_line(self, planned: int) -> str | None:
+        """What a stopped run says: how much finished, where it is, and how to go on."""
+        if self.launcher is not None and self.launcher.rank.rank != 0:
+            return None  # rank 0 speaks for the run
+        run = self.run_config
+        why = getattr(self.stop, "why", None)  # a tuner's round, cut by the search's budget on purpose
+        if why is not None:
+            return f"Stopped, as {why}: {len(self.done)} of {planned} processes finished, and count"
+        if not self.kept:
+            where = "are in the returned results only (out=False)."
+        elif self.launcher is not None:
+            where = (
+                f"are saved in {self.folder}. Under torchrun a run cannot resume: run again with a new out."
+            )
+        else:  # named in full: out=None made a new folder, and the same call would make another
+            where = f"are saved in {self.folder}. Run again with out={str(self.folder)!r} (--out on the command line) to resume."
+        if self._on_slurm():  # this run's Slurm jobs were cancelled (workbench.slurm)
+            done = run.blocks - len(self._blocks_not_done())
+            return f"Stopped, its Slurm jobs cancelled: {done} of {run.blocks} blocks {where}"
+        if not self.done:
+            return "Stopped before any process finished: nothing was measured."
+        return f"Stopped: {len(self.done)} of {planned} processes {where}"
 
     # --- on a Slurm cluster (workbench.slurm) -------------------------------------------------
 
