@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.advisor import Facts, bound, build_advice, diagnose
+from workbench.advisor import Facts, bound, build_advice, diagnose, suggestions
 from workbench.devices import cpu_lacks_native
 from workbench.profiling import summarize_events
 
@@ -65,7 +65,9 @@ def test_amp_is_not_suggested_for_speed_on_a_cpu_that_emulates_bfloat16():
     why = emulated.not_recommended.set_index("technique").why["amp"]
     assert "no bfloat16 instructions (AVX512-BF16 or AMX-BF16)" in why and "at most x1.00" in why
     # For memory it still halves the activations, and says what that costs in time here.
-    memory = build_advice(_facts(peak_mib=900.0, emulated_bf16=reason), EVERYTHING).recommendations
+    memory = build_advice(
+        _facts(peak_mib=900.0, activation_mib=400.0, emulated_bf16=reason), EVERYTHING
+    ).recommendations
     assert "slower than float32" in memory.set_index("technique").why["amp"]
 
 
@@ -79,7 +81,9 @@ def test_a_remedy_for_the_bottleneck_with_no_headroom_is_not_recommended():
 
 
 def test_memory_remedies_are_ranked_by_what_they_free_and_unavailable_ones_say_why():
-    advice = build_advice(_facts(peak_mib=900.0), {**EVERYTHING, "checkpointing": "no repeated blocks"})
+    advice = build_advice(
+        _facts(peak_mib=900.0, activation_mib=400.0), {**EVERYTHING, "checkpointing": "no repeated blocks"}
+    )
     assert advice.bottleneck == "memory"
     memory = advice.recommendations[advice.recommendations.part == "memory"]
     assert list(memory.technique) == ["grad_accum", "amp"]  # checkpointing is unavailable here
@@ -88,6 +92,25 @@ def test_memory_remedies_are_ranked_by_what_they_free_and_unavailable_ones_say_w
     )
     # Strict JSON (no NaN: a figure that does not apply is null), which every JSON reader accepts.
     assert json.loads(json.dumps(advice.to_json(), default=str, allow_nan=False))["bottleneck"] == "memory"
+
+
+def test_a_peak_of_weights_and_optimizer_state_gets_no_activation_remedy():
+    """Memory is the limit, but activations are 8% of the peak: checkpointing, grad_accum and amp
+    would free too little of it to be worth their time (once: "frees up to 0 MiB", ranked first)."""
+    advice = build_advice(_facts(peak_mib=4.8, activation_mib=0.4, capacity_mib=5.0), EVERYTHING)
+    assert advice.bottleneck == "memory"
+    assert advice.recommendations[advice.recommendations.part == "memory"].empty
+    assert not set(advice.recommended) & {"checkpointing", "grad_accum"}  # amp may still be there for speed
+    why = advice.not_recommended.set_index("technique").why["checkpointing"]
+    assert why.startswith("frees at most 0.3 MiB of the 4.8 MiB peak") and "optimizer state" in why
+
+
+def test_amps_ceiling_counts_only_the_matmul_work_that_grows_with_the_batch():
+    """Launch-bound: 4 of the 10 ms are matmuls, but only 0.4 ms grows with the batch."""
+    facts = _facts(data_ms=0.5, overhead_ms=9.1, matmul_ms=4.0)
+    amp = next(s for s in suggestions(facts, EVERYTHING) if s.technique == "amp")
+    assert amp.at_most == pytest.approx(bound(0.04 / 2))
+    assert "matmul/conv take 40% of the step, 4% in work that grows with the batch" in amp.why
 
 
 def test_the_profile_counts_dispatched_operations_and_matmul_time():

@@ -271,7 +271,9 @@ SEARCH_BUDGET_S = 30
 
 @pytest.mark.slow
 @pytest.mark.timing
-def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes(known_techniques, tmp_path):
+def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes(
+    known_techniques, tmp_path, capsys
+):
     out = tmp_path / "search"
     budget = SEARCH_BUDGET_S
     res = wb.tune(
@@ -292,6 +294,10 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
     for name in ("results.json", "tune.json", "tune.csv", "tune.png", "plot.png", "round-0/results.json"):
         assert (out / name).exists(), name
     assert wb.load_results(out).best == {"no_pause": {}}
+    from workbench.cli import main  # `workbench show` of a search says what it found, not only its last round
+
+    assert main(["show", str(out)]) == 0
+    assert "best: no_pause, x" in capsys.readouterr().out
     # One warm template served the calibration and every round (each would import torch again).
     assert json.loads((out / "round-0" / "results.json").read_text())["worker_start"] == (
         "forked from a warm template kept from an earlier run in this Python process"

@@ -58,6 +58,9 @@ WORTH_TRYING = 1.10  # a remedy for another part is still recommended if it coul
 # Even for the bottleneck's own part, a remedy whose ceiling is this close to 1 has nothing to
 # win (its part of the step is nearly empty): it is said why, not recommended.
 NO_HEADROOM = 1.02
+# A memory remedy is recommended when it could free this share of the peak; below it, the peak is
+# weights, gradients and optimizer state (checkpointing once "freed up to 0 MiB" of a 4.8 MiB peak).
+FREES_ENOUGH = 0.10
 PROFILE_STEPS = 5
 
 CPU_CAVEAT = (
@@ -248,23 +251,30 @@ def _for_launch(facts: Facts) -> Iterator[Suggestion]:
 
 
 def _for_compute(facts: Facts) -> Iterator[Suggestion]:
-    matmul = facts.matmul_ms / facts.step_ms
+    # What half precision or a layout can speed up is the matmuls' work, which grows with the
+    # batch; the part of their time that does not (each launch's fixed cost) stays. So their share
+    # is capped at the compute part: a launch-bound step had amp at x1.24 from a 39% matmul share
+    # while the work that grows with the batch was 4% of it (and amp measured x0.88-0.99).
+    matmul_all = facts.matmul_ms / facts.step_ms
+    matmul = min(facts.matmul_ms, facts.parts_ms["compute"]) / facts.step_ms
+    of_step = f"matmul/conv take {_pct(matmul_all)} of the step" + (
+        f", {_pct(matmul)} in work that grows with the batch" if matmul < 0.95 * matmul_all else ""
+    )
     # Half precision halves the bytes a matmul moves, and on hardware with bf16/fp16 units its
     # time at best: the ceiling removes half of the matmul/conv share.
     dtype = "bfloat16"
     if facts.emulated_bf16:  # converting around every operator costs more than the bytes it saves
-        yield Suggestion("amp", {"dtype": dtype}, "compute", 1.0,
-                         f"matmul/conv take {_pct(matmul)} of the step, but {facts.emulated_bf16}")  # fmt: skip
+        yield Suggestion("amp", {"dtype": dtype}, "compute", 1.0, f"{of_step}, but {facts.emulated_bf16}")
     else:
         yield Suggestion("amp", {"dtype": dtype}, "compute", bound(matmul / 2),
-                         f"matmul/conv take {_pct(matmul)} of the step; in {dtype} they move half the bytes")  # fmt: skip
+                         f"{of_step}; in {dtype} they move half the bytes")  # fmt: skip
     if facts.device == "cuda":
         fp32 = facts.fp32_matmul_ms / facts.step_ms
         yield Suggestion("tf32", {}, "compute", bound(fp32),
                          f"fp32 matmul kernels without Tensor Cores take {_pct(fp32)} of the step")  # fmt: skip
     if facts.has_conv:
         yield Suggestion("channels_last", {}, "compute", bound(matmul / 2),
-                         f"convolutions (with matmul {_pct(matmul)} of the step) prefer NHWC memory")  # fmt: skip
+                         f"convolutions (with matmul {_pct(matmul_all)} of the step) prefer NHWC memory")  # fmt: skip
     other = max(facts.parts_ms["compute"] - facts.matmul_ms, 0.0) / facts.step_ms
     if facts.device != "cuda":
         yield Suggestion("compile", {"mode": "default"}, "compute", bound(other / 2),
@@ -374,7 +384,8 @@ def build_advice(facts: Facts, available: dict[str, str | None], results: Result
     chosen = [
         s
         for s in found
-        if (s.part == verdict and (s.part == "memory" or s.at_most >= NO_HEADROOM))
+        if (s.part == verdict and s.part == "memory" and s.saves_mib >= FREES_ENOUGH * facts.peak_mib)
+        or (s.part == verdict and s.part != "memory" and s.at_most >= NO_HEADROOM)
         or (s.part != "memory" and s.at_most >= WORTH_TRYING)
     ]
     key = (lambda s: -np.nan_to_num(s.saves_mib)) if verdict == "memory" else (lambda s: -s.at_most)
@@ -420,6 +431,11 @@ def build_advice(facts: Facts, available: dict[str, str | None], results: Result
 
 
 def _why_not(suggestion: Suggestion, facts: Facts, verdict: str) -> str:
+    if suggestion.part == "memory" and verdict == "memory":  # memory is the limit, but this frees little
+        return (
+            f"frees at most {suggestion.saves_mib:,.1f} MiB of the {facts.peak_mib:,.1f} MiB peak: activations are "
+            f"{facts.activation_mib:,.1f} MiB of it, the rest weights, gradients and optimizer state it does not touch"
+        )
     if suggestion.part == "memory":
         return (
             f"memory is not the limit (peak {facts.peak_mib:,.0f} of {facts.capacity_mib:,.0f} MiB, "

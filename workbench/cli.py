@@ -425,14 +425,16 @@ def _run_tune(args: argparse.Namespace) -> int:
     # The last round's own warnings (a control off its A/A band, a busy machine) bear on its verdict.
     for warning in results.warnings():
         print(textwrap.fill(f"WARNING: {warning}", 100), end="\n\n")
-    print(results.tuning.drop(columns=["techniques"]).to_string(index=False))
-
-    print()
-    print(results.tuning_verdict)
+    print(_search_text(results))
     if results.best:
         print(f"\nResults.best: {json.dumps(results.best)}")
     print(f"\nSaved tune.json, tune.csv, tune.png and each round (round-N/) in {results.path}")
     return 0
+
+
+def _search_text(results) -> str:
+    """A search's candidates (how far each got, why it left) and its verdict."""
+    return f"{results.tuning.drop(columns=['techniques']).to_string(index=False)}\n\n{results.tuning_verdict}"
 
 
 # A setting whose flag is not its keyword's name with dashes.
@@ -549,7 +551,12 @@ def main(argv: list[str] | None = None) -> int:
             from workbench.results import load_results
             from workbench.results_view import terminal_width, use_colour
 
-            print(load_results(args.path).summary(width=terminal_width(), colour=use_colour()))
+            saved = load_results(args.path)
+            if "tune" in saved.record:  # a search: its last round's table, then what it found
+                print("The search's last round:\n")
+            print(saved.summary(width=terminal_width(), colour=use_colour()))
+            if "tune" in saved.record:
+                print(f"\n{_search_text(saved)}")
             return 0
         if args.command == "report":
             from workbench.results import load_results
