@@ -148,6 +148,7 @@ def test_an_arm_named_by_its_settings_breaks_between_them_not_inside_a_word():
     assert wrap_cell("baseline (control)", 9) == ["baseline", "(control)"]
     assert wrap_cell("leave-one-out x=-1.5", 7) == ["leave-", "one-out", "x=-1.5"]  # a minus stays
     assert wrap_cell("abcdefghijk", 4) == ["abcd", "efgh", "ijk"]  # a piece longer than a line: cut
+    assert wrap_cell("digits: 1,797 images", 10) == ["digits:", "1,797", "images"]  # a number stays whole
     assert wrap_cell("", 5) == [""]
 
 

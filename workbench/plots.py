@@ -102,8 +102,9 @@ def _plot_speedups(axes, table, y) -> None:
         markersize=4,
     )
     axes.axvline(1.0, color="black", linewidth=0.8)
-    for index in y[~measured]:
-        axes.text(1.0, index, f"  {table.status[index]}", va="center", ha="left", color="#c44e52", fontsize=9)
+    for index in y[~measured]:  # from the left edge: beside 1x it ran past the axes when every arm was slower
+        axes.text(0.02, index, table.status[index], va="center", ha="left", color="#c44e52", fontsize=9,
+                  transform=axes.get_yaxis_transform())  # fmt: skip
     axes.set_xscale("log")
     # Points without an interval (one timed step) count too, so that none falls off the axis.
     readable_log_ticks(

@@ -353,8 +353,11 @@ def text_table(
 
 # Inside a word, a line may end after these: an arm named by its settings, amp[dtype=bfloat16],
 # then reads "amp[dtype=" / "bfloat16]" in a narrow column rather than "amp[dtyp" / "e=bfloat" / "16]".
-# A hyphen counts only between letters (gpt-mini, leave-one-out), never a minus sign.
-_NATURAL_PIECES = re.compile(r"[^\[=,]*?(?:[\[=,]|(?<=[A-Za-z])-(?=[A-Za-z]))|[^\[=,]+")
+# A hyphen counts only between letters (gpt-mini, leave-one-out), never a minus sign, and a comma
+# never between digits: "1,797 images" stays whole, not "1," / "797 images".
+_NATURAL_PIECES = re.compile(
+    r"(?:[^\[=,]|(?<=\d),(?=\d))*?(?:[\[=]|(?<!\d),|,(?!\d)|(?<=[A-Za-z])-(?=[A-Za-z]))|(?:[^\[=,]|(?<=\d),(?=\d))+"
+)
 
 
 def wrap_cell(text: str, width: int) -> list[str]:
