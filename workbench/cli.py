@@ -432,6 +432,19 @@ def _run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_show(args: argparse.Namespace) -> int:
+    from workbench.results import load_results
+    from workbench.results_view import terminal_width, use_colour
+
+    saved = load_results(args.path)
+    if "tune" in saved.record:  # a search: its last round's table, then what it found
+        print("The search's last round:\n")
+    print(saved.summary(width=terminal_width(), colour=use_colour()))
+    if "tune" in saved.record:
+        print(f"\n{_search_text(saved)}")
+    return 0
+
+
 def _search_text(results) -> str:
     """A search's candidates (how far each got, why it left) and its verdict."""
     return f"{results.tuning.drop(columns=['techniques']).to_string(index=False)}\n\n{results.tuning_verdict}"
@@ -548,16 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(env, indent=1) if args.json else format_environment(env))
             return 0
         if args.command == "show":
-            from workbench.results import load_results
-            from workbench.results_view import terminal_width, use_colour
-
-            saved = load_results(args.path)
-            if "tune" in saved.record:  # a search: its last round's table, then what it found
-                print("The search's last round:\n")
-            print(saved.summary(width=terminal_width(), colour=use_colour()))
-            if "tune" in saved.record:
-                print(f"\n{_search_text(saved)}")
-            return 0
+            return _run_show(args)
         if args.command == "report":
             from workbench.results import load_results
 

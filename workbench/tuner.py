@@ -773,21 +773,7 @@ class _Search:
                 candidate.drop(index, "not measured")
                 continue
             row = table.loc[candidate.name]
-            figures = {
-                "round": index,
-                "blocks": int(row.blocks) if row.blocks == row.blocks else 0,
-                "status": row.status,
-                "speedup": row.speedup,
-                "speedup_low": row.speedup_low,
-                "speedup_high": row.speedup_high,
-                "loss_vs_baseline": row.loss_vs_baseline,
-                "loss_gap_of_fall": row.loss_gap_of_fall,
-                # Against the round's control band (the baseline measured again), as an ablation
-                # judges: "faster" only when the whole interval lies above what a no-op shows.
-                "verdict": judged[candidate.name][0],
-                "noise_band": list(judged[candidate.name][1]),
-            }
-            candidate.rounds.append(figures)
+            candidate.rounds.append(_figures(index, row, *judged[candidate.name]))
             # A round the deadline cut short still measured its finished blocks, side by side.
             if row.status not in ("ok", "interrupted") or not math.isfinite(row.speedup):
                 candidate.drop(index, f"{row.status}: {row.reason or row.notes or 'no measurement'}")
@@ -874,6 +860,24 @@ class _Search:
         self._say(results.tuning_verdict)
         self.on_event({"type": "tune_done", "best": record["best"], "out": str(self.folder.path)})
         return results
+
+
+def _figures(index: int, row, verdict: str, band: tuple[float, float]) -> dict:
+    """A candidate's figures in round ``index``, from its row of the round's table. The verdict is
+    against the round's control band (the baseline measured again), as an ablation judges:
+    "faster" only when the whole interval lies above what a change that does nothing shows."""
+    return {
+        "round": index,
+        "blocks": int(row.blocks) if row.blocks == row.blocks else 0,
+        "status": row.status,
+        "speedup": row.speedup,
+        "speedup_low": row.speedup_low,
+        "speedup_high": row.speedup_high,
+        "loss_vs_baseline": row.loss_vs_baseline,
+        "loss_gap_of_fall": row.loss_gap_of_fall,
+        "verdict": verdict,
+        "noise_band": list(band),
+    }
 
 
 def _faster(figures: dict) -> bool:
