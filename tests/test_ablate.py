@@ -551,7 +551,7 @@ def test_a_block_stopped_midway_is_run_again_whole(tmp_path):
     assert {block for block, _ in rounds_seen} == {1} and (1, 1) in rounds_seen
 
 
-def _interrupt_after_the_first_block(out, steps: int):
+def _interrupt_after_the_first_block(out, steps: int, how: int = signal.SIGINT):
     """Start ``workbench ablate`` into ``out``, press Ctrl-C once its first block is on disk; return
     (command, its output, whether it was still running when the signal went, its exit code, its
     processes then)."""
@@ -589,7 +589,7 @@ def _interrupt_after_the_first_block(out, steps: int):
         time.sleep(0.2)
     children = psutil.Process(process.pid).children(recursive=True)
     still_running = process.poll() is None
-    process.send_signal(signal.SIGINT)
+    process.send_signal(how)
     output, _ = process.communicate(timeout=60)
     return command, output, still_running, process.returncode, children
 
@@ -632,6 +632,21 @@ def test_a_second_ctrl_c_waits_while_what_finished_is_saved(capsys):
         time.sleep(0.1)  # delivered here, and it must not raise
     assert "saving what finished" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_sigterm_is_handled_as_ctrl_c(tmp_path):
+    """`kill`, a container or a scheduler stopping the job: the run ends its processes, keeps what
+    finished, says so, and leaves no lock (it had exited 143 silently, the lock left behind)."""
+    out = tmp_path / "term"
+    _, output, still_running, code, children = _interrupt_after_the_first_block(
+        out, steps=400, how=signal.SIGTERM
+    )
+    assert still_running, output
+    assert code == 143, output
+    assert "Stopped:" in output and not (out / ".workbench-lock").exists()
+    assert len(list((out / "units").glob("*.json"))) >= 1 and not wb.load_results(out).complete
+    time.sleep(0.5)
+    assert not [child for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_results_are_written_after_each_process(tmp_path):

@@ -9,8 +9,10 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -531,9 +533,21 @@ def _prewarm_template(args: argparse.Namespace) -> None:
         prewarm()
 
 
+_terminated: list[int] = []  # the signal that ended the command, when one did (SIGTERM)
+
+
+def _raise_terminated(signum, frame) -> None:
+    """SIGTERM (``kill``, a container or a scheduler stopping the job), handled as Ctrl-C is: the
+    run ends its processes, keeps what finished and says so, and leaves no lock behind."""
+    _terminated.append(signum)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # where Python delivers signals
+        signal.signal(signal.SIGTERM, _raise_terminated)
     _prewarm_template(args)
     try:
         if args.command == "list":
@@ -580,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workbench: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        return 143 if _terminated else 130  # 128 + the signal, as a shell reports it
     except BrokenPipeError:  # `workbench show run | head`: the reader left, which is no error of ours
         # Python would complain again while flushing stdout at exit: point it at nothing first.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
