@@ -110,6 +110,20 @@ def test_a_choice_comes_back_with_its_technique_and_a_mended_settings_error_goes
     assert "must be" not in panel.status.value and "Run ablation" in panel.status.value
 
 
+def test_an_out_folder_the_run_would_refuse_is_refused_before_it_starts(tmp_path):
+    """A folder of another run failed only after Run, from the run's thread, and said to pass
+    overwrite=True, which the panel has no control for."""
+    wb.ablate("mlp", techniques={}, steps=2, warmup=1, blocks=1, out=tmp_path / "r", progress=False)
+    panel = wb.panel(model="mlp", steps=3, warmup=1, blocks=1, out=str(tmp_path / "r"))
+    assert panel.run() is False and not panel.running
+    said = html.unescape(panel.status.value)
+    assert "holds a different ablation (differs in: " in said and "wb.panel(..., overwrite=True)" in said
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("precious")
+    panel = wb.panel(model="mlp", steps=3, out=str(tmp_path / "mine"), overwrite=True)
+    assert panel.run() is False and "deletes nothing there: thesis.tex" in html.unescape(panel.status.value)
+
+
 def test_optional_switches_show_auto_rather_than_a_blank():
     row = wb.panel(model="mlp").rows["dataloader"]
     persistent = row.fields["persistent_workers"][1]

@@ -318,15 +318,8 @@ def _open_out(
         plan_file = folder.path / "plan.json"
         if overwrite:
             folder.clear()  # only what workbench wrote; refuses if the user's files are there
-        folder.refuse_other_results("plan.json", "an ablation")  # a search's, say (tune.json)
-        foreign = [] if plan_file.exists() else folder.foreign_files(limit=5)
-        if foreign:
-            raise ValueError(
-                f"out={str(folder.path)!r} already holds files that are not workbench results "
-                f"({', '.join(foreign)}{', ...' if len(foreign) == 5 else ''}); choose a new or empty folder"
-            )
+        _refuse_the_folder(folder, fingerprint)
         if plan_file.exists():
-            refuse_a_different_run(folder.path, json.loads(plan_file.read_text()), fingerprint, "ablation")
             jobs = [json.loads(p.read_text()) for p in sorted((folder.path / "units").glob("*.json"))]
             if retry_failed:
                 # A process in which an arm failed runs again whole: the arms of a block are only
@@ -338,6 +331,49 @@ def _open_out(
     except BaseException:
         folder.unlock()
         raise
+
+
+def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> None:
+    """Raise when ``folder`` holds what this ablation may not add to: another kind of results,
+    files workbench did not write, or another ablation (ValueError naming it)."""
+    plan_file = folder.path / "plan.json"
+    folder.refuse_other_results("plan.json", "an ablation")  # a search's, say (tune.json)
+    foreign = [] if plan_file.exists() else folder.foreign_files(limit=5)
+    if foreign:
+        raise ValueError(
+            f"out={str(folder.path)!r} already holds files that are not workbench results "
+            f"({', '.join(foreign)}{', ...' if len(foreign) == 5 else ''}); choose a new or empty folder"
+        )
+    if plan_file.exists():
+        refuse_a_different_run(folder.path, json.loads(plan_file.read_text()), fingerprint, "ablation")
+
+
+def check_out(arguments: Mapping[str, Any]) -> None:
+    """Refuse now what ``ablate(**arguments)`` would refuse of its ``out`` once started: a file,
+    a folder of another run (unless ``overwrite``) or of the user's files. The panel asks before
+    it starts a run, so that the refusal comes at once, not from the run's thread."""
+    out = arguments.get("out")
+    if out is None or out is False or not Path(out).exists():
+        return
+    folder = ResultsFolder(out)
+    if not folder.path.is_dir():
+        raise ValueError(f"out={str(folder.path)!r} is a file; out names a folder for the results")
+    if arguments.get("overwrite"):
+        foreign = folder.foreign_files(limit=5)
+        if foreign:
+            raise ValueError(
+                f"overwrite: out={str(folder.path)!r} holds files that workbench did not write, so it deletes "
+                f"nothing there: {', '.join(foreign)}. Move them away, or choose another out"
+            )
+        return
+    job = plan_arguments(arguments)
+    run = RunConfig.from_options(
+        "ablate", {k: v for k, v in job.items() if k not in PLAN_ONLY}, also=PLAN_ONLY
+    )
+    prepared = prepare(
+        job.get("model", "mlp"), job.get("data"), job.get("loss_fn"), job.get("techniques"), run
+    )
+    _refuse_the_folder(folder, _fingerprint(prepared))
 
 
 def refuse_a_different_run(path: Path, previous: dict, fingerprint: dict, what: str) -> None:

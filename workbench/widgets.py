@@ -28,7 +28,7 @@ from typing import Any
 
 import ipywidgets as w
 
-from workbench.ablation import ablate, plan, plan_arguments
+from workbench.ablation import ablate, check_out, plan, plan_arguments
 from workbench.advisor import ADVISOR_FIXES, Advice, advise
 from workbench.config import TUNER_DECIDES, Option, RunConfig, run_options, unknown_name_error
 from workbench.data import BUILTIN_DATA, data_label, resolve_data
@@ -374,8 +374,13 @@ class AblationPanel(w.VBox):
         arguments = self.arguments()
         try:  # the same validation, and the same one-line messages, as the API
             plan(**plan_arguments(arguments))
+            check_out(arguments)  # a folder the run would refuse: said now, not from its thread
         except ValueError as error:
-            self.status.value = _error_html(str(error))
+            message = str(error).replace(
+                "pass overwrite=True to discard it",
+                "make the panel with wb.panel(..., overwrite=True) to discard it",
+            )
+            self.status.value = _error_html(message)
             return False
         return self._start(
             lambda: ablate(**arguments, progress=False, on_event=self.live, stop=self._stop),
