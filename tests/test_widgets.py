@@ -329,6 +329,16 @@ def test_stop_keeps_finished_blocks(tmp_path):
     assert len(saved.record["units"]) >= 2
 
 
+def test_a_stop_before_any_block_finished_shows_no_empty_results():
+    """It said "finished blocks are kept" and drew an empty figure (a memory axis of +-0.04 MiB)."""
+    panel = wb.panel(model="mlp", techniques={"amp": True}, steps=200, warmup=2, blocks=2, out=False)
+    panel.run()
+    panel.stop()  # the first block is still starting: nothing can have finished
+    panel.wait(timeout=120)
+    assert "nothing was measured" in panel.status.value and "kept" not in panel.status.value
+    assert panel.final_image.layout.display == "none"
+
+
 def test_live_run_gathers_events_and_the_live_plot_renders():
     live = LiveRun()
     live(
