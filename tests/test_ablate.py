@@ -375,6 +375,9 @@ def test_faulty_arms_are_recorded_and_the_rest_goes_on(faults, tmp_path):
     assert {"baseline", "nans"} <= set(shared["arms"]) <= {"baseline", "nans", "raises", "ooms"}
     # Out of memory beside the others: tried alone before it is called out of memory.
     assert units[("ooms", 0)]["process"] == units[("killed", 0)]["process"] == "own"
+    # Killed without the kernel's word for it: not called out of memory when it is moved either.
+    moved = json.loads((tmp_path / "faults" / "units" / "b0-block.json").read_text())["moved"]
+    assert "was killed while it ran" in moved["killed"] and "out of memory while" not in moved["killed"]
     # A deterministic failure is not retried: its next block skips it, and says why.
     assert units[("raises", 1)]["status"] == "skipped"
     assert "failed in an earlier block" in units[("raises", 1)]["reason"]

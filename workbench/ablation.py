@@ -974,11 +974,16 @@ class _Runner:
             return []
         if answer.get("shared_state"):
             moved[culprit.name] = f"it changed process-wide state ({'; '.join(answer['shared_state'])})"
-        elif answer["status"] == "oom" or answer.get("signal") == signal.SIGKILL:
-            # Killed beside other arms: alone, it shows whether it was the arms together.
+        elif answer["status"] == "oom":  # alone, it shows whether it was the arms together
             moved[culprit.name] = (
-                f"its block's process ended while it ran ({answer['reason']}): it may not fit in memory "
+                f"its block's process ran out of memory while it ran ({answer['reason']}): it may not fit "
                 "beside the other arms"
+            )
+        elif answer.get("signal") == signal.SIGKILL:  # no word from the kernel's OOM killer
+            moved[culprit.name] = (
+                f"its block's process was killed while it ran ({answer['reason']}): by another program, or "
+                "a memory limit this machine does not count (a container's); alone, it shows whether the "
+                "arms together were the cause"
             )
         else:
             units.append(self._unit(culprit, job, attempt, answer["status"], answer["reason"], answer))
