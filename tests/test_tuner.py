@@ -297,6 +297,11 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
 
     assert main(["show", str(out)]) == 0
     assert "best: no_pause, x" in capsys.readouterr().out
+    from workbench.report import report_html  # and its report puts the search's answer first
+
+    page = report_html(wb.load_results(out))
+    assert page.index("<h2>The search</h2>") < page.index("<h2>Verdicts of its last round</h2>")
+    assert "best: no_pause, x" in page
     # One warm template served the calibration and every round (each would import torch again).
     assert json.loads((out / "round-0" / "results.json").read_text())["worker_start"] == (
         "forked from a warm template kept from an earlier run in this Python process"

@@ -626,7 +626,14 @@ def plot_tune(results, path=None) -> ResultsFigure:
     axes.set_xlabel("speedup over the baseline (95% interval; log scale; dashed: the baseline)")
     axes.set_ylim(-0.6, len(measured) - 0.4)
     figure.legend(loc="outside lower center", ncol=max(len(shown), 1), fontsize=8, frameon=False)
-    title = f"best: {best}" if best else "no combination was measurably faster than the baseline"
+    undecided = tune.get("undecided") or ""  # why the fastest was not called best (wb.tune's words)
+    title = (
+        f"best: {best}"
+        if best
+        else "no winner: the fastest was measured in one block only"
+        if undecided.startswith("measured in one block")
+        else "no combination was measurably faster than the baseline"
+    )
     axes.set_title(
         f"{title}\n{len(measured)} candidates measured in {len(rounds)} rounds, "
         f"{tune['spent_s']:.0f} s of a {tune['budget_s']:.0f} s budget",

@@ -61,7 +61,11 @@ def report_html(results) -> str:
     sections = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="wb-meta">{html.escape(_when_and_state(record))}</p>',
-        _section("Verdicts", results_html(results.table, results.warnings())),
+        *([_search_html(results)] if "tune" in record else []),
+        _section(
+            "Verdicts" + (" of its last round" if "tune" in record else ""),
+            results_html(results.table, results.warnings()),
+        ),  # fmt: skip
         _section("Plots", _figure_img(results.plot(), "speedups, step-time breakdown and memory per arm")),
         _section("Notes per arm", _notes_html(results.table)),
         _section("Reproduce", _reproduce_html(record)),
@@ -89,6 +93,28 @@ table.wb-plain { border-collapse: collapse; font-size: 13px; }
 table.wb-plain td, table.wb-plain th { text-align: left; padding: 2px 10px 2px 0; vertical-align: top; }
 ul.wb-notes li { margin-bottom: 3px; }
 """
+
+
+def _search_html(results) -> str:
+    """A search's answer first (wb.tune): its verdict, its candidates, and their speedups by round."""
+    tuning = results.tuning.drop(columns=["techniques"])
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_cell(value))}</td>" for value in row) + "</tr>"
+        for row in tuning.itertuples(index=False)
+    )
+    head = "".join(f"<th>{html.escape(str(name))}</th>" for name in tuning.columns)
+    return _section(
+        "The search",
+        f"<p><b>{html.escape(results.tuning_verdict)}</b></p>"
+        f'<table class="wb-plain"><tr>{head}</tr>{rows}</table>'
+        + _figure_img(results.plot_tuning(), "each candidate's speedup, round by round"),
+    )
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "-" if value != value else f"{value:.3g}"
+    return str(value)
 
 
 def _section(heading: str, body: str) -> str:
