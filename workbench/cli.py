@@ -544,10 +544,19 @@ def _raise_terminated(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is not threading.main_thread():  # only it is given signals
+        return _main(argv)
+    _terminated.clear()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(argv)
+    finally:  # main() called from Python (a test, a script) leaves the caller's handler as it was
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if threading.current_thread() is threading.main_thread():  # where Python delivers signals
-        signal.signal(signal.SIGTERM, _raise_terminated)
     _prewarm_template(args)
     try:
         if args.command == "list":

@@ -577,6 +577,15 @@ def _plot_memory_limit(axes, facts, limited: bool) -> None:
     )
 
 
+def _tune_title(tune: dict, best: str | None) -> str:
+    """The winner, or why there is none (wb.tune's "undecided": one block, or within the noise)."""
+    if best:
+        return f"best: {best}"
+    if (tune.get("undecided") or "").startswith("measured in one block"):
+        return "no winner: the fastest was measured in one block only"
+    return "no combination was measurably faster than the baseline"
+
+
 def plot_tune(results, path=None) -> ResultsFigure:
     """The tuner's search: every candidate measured, its speedup and interval in each round it
     reached (later rounds, with more blocks, darker), the winner marked, 1 (the baseline) drawn."""
@@ -626,14 +635,7 @@ def plot_tune(results, path=None) -> ResultsFigure:
     axes.set_xlabel("speedup over the baseline (95% interval; log scale; dashed: the baseline)")
     axes.set_ylim(-0.6, len(measured) - 0.4)
     figure.legend(loc="outside lower center", ncol=max(len(shown), 1), fontsize=8, frameon=False)
-    undecided = tune.get("undecided") or ""  # why the fastest was not called best (wb.tune's words)
-    title = (
-        f"best: {best}"
-        if best
-        else "no winner: the fastest was measured in one block only"
-        if undecided.startswith("measured in one block")
-        else "no combination was measurably faster than the baseline"
-    )
+    title = _tune_title(tune, best)
     axes.set_title(
         f"{title}\n{len(measured)} candidates measured in {len(rounds)} rounds, "
         f"{tune['spent_s']:.0f} s of a {tune['budget_s']:.0f} s budget",
