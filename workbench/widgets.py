@@ -491,7 +491,11 @@ class AblationPanel(w.VBox):
             self._show_advice(outcome)
         elif outcome is not None and "tune" in outcome.record:
             self._show_search(outcome)
-        elif outcome is not None and not any(u["status"] == "ok" for u in outcome.record["units"]):
+        elif (
+            outcome is not None
+            and not outcome.complete
+            and not any(u["status"] == "ok" for u in outcome.record["units"])
+        ):
             # Stopped before any block finished: an empty figure and table would only mislead.
             self.status.value = "<b>Stopped before any block finished: nothing was measured.</b>"
         elif outcome is not None:
