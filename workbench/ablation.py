@@ -359,12 +359,7 @@ def check_out(arguments: Mapping[str, Any]) -> None:
     if not folder.path.is_dir():
         raise ValueError(f"out={str(folder.path)!r} is a file; out names a folder for the results")
     if arguments.get("overwrite"):
-        foreign = folder.foreign_files(limit=5)
-        if foreign:
-            raise ValueError(
-                f"overwrite: out={str(folder.path)!r} holds files that workbench did not write, so it deletes "
-                f"nothing there: {', '.join(foreign)}. Move them away, or choose another out"
-            )
+        folder.refuse_to_clear_foreign()  # what clear() would refuse, in its words
         return
     job = plan_arguments(arguments)
     run = RunConfig.from_options(

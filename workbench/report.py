@@ -21,7 +21,7 @@ from workbench.config import Link, RunConfig, run_options
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
 from workbench.results_folder import ResultsFolder
-from workbench.results_view import results_html
+from workbench.results_view import plain_number, results_html
 from workbench.techniques import get_technique, settings_of
 
 GENERATOR = "workbench report"  # in every report's <meta name="generator">: how we know one we wrote
@@ -99,7 +99,9 @@ def _search_html(results) -> str:
     """A search's answer first (wb.tune): its verdict, its candidates, and their speedups by round."""
     tuning = results.tuning.drop(columns=["techniques"])
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_cell(value))}</td>" for value in row) + "</tr>"
+        "<tr>"
+        + "".join(f"<td>{html.escape(plain_number(v) if isinstance(v, float) else str(v))}</td>" for v in row)
+        + "</tr>"
         for row in tuning.itertuples(index=False)
     )
     head = "".join(f"<th>{html.escape(str(name))}</th>" for name in tuning.columns)
@@ -109,12 +111,6 @@ def _search_html(results) -> str:
         f'<table class="wb-plain"><tr>{head}</tr>{rows}</table>'
         + _figure_img(results.plot_tuning(), "each candidate's speedup, round by round"),
     )
-
-
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return "-" if value != value else f"{value:.3g}"
-    return str(value)
 
 
 def _section(heading: str, body: str) -> str:

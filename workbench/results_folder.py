@@ -215,8 +215,8 @@ class ResultsFolder:
                 break
         return sorted(foreign)
 
-    def clear(self) -> None:
-        """Remove the files workbench wrote here (``overwrite``); refuse if anything else is here."""
+    def refuse_to_clear_foreign(self) -> None:
+        """Raise, naming them, when files workbench did not write are here: ``clear`` would refuse."""
         foreign = self.foreign_files()
         if foreign:
             shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
@@ -224,6 +224,10 @@ class ResultsFolder:
                 f"overwrite: out={str(self.path)!r} holds files that workbench did not write, so it deletes "
                 f"nothing there: {shown}. Move them away, or choose another out"
             )
+
+    def clear(self) -> None:
+        """Remove the files workbench wrote here (``overwrite``); refuse if anything else is here."""
+        self.refuse_to_clear_foreign()
         for inner in self._nested():
             folder = ResultsFolder(self.path / inner)
             folder.clear()

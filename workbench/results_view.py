@@ -151,9 +151,7 @@ def speedup_text(row) -> str:
 def _interval_end(value: float) -> str:
     """Two decimals, as people read speedups; below 0.01 two significant digits, so that a very
     wide interval's low end (0.000054 from one noisy block) does not read as a speedup of 0.00."""
-    if value >= 0.01:
-        return f"{value:.2f}"
-    return np.format_float_positional(value, precision=2, fractional=False, trim="-")
+    return f"{value:.2f}" if value >= 0.01 else plain_number(value, digits=2)
 
 
 def loss_drifted(ratio: float | None, gap_of_fall: float | None = math.nan) -> bool:
