@@ -111,17 +111,36 @@ def test_a_choice_comes_back_with_its_technique_and_a_mended_settings_error_goes
 
 
 def test_an_out_folder_the_run_would_refuse_is_refused_before_it_starts(tmp_path):
-    """A folder of another run failed only after Run, from the run's thread, and said to pass
-    overwrite=True, which the panel has no control for."""
+    """A folder of another run failed only after Run, from the run's thread; the message now
+    names the panel's own overwrite checkbox, and the checkbox never deletes the user's files."""
     wb.ablate("mlp", techniques={}, steps=2, warmup=1, blocks=1, out=tmp_path / "r", progress=False)
     panel = wb.panel(model="mlp", steps=3, warmup=1, blocks=1, out=str(tmp_path / "r"))
     assert panel.run() is False and not panel.running
     said = html.unescape(panel.status.value)
-    assert "holds a different ablation (differs in: " in said and "wb.panel(..., overwrite=True)" in said
+    assert "holds a different ablation (differs in: " in said
+    assert "tick 'discard its earlier results' beside out to discard it" in said
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("precious")
     panel = wb.panel(model="mlp", steps=3, out=str(tmp_path / "mine"), overwrite=True)
+    assert panel.overwrite.value is True
     assert panel.run() is False and "deletes nothing there: thesis.tex" in html.unescape(panel.status.value)
+    assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
+
+
+def test_the_overwrite_checkbox_discards_the_earlier_run_once(tmp_path):
+    """Ticked, Run replaces the earlier ablation in out; the tick does not outlive that run, so
+    the next Run in the folder resumes (and refuses other settings) as the API does."""
+    out = tmp_path / "r"
+    wb.ablate("mlp", techniques={}, steps=2, warmup=1, blocks=1, out=out, progress=False)
+    panel = wb.panel(model="mlp", techniques={}, steps=3, warmup=1, blocks=1, out=str(out))
+    panel.overwrite.value = True
+    assert panel.arguments()["overwrite"] is True
+    assert panel.run() is True and panel.overwrite.value is False
+    results = panel.wait(120)
+    assert results is not None and results.complete, panel.status.value
+    assert wb.load_results(out).record["config"]["steps"] == 3
+    panel.settings["steps"].value = 4
+    assert panel.run() is False and "holds a different ablation" in panel.status.value
 
 
 def test_optional_switches_show_auto_rather_than_a_blank():
@@ -183,6 +202,51 @@ def test_the_status_line_tells_progress_and_the_time_left(monkeypatch):
     assert progress_line(live.snapshot()) == (
         "process 2 of 3 · block 2 of 3 · now: amp, measure 3/9 · 0:15 elapsed · about 0:21 left"
     )
+
+
+def test_the_time_left_keeps_moving_when_the_first_process_runs_past_its_forecast(monkeypatch):
+    """It stalled: past its forecast, the process in flight counted as done and the others as
+    long as the forecast. Now its windows' pace gives its own time left, and the later
+    processes are taken to be as long as it will be."""
+    now = [1000.0]
+    monkeypatch.setattr(live_run, "time", types.SimpleNamespace(time=lambda: now[0]))
+    live = LiveRun()
+
+    def at(seconds, event):
+        now[0] = live.started + seconds
+        live(event)
+
+    arms = [{"name": name, "unavailable": None} for name in ("baseline", "amp")]
+    at(0, {"type": "plan", "arms": arms, "blocks": 2, "processes": 2, "remaining": 2})
+    at(0, {"type": "start", "block": 0, "arms": ["baseline", "amp"], "process": "block", "attempt": 1})
+    # Warm at 2 s, forecast 2 + 4 = 6 s: 10 windows (5 rounds x 2 arms).
+    at(
+        2,
+        {
+            "type": "phase",
+            "block": 0,
+            "phase": "measure",
+            "rounds": 5,
+            "expected_s": {"baseline": 2.0, "amp": 2.0},
+        },
+    )
+    for window in range(6):  # the windows run at 2 s each, not 0.4 s: window 6 begins at 12 s
+        at(
+            2 + 2 * window,
+            {
+                "type": "phase",
+                "block": 0,
+                "arm": "amp",
+                "phase": "measure",
+                "round": 1 + window // 2,
+                "of": 5,
+            },
+        )
+    # 5 windows took 10 s: 5 more, from the one running, take 10 s; the process about 22 s,
+    # and the second as long.
+    assert live_run.time_left_s(live.snapshot()) == pytest.approx(10 + 22)
+    now[0] = live.started + 13  # a second later: 2.2 s a window, 11 s left here, 24 s a process
+    assert live_run.time_left_s(live.snapshot()) == pytest.approx(11 + 24)
 
 
 def _descendants(widget):
@@ -472,7 +536,10 @@ def test_the_panel_says_when_the_figures_are_not_to_be_trusted(monkeypatch, tmp_
     assert panel.run() is True
     results = panel.wait(timeout=300)
     assert results is not None and results.load["warning"]
-    assert "Warning:</b> other processes used" in panel.status.value
+    # Said once: counted in the status line, in full under the figure (the results' own table).
+    assert re.search(r"<b>\d+ warnings?</b>, under the figure", panel.status.value)
+    assert "other processes used" not in panel.status.value
+    assert "other processes used" in html.unescape(panel.table.value)
 
 
 @pytest.mark.parametrize("setting", sorted(RUN_SETTINGS))

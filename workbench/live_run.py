@@ -21,6 +21,12 @@ class LiveRun:
         self.processes_done = 0
         self.process_started: float | None = None  # when the process in flight started
         self.measure_s: float | None = None  # how long that process should take, once its arms warmed up
+        # The timed windows of the process in flight: when they began, how many it will run and
+        # how many have begun; their pace tells its time left once it runs past its forecast.
+        self.windows_started: float | None = None
+        self.windows_planned = 0
+        self.windows_begun = 0
+        self.process_arms = 0
         self.process_s: list[float] = []  # how long each process of this ablation took: the time left
         self.finished: list[dict] = []  # "unit" events: one arm's measurements in one block
         # arm -> [(seconds, samples/s, block, process)]: ``process`` counts the processes started, so
@@ -85,6 +91,8 @@ class LiveRun:
     def _process_started(self, event: dict, now: float) -> None:
         self.processes_started += 1
         self.process_started, self.measure_s = now, None
+        self.windows_started, self.windows_planned, self.windows_begun = None, 0, 0
+        self.process_arms = len(event.get("arms", ()))
         self.block = event["block"]
         alone = f", {event['arms'][0]} in its own process" if event["process"] == "own" else ""
         self.current = f"block {event['block'] + 1}{alone}: starting"
@@ -94,7 +102,11 @@ class LiveRun:
             expected = event.get("expected_s") or {}
             if expected and self.process_started is not None:
                 self.measure_s = now - self.process_started + sum(expected.values())
+            self.windows_started = now
+            self.windows_planned = event.get("rounds", 0) * self.process_arms
             return
+        if event.get("phase") == "measure":
+            self.windows_begun += 1
         round_text = f" {event['round']}/{event['of']}" if event.get("phase") == "measure" else ""
         self.running_arm, self.running_phase = event["arm"], f"{event['phase']}{round_text}"
         self.current = f"block {event['block'] + 1}: {event['arm']}: {self.running_phase}"
@@ -113,6 +125,7 @@ class LiveRun:
                 "process_started": self.process_started,
                 "process_s": list(self.process_s),
                 "measure_s": self.measure_s,
+                "windows": (self.windows_started, self.windows_begun, self.windows_planned),
                 "finished": list(self.finished),
                 "throughput": {arm: list(points) for arm, points in self.throughput.items()},
                 "telemetry": list(self.telemetry),
@@ -129,7 +142,9 @@ def time_left_s(snapshot: dict) -> float | None:
     """Seconds until the last planned process ends: the finished processes' mean duration for
     each one still to run, less what the one in flight has done; before any process finished,
     the one in flight's own forecast (its start-up so far plus its arms' expected windows).
-    None until there is either."""
+    A process past its forecast is given the time its remaining windows take at the pace of
+    those it has run, and, while it is the first, the processes after it as long as it takes.
+    None until there is a forecast."""
     per_process = statistics.fmean(snapshot["process_s"]) if snapshot["process_s"] else snapshot["measure_s"]
     if per_process is None:
         return None
@@ -137,7 +152,21 @@ def time_left_s(snapshot: dict) -> float | None:
     if snapshot["process_started"] is None or to_run == 0:
         return per_process * to_run
     in_flight_s = snapshot["now"] - snapshot["process_started"]
-    return max(per_process - in_flight_s, 0.0) + per_process * (to_run - 1)
+    if in_flight_s <= per_process:
+        return per_process - in_flight_s + per_process * (to_run - 1)
+    this_left = _windows_left_s(snapshot)
+    later = per_process if snapshot["process_s"] else in_flight_s + this_left
+    return this_left + later * (to_run - 1)
+
+
+def _windows_left_s(snapshot: dict) -> float:
+    """The time the process in flight needs for the windows it has not finished, at the pace
+    of those it has (0 before two windows have begun: nothing to go by yet)."""
+    started, begun, planned = snapshot.get("windows", (None, 0, 0))
+    if started is None or begun < 2:
+        return 0.0
+    per_window = (snapshot["now"] - started) / (begun - 1)  # the windows before the one running
+    return per_window * max(planned - begun + 1, 0)
 
 
 def progress_line(snapshot: dict) -> str:

@@ -40,7 +40,7 @@ def _checkbox_px(label: str) -> float:
     return CHAR_PX * len(label) + 30  # the box and its margin
 
 
-def _checkbox(label: str, value: bool, **options: Any) -> w.Checkbox:
+def checkbox(label: str, value: bool, **options: Any) -> w.Checkbox:
     layout = w.Layout(width=f"{_checkbox_px(label):.0f}px", flex="0 0 auto")
     return w.Checkbox(value=value, description=label, indent=False, layout=layout, **options)
 
@@ -62,7 +62,7 @@ def _field_widget(config_field: dataclasses.Field, value: Any, hints: dict) -> w
     if "choices" in config_field.metadata:
         return dropdown(label, list(config_field.metadata["choices"]), value)
     if base is bool and not optional:
-        return _checkbox(label, bool(value))
+        return checkbox(label, bool(value))
     if base is bool:  # the words are the options: a Dropdown shows a value of None as blank
         return _OptionalSwitch(
             options=list(BOOL_WORDS),
@@ -142,7 +142,7 @@ class TechniqueRow(w.VBox):
         self.hints = typing.get_type_hints(technique.Config)
         enabled = setting is not None and setting is not False
         config = technique.configure(setting) if enabled else technique.Config()
-        self.toggle = _checkbox(technique.name, enabled)
+        self.toggle = checkbox(technique.name, enabled)
         self.toggle.add_class(f"workbench-technique-{technique.name}")
         self.fields = {
             f.name: (f, _field_widget(f, getattr(config, f.name), self.hints))
@@ -275,7 +275,7 @@ def setting_control(name: str, rules: Option, value: Any) -> w.Widget:
         # The words are the options: a Dropdown shows a value of None (loader_arms' "auto") as blank.
         return dropdown(name, list(rules.choices), rules.word(value), tooltip=rules.help)
     if rules.kind is bool:
-        return _checkbox(name, value, tooltip=rules.help)
+        return checkbox(name, value, tooltip=rules.help)
     if rules.kind is int and not rules.auto:
         return w.IntText(value=value, **common, **fitted(name, max(len(str(value)), 6), "number"))
     if rules.kind is float and not rules.auto:

@@ -45,10 +45,11 @@ def _mib(value: float) -> str:
     return f"{value:.2g}" if value < 10 else f"{value:.0f}"
 
 
-def plot_results(results) -> ResultsFigure:
+def plot_results(results, width: float = 13.0) -> ResultsFigure:
+    """Speedups, step breakdown and memory per arm, side by side, ``width`` inches wide."""
     table = results.table.iloc[::-1].reset_index(drop=True)  # first arm at the top
     y = np.arange(len(table))
-    figure = ResultsFigure(figsize=(13, 1.6 + 0.42 * max(len(table), 3)), layout="constrained")
+    figure = ResultsFigure(figsize=(width, 1.6 + 0.42 * max(len(table), 3)), layout="constrained")
     speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
     _plot_speedups(speed_ax, table, y)
     _plot_step_breakdown(phase_ax, table, y)

@@ -663,8 +663,10 @@ class Results:
 
         return pd.DataFrame(self.record.get("telemetry", []))
 
-    def plot(self):
-        return plot_results(self)
+    def plot(self, width: float = 13.0):
+        """Speedups with their intervals, the step breakdown and memory, one row per arm;
+        ``width`` in inches (the panel draws at 10, to keep its text legible in a notebook)."""
+        return plot_results(self, width)
 
     def plot_tuning(self, path=None):
         """The tuner's search (``wb.tune``): each candidate's speedup and interval round by round,

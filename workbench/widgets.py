@@ -36,6 +36,7 @@ from workbench.live_run import LiveRun, progress_line
 from workbench.models import BUILTIN_MODELS, get_builtin_model, model_label
 from workbench.panel_controls import (
     TechniqueRow,
+    checkbox,
     dropdown,
     fitted,
     setting_control,
@@ -49,6 +50,9 @@ from workbench.techniques import all_techniques, technique_context
 from workbench.tuner import check_advice_has_candidates, tune
 
 REDRAW_S = 1.0
+# The results figure's width in the panel, in inches (90 px each): about the panel's own width,
+# so that its text is drawn near full size rather than shrunk from the default 13 inches.
+FIGURE_IN = 10.0
 READY = "Choose the techniques, then press <b>Run ablation</b>."  # the status line before any run
 TUNE_BUDGETS = [
     ("1 min", 60),
@@ -59,8 +63,9 @@ TUNE_BUDGETS = [
     ("1 hour", 3600),
 ]
 # ablate's keywords that the panel takes and hands on untouched (it sets progress, on_event
-# and stop itself; every run setting gets a control).
+# and stop itself; every run setting gets a control, and overwrite a checkbox beside out).
 PANEL_PASSES_ON = ("overwrite", "retry_failed")
+OVERWRITE_LABEL = "discard its earlier results"
 OWN_DATA = "own"  # the data control's value for the model's own dataset (data=None)
 # A note's text box may shrink below its text (ipywidgets' HTML content keeps its text's width,
 # which pushed the row past the panel's edge), so that the note's own ellipsis can cut it.
@@ -96,6 +101,7 @@ class AblationPanel(w.VBox):
         for key in self.ablate_kwargs:
             if key not in PANEL_PASSES_ON:
                 raise unknown_name_error("panel argument", key, [*PANEL_PASSES_ON, *rules])
+        overwrite = self.ablate_kwargs.pop("overwrite", False)
         self.results = None
         self.error: str | None = None
         self.live = LiveRun()
@@ -106,6 +112,12 @@ class AblationPanel(w.VBox):
         self._adoptable: dict = {}  # what "Switch these on" would set: advice's or the tuner's winner
 
         self._make_setting_controls(model, data, out, options)
+        self.overwrite = checkbox(
+            OVERWRITE_LABEL,
+            bool(overwrite),
+            tooltip="at the next Run, remove what an earlier run wrote in out (only workbench's own "
+            "files) and measure afresh; unticked again once that run starts",
+        )
         chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
         self.rows = {
             t.name: TechniqueRow(t, chosen.get(t.name, False), position)
@@ -234,9 +246,9 @@ class AblationPanel(w.VBox):
             return False
         self.results, self.error = saved, None
         self.live_image.layout.display = "none"  # the live view belongs to the run made here
-        self._show(saved.plot(), saved._repr_html_())
+        self._show(saved.plot(FIGURE_IN), saved._repr_html_())
         state = "complete" if saved.complete else "partial: stopped before every block ran"
-        self.status.value = f"<b>Saved run ({state}):</b> {html.escape(str(saved.path))}" + _warnings_html(
+        self.status.value = f"<b>Saved run ({state}):</b> {html.escape(str(saved.path))}" + _warnings_below(
             saved.warnings()
         )
         return True
@@ -288,7 +300,8 @@ class AblationPanel(w.VBox):
         more = [self.settings[name] for name, rule in rules.items() if not rule.main]
         folded = w.Accordion([w.HBox(more, layout=wrap)], selected_index=None)
         folded.set_title(0, "More settings")
-        return w.VBox([w.HBox([self.model, self.data, *main], layout=wrap), self.out, folded])
+        out = w.HBox([self.out, self.overwrite], layout=wrap)
+        return w.VBox([w.HBox([self.model, self.data, *main], layout=wrap), out, folded])
 
     # ----- settings -> ablate arguments --------------------------------------------------
 
@@ -335,6 +348,7 @@ class AblationPanel(w.VBox):
             "techniques": {name: value for name, value in techniques.items() if value is not False},
             **self.setting_values(),
             "out": self.out.value.strip() or (None if self.keep_on_disk else False),
+            "overwrite": self.overwrite.value,
             **self.ablate_kwargs,
         }
 
@@ -376,11 +390,7 @@ class AblationPanel(w.VBox):
             plan(**plan_arguments(arguments))
             check_out(arguments)  # a folder the run would refuse: said now, not from its thread
         except ValueError as error:
-            message = str(error).replace(
-                "pass overwrite=True to discard it",
-                "make the panel with wb.panel(..., overwrite=True) to discard it",
-            )
-            self.status.value = _error_html(message)
+            self.status.value = _error_html(str(error))
             return False
         return self._start(
             lambda: ablate(**arguments, progress=False, on_event=self.live, stop=self._stop),
@@ -446,6 +456,8 @@ class AblationPanel(w.VBox):
         self.final_image.value, self.table.value = b"", ""
         self.final_image.layout.display = "none"
         self._set_running(True)
+        # One discard per tick: a later run in the same folder resumes or refuses, as the API's do.
+        self.overwrite.value = False
         self.status.value = message
         self._thread = threading.Thread(
             target=self._run_job, args=(job,), daemon=True, name="workbench-panel-run"
@@ -499,10 +511,10 @@ class AblationPanel(w.VBox):
             # Stopped before any block finished: an empty figure and table would only mislead.
             self.status.value = "<b>Stopped before any block finished: nothing was measured.</b>"
         elif outcome is not None:
-            self._show(outcome.plot(), outcome._repr_html_())
+            self._show(outcome.plot(FIGURE_IN), outcome._repr_html_())
             where = f" Results: {outcome.path}" if outcome.path else ""
             verb = "Done" if outcome.complete else "Stopped; finished blocks are kept"
-            self.status.value = f"<b>{verb}.</b>{html.escape(where)}" + _warnings_html(outcome.warnings())
+            self.status.value = f"<b>{verb}.</b>{html.escape(where)}" + _warnings_below(outcome.warnings())
         elif self.error:
             self.status.value = _error_html(self.error)
         self._set_running(False)
@@ -566,11 +578,24 @@ def _warnings_html(warnings: list[str]) -> str:
     )
 
 
+def _warnings_below(warnings: list[str]) -> str:
+    """How many warnings the results' table shows under the figure: said once, not twice."""
+    count = len(warnings)
+    if not count:
+        return ""
+    return (
+        f"<br><span style='color:#c44e52'><b>{count} warning{'s' * (count != 1)}</b>, "
+        "under the figure: read before trusting the figures.</span>"
+    )
+
+
 def _budget_label(seconds: float) -> str:
     return next((label for label, value in TUNE_BUDGETS if value == seconds), f"{seconds:.0f} s")
 
 
 def _error_html(message: str) -> str:
+    # The API's advice in the panel's words: its checkbox is what overwrite=True is here.
+    message = message.replace("pass overwrite=True to", f"tick '{OVERWRITE_LABEL}' beside out to")
     return f"<span style='color:#b00020'><b>Error:</b> {html.escape(message)}</span>"
 
 
