@@ -163,17 +163,31 @@ def test_the_data_control_names_the_dataset_the_run_uses():
     assert panel.data.label == "jpeg" and panel.arguments()["data"] == "jpeg"
 
 
+class ClockedRun:
+    """A LiveRun on a clock the test sets: ``at(seconds, event)`` delivers an event that many
+    seconds after the run started; ``now(seconds)`` moves the clock without one."""
+
+    def __init__(self, monkeypatch):
+        self.clock = [1000.0]
+        monkeypatch.setattr(live_run, "time", types.SimpleNamespace(time=lambda: self.clock[0]))
+        self.live = LiveRun()
+
+    def now(self, seconds: float) -> None:
+        self.clock[0] = self.live.started + seconds
+
+    def at(self, seconds: float, event: dict) -> None:
+        self.now(seconds)
+        self.live(event)
+
+    def plan(self, blocks: int) -> None:
+        arms = [{"name": name, "unavailable": None} for name in ("baseline", "amp")]
+        self.at(0, {"type": "plan", "arms": arms, "blocks": blocks, "processes": blocks, "remaining": blocks})
+
+
 def test_the_status_line_tells_progress_and_the_time_left(monkeypatch):
-    now = [1000.0]
-    monkeypatch.setattr(live_run, "time", types.SimpleNamespace(time=lambda: now[0]))
-    live = LiveRun()
-
-    def at(seconds, event):
-        now[0] = live.started + seconds
-        live(event)
-
-    arms = [{"name": name, "unavailable": None} for name in ("baseline", "amp")]
-    at(0, {"type": "plan", "arms": arms, "blocks": 3, "processes": 3, "remaining": 3})
+    run = ClockedRun(monkeypatch)
+    live, at = run.live, run.at
+    run.plan(blocks=3)
     at(0, {"type": "start", "block": 0, "arms": ["baseline", "amp"], "process": "block", "attempt": 1})
     at(1, {"type": "phase", "block": 0, "arm": "amp", "phase": "warmup"})
     assert progress_line(live.snapshot()) == (
@@ -208,16 +222,9 @@ def test_the_time_left_keeps_moving_when_the_first_process_runs_past_its_forecas
     """It stalled: past its forecast, the process in flight counted as done and the others as
     long as the forecast. Now its windows' pace gives its own time left, and the later
     processes are taken to be as long as it will be."""
-    now = [1000.0]
-    monkeypatch.setattr(live_run, "time", types.SimpleNamespace(time=lambda: now[0]))
-    live = LiveRun()
-
-    def at(seconds, event):
-        now[0] = live.started + seconds
-        live(event)
-
-    arms = [{"name": name, "unavailable": None} for name in ("baseline", "amp")]
-    at(0, {"type": "plan", "arms": arms, "blocks": 2, "processes": 2, "remaining": 2})
+    run = ClockedRun(monkeypatch)
+    live, at = run.live, run.at
+    run.plan(blocks=2)
     at(0, {"type": "start", "block": 0, "arms": ["baseline", "amp"], "process": "block", "attempt": 1})
     # Warm at 2 s, forecast 2 + 4 = 6 s: 10 windows (5 rounds x 2 arms).
     at(
@@ -245,7 +252,7 @@ def test_the_time_left_keeps_moving_when_the_first_process_runs_past_its_forecas
     # 5 windows took 10 s: 5 more, from the one running, take 10 s; the process about 22 s,
     # and the second as long.
     assert live_run.time_left_s(live.snapshot()) == pytest.approx(10 + 22)
-    now[0] = live.started + 13  # a second later: 2.2 s a window, 11 s left here, 24 s a process
+    run.now(13)  # a second later: 2.2 s a window, 11 s left here, 24 s a process
     assert live_run.time_left_s(live.snapshot()) == pytest.approx(11 + 24)
 
 
