@@ -431,3 +431,61 @@ def test_a_very_wide_intervals_low_end_does_not_read_as_zero():
 
     row = SimpleNamespace(speedup=1.2, speedup_low=0.000054, speedup_high=1491.48)
     assert speedup_text(row).endswith("[0.000054, 1491.48]")
+
+
+def _search_record() -> dict:
+    """A search as wb.tune records it: a winner, a runner-up, one dropped, one interrupted."""
+
+    def candidate(name, rounds, blocks, speedup=None, interval=(None, None), dropped=""):
+        return {
+            "name": name,
+            "rounds": rounds,
+            "blocks": blocks,
+            "speedup": speedup,
+            "speedup_low": interval[0],
+            "speedup_high": interval[1],
+            "loss_vs_baseline": None if speedup is None else 1.0,
+            "dropped": dropped,
+        }
+
+    winner = candidate("channels_last+amp[dtype=bfloat16,level=O1]", 3, 5, 1.76, (1.64, 1.90))
+    runner = candidate("amp[dtype=bfloat16,level=O1]", 3, 5, 1.57, (1.40, 1.75))
+    return {
+        "candidates": [
+            candidate(
+                "checkpointing", 1, 1, 0.68, (0.60, 0.77), dropped="in the lower half of round 1: x0.68"
+            ),
+            candidate("grad_accum[steps=4]", 1, 0, dropped="interrupted: 0 of 1 blocks finished"),
+            runner,
+            winner,
+        ],
+        "fastest": winner,
+        "runner_up": runner,
+        "best": {"channels_last": {}, "amp": {"dtype": "bfloat16", "level": "O1"}},
+    }
+
+
+def test_a_search_reads_furthest_first_with_what_became_of_each_candidate():
+    """The terminal printed the tuner's candidates as a 140-column pandas dump, with NaN and
+    six-decimal figures; now the furthest first, in the reader's figures, within 80 columns."""
+    from workbench.results_view import search_html, search_rows, search_text
+
+    record = _search_record()
+    rows = search_rows(record)
+    assert [cells[0] for cells in rows][:2] == [
+        "channels_last+amp[dtype=bfloat16,level=O1]",
+        "amp[dtype=bfloat16,level=O1]",
+    ]
+    assert [cells[-1] for cells in rows][:2] == ["best", "runner-up"]
+    assert rows[2][3] == "0.68× [0.60, 0.77]" and rows[3][3] == "-"
+    text = search_text(record, "best: channels_last+amp, x1.76 [1.64, 1.90] over 5 blocks", 80)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80, text
+    assert "nan" not in text.lower() and "0.680000" not in text
+    # What became of each candidate on the line under it, indented.
+    assert "  in the lower half of round 1: x0.68" in lines
+    assert lines[-1].startswith("best: channels_last+amp")
+    page = search_html(record)
+    assert page.count("<tr") == 5 and 'font-weight:600"><td class="wb-text' in page
+    record["best"] = {}  # measured, but not a winner: the row must not say "best"
+    assert search_rows(record)[0][-1].startswith("the fastest, but no winner")

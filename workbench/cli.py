@@ -449,7 +449,9 @@ def _run_show(args: argparse.Namespace) -> int:
 
 def _search_text(results) -> str:
     """A search's candidates (how far each got, why it left) and its verdict."""
-    return f"{results.tuning.drop(columns=['techniques']).to_string(index=False)}\n\n{results.tuning_verdict}"
+    from workbench.results_view import search_text, terminal_width
+
+    return search_text(results.record["tune"], results.tuning_verdict, terminal_width())
 
 
 # A setting whose flag is not its keyword's name with dashes.

@@ -21,7 +21,7 @@ from workbench.config import Link, RunConfig, run_options
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
 from workbench.results_folder import ResultsFolder
-from workbench.results_view import plain_number, results_html
+from workbench.results_view import results_html, search_html
 from workbench.techniques import get_technique, settings_of
 
 GENERATOR = "workbench report"  # in every report's <meta name="generator">: how we know one we wrote
@@ -97,18 +97,10 @@ ul.wb-notes li { margin-bottom: 3px; }
 
 def _search_html(results) -> str:
     """A search's answer first (wb.tune): its verdict, its candidates, and their speedups by round."""
-    tuning = results.tuning.drop(columns=["techniques"])
-    rows = "".join(
-        "<tr>"
-        + "".join(f"<td>{html.escape(plain_number(v) if isinstance(v, float) else str(v))}</td>" for v in row)
-        + "</tr>"
-        for row in tuning.itertuples(index=False)
-    )
-    head = "".join(f"<th>{html.escape(str(name))}</th>" for name in tuning.columns)
     return _section(
         "The search",
         f"<p><b>{html.escape(results.tuning_verdict)}</b></p>"
-        f'<table class="wb-plain"><tr>{head}</tr>{rows}</table>'
+        + search_html(results.record["tune"])
         + _figure_img(results.plot_tuning(), "each candidate's speedup, round by round"),
     )
 

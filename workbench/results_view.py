@@ -224,6 +224,7 @@ READER_CSS = """
   white-space: nowrap; border-bottom: 1px solid #e2e2e2; }
 .wb-results .wb-reader th { border-bottom: 2px solid #999; vertical-align: bottom; }
 .wb-results .wb-reader .wb-text { text-align: left; }
+.wb-results .wb-reader td.wb-why-plain { white-space: normal; max-width: 32em; }
 .wb-results .wb-reader td.wb-why { white-space: normal; text-align: left; font-style: italic;
   color: #8a4b00; max-width: 40em; }
 .wb-results .wb-badge { display: inline-block; padding: 0 6px; border-radius: 3px; font-weight: 600; }
@@ -314,13 +315,15 @@ def text_table(
     paint: list[list[str | None]] | None = None,
     spaced: bool = False,
     split_intervals: bool = False,
+    notes: list[str] | None = None,
 ) -> str:
     """Aligned columns within ``width`` characters: text left-aligned, numbers right-aligned,
     and text too long for its column wrapped inside it (the widest text column gives way
     first). ``paint`` holds an ANSI colour code per cell, or None. ``spaced``: a blank line
     between rows when some run over several lines, to show where each one ends.
     ``split_intervals``: a figure with its interval ("1.23× [1.20, 1.26]") may put the interval
-    on a line of its own, before a word of text is broken."""
+    on a line of its own, before a word of text is broken. ``notes``: a line of text per row,
+    written under it across the whole width (indented), for what no column could hold."""
     widths = _fit_widths(
         headings, rows, numeric, width - gap * (len(headings) - 1), split_intervals=split_intervals
     )
@@ -331,7 +334,9 @@ def text_table(
         return wrap_cell(cell, widths[column])
 
     wrapped_rows = [[wrap(cell, i) for i, cell in enumerate(cells)] for cells in [headings, *rows]]
-    spaced = spaced and any(max(len(parts) for parts in wrapped) > 1 for wrapped in wrapped_rows[1:])
+    spaced = spaced and (
+        any(max(len(parts) for parts in wrapped) > 1 for wrapped in wrapped_rows[1:]) or any(notes or ())
+    )
     lines = []
     for index, wrapped in enumerate(wrapped_rows):
         if spaced and index > 1:
@@ -344,6 +349,8 @@ def text_table(
                 code = paint[index - 1][column] if paint and index and depth == 0 else None
                 out.append(f"\033[{code}m{text}\033[0m" if code and text.strip() else text)
             lines.append((" " * gap).join(out).rstrip())
+        if notes and index and notes[index - 1]:
+            lines += textwrap.wrap(notes[index - 1], width, initial_indent="  ", subsequent_indent="  ")
         if index == 0:
             lines.append((" " * gap).join("-" * w for w in widths))
     return "\n".join(lines)
@@ -476,3 +483,84 @@ def results_text(table, width: int | None = None, colour: bool = False) -> str:
             width,
         )
     return text + "\n\n" + textwrap.fill(legend(rows), width)
+
+
+# --- a search (wb.tune) ----------------------------------------------------------------------
+
+SEARCH_HEADINGS = ["candidate", "rounds", "blocks", "speedup [95% interval]", "loss vs baseline", "outcome"]
+SEARCH_NUMERIC = [False, True, True, True, True, False]
+
+
+def search_rows(tune: dict) -> list[list[str]]:
+    """The tuner's candidates as people read them, those that went furthest first, then the
+    faster: how far each got, its last speedup with its interval, and what became of it (the
+    winner, the runner-up, in the last round, or why it left the search)."""
+    fastest = (tune.get("fastest") or {}).get("name")
+    runner_up = (tune.get("runner_up") or {}).get("name")
+    ordered = sorted(tune["candidates"], key=lambda c: (-c["rounds"], -(c["speedup"] or 0.0)))
+    rows = []
+    for candidate in ordered:
+        figures = {
+            key: math.nan if candidate.get(key) is None else float(candidate[key])
+            for key in ("speedup", "speedup_low", "speedup_high", "loss_vs_baseline")
+        }
+        if candidate["name"] == fastest:
+            outcome = "best" if tune.get("best") else "the fastest, but no winner (see the verdict)"
+        elif candidate["name"] == runner_up:
+            outcome = "runner-up"
+        else:
+            outcome = candidate.get("dropped") or "in the last round"
+        speedup = speedup_text(_Figures(**{k: v for k, v in figures.items() if k != "loss_vs_baseline"}))
+        rows.append(
+            [
+                candidate["name"],
+                str(candidate["rounds"]),
+                str(candidate["blocks"]),
+                speedup,
+                times(figures["loss_vs_baseline"]),
+                outcome,
+            ]
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class _Figures:
+    speedup: float
+    speedup_low: float
+    speedup_high: float
+
+
+def search_text(tune: dict, verdict: str, width: int | None = None) -> str:
+    """A search's candidates as aligned text within ``width`` characters, what became of each
+    on a line under it, then the verdict."""
+    width = width or TERMINAL_WIDTH
+    rows = search_rows(tune)
+    table = text_table(
+        SEARCH_HEADINGS[:-1],
+        [cells[:-1] for cells in rows],
+        SEARCH_NUMERIC[:-1],
+        width,
+        spaced=True,
+        split_intervals=True,
+        notes=[cells[-1] for cells in rows],
+    )
+    return f"{table}\n\n{textwrap.fill(verdict, width)}"
+
+
+def search_html(tune: dict) -> str:
+    """A search's candidates as an HTML table, in the reader's table's style; the winner in bold."""
+    head = "".join(
+        f'<th class="{"" if numeric else "wb-text"}">{html.escape(heading)}</th>'
+        for heading, numeric in zip(SEARCH_HEADINGS, SEARCH_NUMERIC, strict=True)
+    )
+    body = []
+    for cells in search_rows(tune):
+        weight = ' style="font-weight:600"' if cells[-1] == "best" else ""
+        tds = "".join(
+            f'<td class="{"" if numeric else "wb-text wb-why-plain"}">{html.escape(cell)}</td>'
+            for cell, numeric in zip(cells, SEARCH_NUMERIC, strict=True)
+        )
+        body.append(f"<tr{weight}>{tds}</tr>")
+    table = f'<table class="wb-reader"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+    return f'<div class="wb-results"><style>{READER_CSS}</style>{table}</div>'

@@ -45,7 +45,7 @@ from workbench.panel_controls import (
 )
 from workbench.plots import plot_live
 from workbench.results import load_results
-from workbench.results_view import plain_number
+from workbench.results_view import search_html
 from workbench.techniques import all_techniques, technique_context
 from workbench.tuner import check_advice_has_candidates, tune
 
@@ -530,7 +530,7 @@ class AblationPanel(w.VBox):
 
     def _show_search(self, results) -> None:
         self._adoptable = dict(results.best)
-        self._show(results.plot_tuning(), self._table_html(results.tuning.drop(columns=["techniques"])))
+        self._show(results.plot_tuning(), search_html(results.record["tune"]))
         where = f" Results: {results.path}" if results.path else ""
         self.status.value = (
             f"<b>{html.escape(results.tuning_verdict)}</b>{html.escape(where)}"
@@ -541,10 +541,6 @@ class AblationPanel(w.VBox):
         self.final_image.value = figure._repr_png_()
         self.final_image.layout.display = None
         self.table.value = table_html
-
-    @staticmethod
-    def _table_html(table) -> str:
-        return table.to_html(index=False, float_format=plain_number, na_rep="-", classes="workbench-table")
 
     def _redraw_while_running(self) -> None:
         drawn = -1
