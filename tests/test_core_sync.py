@@ -43,6 +43,10 @@ def test_two_states_are_split_at_the_middle_and_one_state_is_not_split():
     assert split_states(steady) is None
     assert split_states([*steady, 28.0]) is None  # one probe hit by an interruption is not a state
     assert split_states([FAST_US, SLOW_US]) is None  # too few probes to tell
+    # Among ten or fewer, the 90th percentile is the largest probe: one blip made a "state".
+    for count in (5, 9, 10):
+        assert split_states([10.0] * (count - 1) + [30.0]) is None, count
+    assert split_states([10.0] * 3 + [30.0] * 2) == 20.0  # two probes in the slow state: a state
 
 
 def _run(slow_rounds: set[int], gains: dict[str, tuple[float, float]], rounds: int = 12, block: int = 0):

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import synthetic_results
 from matplotlib.figure import Figure
 
 import workbench as wb
@@ -251,7 +252,7 @@ def test_an_unavailable_value_is_one_thing_in_each_form(small_results, tmp_path)
     table = small_results.table
     text = ["arm", "kind", "process", "techniques", "status", "verdict", "reason", "notes"]
     assert table[text].map(lambda v: isinstance(v, str)).all().all()  # never None or NaN there
-    numbers = table.drop(columns=text + ["noisy", "blocks"])
+    numbers = table.drop(columns=text + ["noisy", "blocks", "speedup_blocks"])
     assert all(dtype == np.float64 for dtype in numbers.dtypes)
     assert numbers.loc[table.arm == "tf32"].isna().all().all()  # unavailable here: every figure NaN
     plan = wb.plan(model="mlp", techniques={"amp": True, "tf32": True}, device="cpu")
@@ -468,6 +469,31 @@ def test_an_arm_moved_to_its_own_process_mid_run_is_compared_only_with_the_lone_
     assert amp["status"] == lone["status"] == "ok", (amp["reason"], lone["reason"])
     assert amp["blocks"] == 2 and amp["speedup"] == pytest.approx(1.2)
     assert "block(s) 1 measured it beside the other arms before it moved to its own process" in amp["notes"]
+
+
+def test_the_blocks_behind_a_speedup_are_those_its_baseline_measured_in_too():
+    """The baseline failed in two of three blocks: amp measured in three, but its interval comes
+    from the one block it shares with the baseline, and the tuner, which will not name a winner
+    from one block, reads that count."""
+    from workbench.results import summarize
+    from workbench.tuner import _figures
+
+    arms = [
+        {"name": name, "role": role, "techniques": name, "unavailable": None}
+        for name, role in (("baseline", "baseline"), ("amp", "treatment"))
+    ]
+    units = [_fake_unit("amp", [1.0] * 5, [0.008, 0.009, 0.008, 0.008], block=b) for b in range(3)]
+    units.append(_fake_unit("baseline", [1.0] * 5, [0.010, 0.011, 0.010, 0.010], block=0))
+    units += [
+        {"arm": "baseline", "block": b, "status": "failed", "reason": "boom", "result": None} for b in (1, 2)
+    ]
+    rows = {row["arm"]: row for row in summarize(arms, units, planned_blocks=3, complete=True)}
+    amp = rows["amp"]
+    assert amp["blocks"] == 3 and amp["speedup_blocks"] == 1
+    assert "1 block: the interval ignores process-to-process variation" in amp["notes"]
+    table = synthetic_results(list(rows.values()), roles={"baseline": "baseline"}).table
+    row = next(table[table.arm == "amp"].itertuples())
+    assert _figures(0, row, "faster", (1.0, 1.0))["blocks"] == 1
 
 
 def test_near_the_end_of_the_fall_a_ratio_of_tiny_losses_is_not_a_loss_of_parity():

@@ -19,6 +19,7 @@ to look twice.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -71,18 +72,23 @@ def repeats_for(round_s: float, probe_us: float) -> int:
 
 def split_states(probes: Sequence[float], ratio: float = STATE_RATIO) -> float | None:
     """The probe time that separates two states, if the probes show two: the midpoint between
-    their 10th and 90th percentiles when those differ by more than ``ratio``, else None.
+    their 10th and 90th percentiles (nearest rank) when those differ by more than ``ratio``,
+    and at least two probes lie on each side of it; else None.
 
-    Percentiles, not the extremes: one probe slowed by a passing interruption is not a state.
-    A state held for fewer than a tenth of the probes is not seen either.
+    Percentiles, not the extremes, and two probes a side: one probe slowed by a passing
+    interruption is not a state, even among ten or fewer probes, where the 90th percentile by
+    nearest rank is the largest. A state held for fewer than a tenth of the probes is not seen.
     """
     if len(probes) < 5:
         return None
     ordered = sorted(probes)
-    low, high = ordered[len(ordered) // 10], ordered[(9 * len(ordered)) // 10]
+    count = len(ordered)
+    low, high = ordered[math.ceil(0.1 * count) - 1], ordered[math.ceil(0.9 * count) - 1]
     if high <= ratio * low:
         return None
-    return (low + high) / 2
+    middle = (low + high) / 2
+    slow = sum(probe > middle for probe in ordered)
+    return middle if min(slow, count - slow) >= 2 else None
 
 
 def oversubscription(threads: int, cores: int, ranks: int = 1) -> str | None:

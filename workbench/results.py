@@ -83,7 +83,9 @@ TABLE_COLUMNS = [
     "comm_share",
     "comm_exposed_ms",  # communication the step waited for, after the gradients were computed
     "comm_hidden_share",  # of comm_ms, the share that ran while backward still computed
-    "blocks",
+    "blocks",  # the blocks in which this arm measured
+    # ... and of them, those whose baseline measured too: the blocks behind the speedup's interval
+    "speedup_blocks",
     "noisy",
     "notes",
 ]
@@ -303,6 +305,7 @@ def _compare(
         base_comm = _median([r["comm_bytes_per_step"] for r in base_results if "comm_bytes_per_step" in r])
         _communication(row, results, base_comm)
     paired = [(base_ok[u["block"]], u["result"]) for u in ok if u["block"] in base_ok]
+    row["speedup_blocks"] = len(paired)
     if arm["name"] == baseline:
         row.update(speedup=1.0, speedup_low=1.0, speedup_high=1.0)
     elif paired:
@@ -519,6 +522,8 @@ class Results:
         numeric = [c for c in TABLE_COLUMNS if c not in text]
         table[numeric] = table[numeric].astype(float)
         table["blocks"] = table["blocks"].fillna(0).astype(int)
+        # Records saved before the column existed: their arms' blocks (all paired, as a rule).
+        table["speedup_blocks"] = table["speedup_blocks"].fillna(table["blocks"]).astype(int)
         table["noisy"] = table["noisy"].astype(bool)
         table["verdict"] = verdicts(table, self.record.get("arms", []))
         return table

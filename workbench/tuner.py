@@ -868,7 +868,8 @@ def _figures(index: int, row, verdict: str, band: tuple[float, float]) -> dict:
     "faster" only when the whole interval lies above what a change that does nothing shows."""
     return {
         "round": index,
-        "blocks": int(row.blocks) if row.blocks == row.blocks else 0,
+        # The blocks behind the interval: those in which the baseline measured too.
+        "blocks": int(row.speedup_blocks) if row.speedup_blocks == row.speedup_blocks else 0,
         "status": row.status,
         "speedup": row.speedup,
         "speedup_low": row.speedup_low,
