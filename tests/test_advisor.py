@@ -113,6 +113,42 @@ def test_amps_ceiling_counts_only_the_matmul_work_that_grows_with_the_batch():
     assert "matmul/conv take 40% of the step, 4% in work that grows with the batch" in amp.why
 
 
+def test_on_cuda_amps_ceiling_is_at_least_tf32s():
+    """9 of 10 ms in fp32 matmul kernels without Tensor Cores: half precision runs them on
+    Tensor Cores as tf32 does, so amp's "at most" is not the halving's 1.8x (an H100 measured
+    amp at 1.95x on gpt-mini, above what halving could allow)."""
+    facts = _facts(device="cuda", data_ms=0.2, overhead_ms=0.3, matmul_ms=9.0, fp32_matmul_ms=9.0)
+    ceilings = {
+        s.technique: s for s in suggestions(facts, {"amp": None, "tf32": None}) if s.part == "compute"
+    }
+    assert ceilings["amp"].at_most == pytest.approx(ceilings["tf32"].at_most) == pytest.approx(bound(0.9))
+    assert "Tensor Cores" in ceilings["amp"].why
+    bf16_already = _facts(device="cuda", matmul_ms=4.0, fp32_matmul_ms=0.0)  # no fp32 kernels: halving alone
+    amp = next(s for s in suggestions(bf16_already, {"amp": None}) if s.part == "compute")
+    assert amp.at_most == pytest.approx(bound(0.2)) and "Tensor Cores" not in amp.why
+
+
+def test_the_fp32_matmul_share_is_scaled_as_the_matmul_share_and_never_exceeds_it():
+    """The profiled step took 20 ms, the timed one 10: both matmul figures shrink by half; the
+    fp32 part was left unscaled and read 60% of the step beside a matmul share of 30%."""
+    from types import SimpleNamespace
+
+    from workbench.advisor import facts_from
+
+    profile = {
+        "profiled_step_ms": 20.0, "kernel_ms": 15.0, "matmul_conv_kernel_ms": 6.0, "fp32_matmul_kernel_ms": 6.0,
+        "kernels": 100, "median_kernel_us": 50.0, "batch_scaling": {},
+    }  # fmt: skip
+    result = {"step_s": [0.010] * 20, "wall_s": 0.2, "steps": 20, "peak_mem_mib": 100.0, "activation_mib": 10.0,
+              "phase_ms": {"data": 0.1, "forward": 3.0, "backward": 6.0, "optimizer": 0.5}, "profile": profile}  # fmt: skip
+    record = {
+        "units": [{"arm": "baseline", "status": "ok", "result": result}],
+        "environment": {"gpu_memory_gib": 80},
+    }
+    facts = facts_from(SimpleNamespace(record=record, warnings=lambda: []), "cuda", None)
+    assert facts.matmul_ms == pytest.approx(3.0) and facts.fp32_matmul_ms == pytest.approx(3.0)
+
+
 def test_the_profile_counts_dispatched_operations_and_matmul_time():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
     batch = torch.randn(32, 64)
