@@ -489,3 +489,27 @@ def test_a_search_reads_furthest_first_with_what_became_of_each_candidate():
     assert page.count("<tr") == 5 and 'font-weight:600"><td class="wb-text' in page
     record["best"] = {}  # measured, but not a winner: the row must not say "best"
     assert search_rows(record)[0][-1].startswith("the fastest, but no winner")
+
+
+def test_each_arm_is_drawn_over_the_noise_band_its_verdict_is_judged_against():
+    """The plot shaded the control's raw interval, [0.975, 0.995], across every row: amp at
+    [0.997, 1.02] sat right of it, outside the noise by the picture, while its verdict said
+    "within noise" (the band holds 1). An arm in its own process is judged against 1 alone."""
+    rows = [
+        result_row("baseline", speedup=1.0, low=1.0, high=1.0),
+        result_row("baseline (control)", speedup=0.985, low=0.975, high=0.995),
+        result_row("amp", speedup=1.008, low=0.997, high=1.02),
+        result_row("dataloader", speedup=1.3, low=1.2, high=1.4, process="own"),
+    ]
+    results = synthetic_results(rows, roles={"baseline": "baseline", "baseline (control)": "control"})
+    assert list(results.table.verdict) == ["reference", "control", "within noise", "faster"]
+    speed_axes = results.plot().axes[0]
+    bands = [p for p in speed_axes.patches if p.get_facecolor()[:3] == pytest.approx((217 / 255,) * 3)]
+    # Drawn bottom-up (the first arm on top): amp (row 1) and the control (row 2), not the
+    # own-process arm (row 0) nor the baseline (row 3).
+    spans = sorted(
+        (round(p.get_y() + p.get_height() / 2), p.get_x(), p.get_x() + p.get_width()) for p in bands
+    )
+    assert [row for row, _, _ in spans] == [1, 2]
+    for _, low, high in spans:
+        assert (low, high) == (pytest.approx(0.975), pytest.approx(1.0))

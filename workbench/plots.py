@@ -47,7 +47,10 @@ def _mib(value: float) -> str:
 
 def plot_results(results, width: float = 13.0) -> ResultsFigure:
     """Speedups, step breakdown and memory per arm, side by side, ``width`` inches wide."""
-    table = results.table.iloc[::-1].reset_index(drop=True)  # first arm at the top
+    from workbench.results_view import with_roles
+
+    # first arm at the top; each arm's role, for the noise band its verdict is judged against
+    table = with_roles(results.table, results.record.get("arms", [])).iloc[::-1].reset_index(drop=True)
     y = np.arange(len(table))
     figure = ResultsFigure(figsize=(width, 1.6 + 0.42 * max(len(table), 3)), layout="constrained")
     speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
@@ -119,22 +122,31 @@ def _plot_speedups(axes, table, y) -> None:
 
 
 def _shade_noise_band(axes, table, measured) -> None:
-    """The control arm's interval, the A/A noise of this run, shaded across all rows: a speedup
-    inside the band is not told apart from noise."""
-    control = table[(table.arm == "baseline (control)") & measured]
-    if (
-        not control.empty
-        and np.isfinite(control.speedup_low.iloc[0])
-        and np.isfinite(control.speedup_high.iloc[0])
-    ):
-        axes.axvspan(
-            control.speedup_low.iloc[0],
-            control.speedup_high.iloc[0],
-            color="#d9d9d9",
-            alpha=0.6,
-            zorder=0,
-            label="noise band (control's interval)",
-        )
+    """Behind each arm, the band its verdict is judged against (results_view.noise_band): the
+    control's interval for its kind of process, widened to hold 1. A speedup inside it is not
+    told apart from noise. An arm with no control of its own kind (one in its own process)
+    has no band: 1 alone. Tables without roles (figures read back from elsewhere) name the
+    control "baseline (control)", as workbench does."""
+    from workbench.results_view import noise_band
+
+    defaults = {
+        "role": table.arm.map(
+            lambda arm: {"baseline": "baseline", "baseline (control)": "control"}.get(arm, "treatment")
+        ),
+        "kind": "train",
+        "process": "block",
+    }
+    table = table.assign(**{column: value for column, value in defaults.items() if column not in table})
+    label = "noise band (control's interval)"
+    for index, row in enumerate(table.itertuples()):
+        if not measured.iloc[index] or row.role == "baseline":
+            continue
+        low, high = noise_band(row, table)
+        if high > low:
+            axes.barh(
+                index, high - low, left=low, height=0.9, color="#d9d9d9", alpha=0.6, zorder=0, label=label
+            )
+            label = None  # one legend entry
 
 
 def _plot_step_breakdown(axes, table, y) -> None:
