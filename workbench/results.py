@@ -357,13 +357,14 @@ def _slow_step_notes(
     typical = stats.combine_blocks(
         [stats.block_ratio(base, arm, paired=shared, estimator=stats.ESTIMATOR) for base, arm in pairs]
     ).point
-    arm_excess = [stats.slow_step_excess_pct(arm) for _, arm in pairs]
-    base_excess = [stats.slow_step_excess_pct(base) for base, _ in pairs]
+    # The figures the rule judged by: the capped mean over the typical step (a stall's share
+    # of the plain mean would show here as the job's own, which the rule did not count).
+    arm_excess = [stats.slow_step_excess_pct(arm, every_step="capped_mean") for _, arm in pairs]
+    base_excess = [stats.slow_step_excess_pct(base, every_step="capped_mean") for base, _ in pairs]
     return [
-        "slow steps of the job's own: in every block its mean step exceeded its typical step by "
-        f"{_percent_range(arm_excess)}, the baseline's by "
-        f"{_percent_range(base_excess)}, so the speedup counts every step (their mean, "
-        f"with no step counting for more than {stats.STALL_CAP:.0f} median steps); "
+        f"slow steps of the job's own: its mean step (no step counting for more than {stats.STALL_CAP:.0f} "
+        f"median steps) exceeded its typical step by {_percent_range(arm_excess)} in the blocks, the "
+        f"baseline's by {_percent_range(base_excess)}, so the speedup counts every step (that mean); "
         f"by typical steps alone it would be {typical:.2f}"
     ]
 
@@ -392,9 +393,9 @@ def _wall_clock_notes(speedup: float, paired: list[tuple[dict, dict]]) -> list[s
 
 
 def _percent_range(values: list[float]) -> str:
-    """``"5-9%"``, or ``"6%"`` when they round alike."""
-    low, high = f"{min(values):.0f}", f"{max(values):.0f}"
-    return f"{low}%" if low == high else f"{low}-{high}%"
+    """``"5% to 9%"`` (a minus sign stays readable: "-1% to 9%"), or ``"6%"`` when they round alike."""
+    low, high = (round(value) + 0 for value in (min(values), max(values)))  # + 0: never "-0"
+    return f"{low}%" if low == high else f"{low}% to {high}%"
 
 
 def _parity_notes(row: dict, arm: dict, baseline: str | None) -> list[str]:
