@@ -152,6 +152,30 @@ def test_the_fastest_is_called_best_only_when_faster_than_the_control_band_over_
     assert why.startswith("not measurably faster") and "[0.91, 1.09]" in why
 
 
+def test_a_faster_finalist_inside_the_noise_does_not_leave_the_search_without_a_winner():
+    """Two finalists: A at 1.50 [0.95, 2.40] (its interval reaches the noise), B at 1.30 [1.20,
+    1.40] (measurably faster). The winner was the fastest by its point, so the search named none;
+    now B wins, and A stays beside it as the runner-up, saying why it did not."""
+    from workbench.results import tune_verdict
+    from workbench.tuner import Candidate, _answer, _summary
+
+    wide = Candidate("A", [], 0, [_figures(1.50, 0.95, 2.40, verdict="within noise")])
+    narrow = Candidate("B", [], 1, [_figures(1.30, 1.20, 1.40)])
+    screened = Candidate("C", [], 2, [{**_figures(1.10, 1.0, 1.2), "round": 0}])
+    screened.drop(0, "in the lower half of round 1")
+    best, runner_up, undecided = _answer([wide, narrow, screened])
+    assert (best, runner_up, undecided) == (narrow, wide, None)
+    assert wide.dropped.startswith("faster by its point, but not measurably faster")
+    record = {"fastest": _summary(best), "runner_up": _summary(runner_up), "best": {"B": {}},
+              "spent_s": 60.0, "budget_s": 60.0}  # fmt: skip
+    assert "(faster by its point, but not measurably faster" in tune_verdict(record)
+    # Neither decided: the fastest, with the reason it is no winner.
+    narrow.rounds[-1] = _figures(1.30, 1.20, 1.40, blocks=1)
+    wide.dropped = ""
+    best, runner_up, undecided = _answer([wide, narrow, screened])
+    assert best is wide and runner_up is narrow and undecided.startswith("not measurably faster")
+
+
 def test_clearly_slower_needs_a_gap_wider_than_the_control_band():
     from workbench.tuner import _clearly_slower
 

@@ -1060,6 +1060,8 @@ def tune_verdict(record: dict) -> str:
         text = f"no winner: the fastest, {fastest['name']}, came out at {figures(fastest)}, but {why}"
     if runner is not None:
         text += f"; runner-up: {runner['name']}, {figures(runner)}"
+        if runner.get("dropped", "").startswith("faster by its point, but "):
+            text += f" ({runner['dropped']})"  # why the higher point estimate did not win
     text += f" ({spent}"
     text += f"; {record['stopped']})" if record.get("stopped") else ")"
     return text

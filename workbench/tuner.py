@@ -818,25 +818,8 @@ class _Search:
             raise NothingMeasured(
                 f"tune: no round finished ({stopped}); the calibration is saved in {self.folder.path}"
             )
-        measured = [c for c in self.candidates if c.rounds]
-        final_round = max(c.rounds[-1]["round"] for c in measured)
-        finalists = sorted(
-            (c for c in measured if c.rounds[-1]["round"] == final_round and not c.dropped),
-            key=lambda c: -c.rounds[-1]["speedup"],
-        )
-        best = finalists[0] if finalists else None
-        # The runner-up: the finalist beside the winner, or else the candidate that went furthest
-        # (its figures are from its last round, with that round's blocks).
-        others = sorted(
-            (c for c in measured if c is not best and c.rounds[-1]["speedup"] is not None),
-            # the furthest, then one still in the search before one it dropped, then the faster
-            key=lambda c: (-len(c.rounds), bool(c.dropped), -c.rounds[-1]["speedup"]),
-        )
-        runner_up = others[0] if others else None
-        undecided = _not_decided(best.rounds[-1]) if best is not None else None
+        best, runner_up, undecided = _answer([c for c in self.candidates if c.rounds])
         faster = best is not None and undecided is None
-        if best is not None:
-            best.dropped = "" if faster else f"the fastest, but {undecided}"
         record = {
             "budget_s": self.budget_s,
             "spent_s": self.spent_s,
@@ -924,6 +907,36 @@ def _clearly_slower(mine: dict, leader: dict) -> bool:
 
 def _settings_key(techniques: Mapping[str, dict]) -> str:
     return json.dumps(techniques, sort_keys=True, default=str)
+
+
+def _answer(measured: list[Candidate]) -> tuple[Candidate | None, Candidate | None, str | None]:
+    """The search's answer from the candidates measured: the winner (or, when none is decided,
+    the fastest finalist), the runner-up, and why the first is no winner (None when it is).
+
+    The winner is the fastest finalist measurably faster than the baseline. A faster one whose
+    interval still reaches the noise is no winner, and need not leave the search without one:
+    it stays beside the winner as the runner-up, and says why."""
+    final_round = max(c.rounds[-1]["round"] for c in measured)
+    finalists = sorted(
+        (c for c in measured if c.rounds[-1]["round"] == final_round and not c.dropped),
+        key=lambda c: -c.rounds[-1]["speedup"],
+    )
+    decided = [c for c in finalists if _not_decided(c.rounds[-1]) is None]
+    best = decided[0] if decided else finalists[0] if finalists else None
+    # The runner-up: the finalist beside the winner, or else the candidate that went furthest
+    # (its figures are from its last round, with that round's blocks).
+    others = sorted(
+        (c for c in measured if c is not best and c.rounds[-1]["speedup"] is not None),
+        # the furthest, then one still in the search before one it dropped, then the faster
+        key=lambda c: (-len(c.rounds), bool(c.dropped), -c.rounds[-1]["speedup"]),
+    )
+    runner_up = others[0] if others else None
+    for candidate in finalists[: finalists.index(best)] if decided else ():
+        candidate.dropped = f"faster by its point, but {_not_decided(candidate.rounds[-1])}"
+    undecided = _not_decided(best.rounds[-1]) if best is not None else None
+    if best is not None:
+        best.dropped = "" if undecided is None else f"the fastest, but {undecided}"
+    return best, runner_up, undecided
 
 
 def _summary(candidate: Candidate | None) -> dict | None:
