@@ -13,8 +13,8 @@ bottleneck:
     computation ended, as the DDP hooks measured it (data-parallel runs only; the part hidden
     behind backward costs nothing and is shown apart);
 ``compute``
-    the rest of the step: the work that grows with the batch, and the optimizer's step (the
-    profile says how much of it is matmul and convolution);
+    the rest of the step: the work that grows with the batch (the profile says how much of
+    it is matmul and convolution);
 ``launch``
     the step time that does not grow with the batch: steps at the batch and at half of it,
     interleaved (t = fixed + batch x per_sample gives fixed = 2 t(b/2) - t(b)). It includes

@@ -1,4 +1,4 @@
-"""The ``workbench`` command: ``list``, ``env``, ``ablate``, ``advise``, ``tune`` and ``show``.
+"""The ``workbench`` command: ``list``, ``env``, ``ablate``, ``advise``, ``tune``, ``show`` and ``report``.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """

@@ -1,7 +1,8 @@
 """Data-parallel arms: the process group, the DDP wrapper, measured communication, a simulated link.
 
-An arm with ``world_size=N`` runs as N rank processes (see workbench.process), each a fresh
-``python -m workbench.worker`` that joins one process group: gloo on CPU, NCCL on CUDA.
+An arm with ``world_size=N`` runs as N rank processes (see workbench.process), each a new
+worker process (forked from the run's warm template, or ``python -m workbench.worker``) that
+joins one process group: gloo on CPU, NCCL on CUDA.
 Every arm of such an ablation, the baseline included, trains under DistributedDataParallel,
 so arms differ only in their techniques.
 

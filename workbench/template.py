@@ -4,7 +4,8 @@ Starting ``python -m workbench.worker`` costs about 3.5 s on the CI machine befo
 step: the interpreter, torch (2 s) and torch's compiler stack (1.5 s), which every block
 imports. A run of several blocks, plus the arms that need processes of their own, pays that
 each time. The template is one process, started at the beginning of a run, that imports all of
-it once and then forks a fresh worker for each process the run needs. It ends with the run.
+it once and then forks a fresh worker for each process the run needs. It outlives the run only
+to serve the next one, for a while (below).
 
 Isolation is kept: every worker is still a new process with its own memory, random state and
 torch state, which ends with its block; what it shares with the others is the imported code,

@@ -12,8 +12,10 @@ Hyperband):
    (``Technique.costly_start``: torch.compile) runs once beside that baseline, and its
    candidates are costed with the start it measured until a round measures them; a block is
    costed as the processes its arms need (a second compiled arm runs in a process of its own).
-2. **Screen.** Every candidate combination (conflicts and unavailable ones left out, with the
-   reason) runs beside the baseline and its control in one block: a cheap, noisy first look.
+2. **Screen.** The candidate combinations (conflicts and unavailable ones left out, with the
+   reason), fewest techniques and best-ranked first, as many as a share of the budget holds
+   (at most ``max_candidates``), run beside the baseline and its control in one block: a
+   cheap, noisy first look.
 3. **Combine.** Screening alone cannot find a combination it had no budget to screen, and a
    technique slower than the leader may still add to it. So after screening, the combinations of
    the techniques that were measurably faster than the baseline on their own (the union of the
@@ -22,17 +24,20 @@ Hyperband):
    (fresh processes). A candidate leaves early when its final loss drifts from the baseline's
    (convergence parity: ``workbench.results_view.loss_drifted``), when it fails, or when its whole speedup interval
    lies below the leader's by more than the control's band is wide.
-5. **Decide.** The last round compares the two finalists over the most blocks; the better is
-   ``best`` (``Results.best``: a techniques mapping for ``wb.ablate``), the other the runner-up.
-   The fastest is called best only when its round's verdict is "faster" (the whole interval
-   above the control arm's band, as in an ablation) over at least ``DECIDING_BLOCKS`` blocks.
+5. **Decide.** The last round compares the finalists over the most blocks. The winner,
+   ``best`` (``Results.best``: a techniques mapping for ``wb.ablate``), is the fastest finalist
+   whose round's verdict is "faster" (the whole interval above the control arm's band, as in
+   an ablation) over at least ``DECIDING_BLOCKS`` blocks; a finalist faster by its point but
+   not measurably faster stays beside it as the runner-up, saying why. With no such finalist
+   ``best`` is ``{}`` (``_answer``).
 
 Each round is an ordinary ablation in ``out/round-N`` (arms side by side in one process, block
 by block), so its figures are as honest as any ablation's, and a rerun with the same ``out``
 resumes: finished blocks are read back, decisions are re-derived from them, and the search goes
 on with what is left of the budget. ``out/results.json`` holds the last round's results with
 the search record (``record["tune"]``); ``out/tune.csv`` lists every candidate, how far it got
-and why it left; ``out/plot.png`` shows the candidates' speedups round by round.
+and why it left; ``out/tune.png`` shows the candidates' speedups round by round (``out/plot.png``
+is the last round's ablation figure, as any ablation's).
 """
 
 from __future__ import annotations

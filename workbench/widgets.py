@@ -111,13 +111,7 @@ class AblationPanel(w.VBox):
         self._advice: tuple[Advice | None, dict | None] = (None, None)  # the last advice, and for what job
         self._adoptable: dict = {}  # what "Switch these on" would set: advice's or the tuner's winner
 
-        self._make_setting_controls(model, data, out, options)
-        self.overwrite = checkbox(
-            OVERWRITE_LABEL,
-            bool(overwrite),
-            tooltip="at the next Run, remove what an earlier run wrote in out (only workbench's own "
-            "files) and measure afresh; unticked again once that run starts",
-        )
+        self._make_setting_controls(model, data, out, overwrite, options)
         chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
         self.rows = {
             t.name: TechniqueRow(t, chosen.get(t.name, False), position)
@@ -149,8 +143,8 @@ class AblationPanel(w.VBox):
         self.add_class("workbench-panel")
         self.refresh_availability()
 
-    def _make_setting_controls(self, model: Any, data: Any, out: Any, options: dict) -> None:
-        """Model, data and out, then one control per run setting, each starting at its value."""
+    def _make_setting_controls(self, model: Any, data: Any, out: Any, overwrite: Any, options: dict) -> None:
+        """Model, data, out and overwrite, then one control per run setting, each at its value."""
         model_options = list(BUILTIN_MODELS) + (
             [f"custom: {model_label(model)}"] if self.custom_model else []
         )
@@ -173,6 +167,12 @@ class AblationPanel(w.VBox):
             else "none: results kept in memory",
             description="out",
             **fitted("out", 40, "text"),
+        )
+        self.overwrite = checkbox(
+            OVERWRITE_LABEL,
+            bool(overwrite),
+            tooltip="at the next Run, remove what an earlier run wrote in out (only workbench's own "
+            "files) and measure afresh; unticked again once that run starts",
         )
         for control in (self.model, self.data, self.settings["device"], self.settings["world_size"]):
             control.observe(lambda _: self.refresh_availability(), names="value")
@@ -282,8 +282,8 @@ class AblationPanel(w.VBox):
         explanation = w.HTML(
             "<b>Advise</b> profiles a short baseline of the job above and names its bottleneck, with the "
             "figures. <b>Tune</b> searches combinations of techniques and their settings for the fastest "
-            "whose loss still matches, within the budget: every candidate screened in one block, the better "
-            "half kept each round with more blocks."
+            "whose loss still matches, within the budget: as many candidates as a share of it holds screened "
+            "in one block, the better half kept each round with more blocks."
         )
         return w.VBox(
             [
