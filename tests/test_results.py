@@ -101,8 +101,8 @@ def test_blocks_that_agree_by_chance_do_not_narrow_the_interval_past_their_own_n
 def test_a_stalled_round_that_the_point_sets_aside_does_not_widen_the_interval():
     """One 359 ms stall on one of 600 rounds of 2.5 ms steps: the trimmed mean set it aside, but
     the rounds' plain standard error took it in, and the interval's floor widened by 75%. The
-    spread now follows the estimate (Yuen's standard error of the trimmed mean); by the mean,
-    which counts the stall, it still widens."""
+    spread now follows the estimate (the trimmed mean's influence, as in Yuen's standard
+    error); by the mean, which counts the stall, it still widens."""
 
     def pairs(stall: float | None):
         rng = np.random.default_rng(3)
@@ -122,10 +122,9 @@ def test_a_stalled_round_that_the_point_sets_aside_does_not_widen_the_interval()
 
     assert half_width(0.359, "trimmed_mean") == pytest.approx(half_width(None, "trimmed_mean"), rel=0.02)
     assert half_width(0.359, "mean") > 2 * half_width(None, "mean")
-    # Yuen's standard error: the winsorized spread over the share kept, with n - 2g - 1 degrees of freedom.
-    values = np.array([0.0, 1.0, 2.0, 3.0, 100.0])  # g = 1: winsorized 1, 1, 2, 3, 3
-    variance, dof = stats._variance_of_mean(values, 0.2)
-    assert dof == 2 and variance == pytest.approx(np.var([1, 1, 2, 3, 3], ddof=1) / (0.6**2 * 5))
+    # Each arm's rounds winsorized on their own: the influence of each on the log of the trimmed mean.
+    spread, kept = stats._log_influence(np.array([1.0, 2.0, 3.0, 4.0, 100.0]), 0.2)
+    assert kept == 3 and spread == pytest.approx((np.array([2, 2, 3, 4, 4]) - 3.0) / (0.6 * 3.0))
 
 
 def test_a_single_block_takes_its_interval_from_its_rounds():

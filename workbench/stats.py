@@ -18,8 +18,9 @@ Typical step time (``ESTIMATOR``)
     on one arm of a block by chance. With the interval's floor (below), the trimmed mean's
     A/A intervals contained 1.0 in 200 of 200 runs, at median half-widths of 1.1-1.6%; the
     mean's, in 197 of 200, at 2.5-3.1% (both with the rounds' plain spread; with the robust
-    one now used, below, the trimmed mean's held 1.0 in 197 of 200). Without the floor the trimmed mean had missed 1.0
-    too often (148 of 160), because three blocks that agree by chance understate its spread.
+    one now used, below, the trimmed mean's held 1.0 in 197 of 200). Without the floor the
+    trimmed mean had missed 1.0 too often (148 of 160), because three blocks that agree by
+    chance understate its spread.
     On resnet-mini's techniques the two estimators' median speedups agree within about 1%.
     A robust estimator would also set aside slow steps that are the job's own (a periodic
     step that does more): an arm whose every fifth step is 4x slower would look faster than
@@ -49,12 +50,13 @@ Speedup
 Spread within and between blocks
     ``within_block_pct``: the standard error of a block's log ratio from its own rounds (the
     median over blocks), in percent. It is the standard error of the estimate the point uses:
-    for the trimmed mean, Yuen's, from the rounds' winsorized spread (``_variance_of_mean``),
-    so that a stalled round the point sets aside does not widen the interval's floor or a
-    single block's interval either. Re-judged on the five stored A/A sets of 2026-11-27, the
+    for the trimmed mean, from the rounds' winsorized spread, each arm winsorized on its own
+    (its influence function, as in Yuen's standard error; ``_log_influence``), so that a
+    stalled round the point sets aside does not widen the interval's floor or a single
+    block's interval either. Re-judged on the five stored A/A sets of 2026-11-27, the
     intervals held 1.0 in 197 of 200 runs (the plain spread: 200 of 200), at median
-    half-widths of 0.94-1.44% (1.08-1.49%); BENCHMARKS.md, "The rounds' spread, robust". ``between_block_pct``: the standard deviation of the
-    block ratios' logarithms, in percent. Blocks that disagree far more than their own noise
+    half-widths of 0.94-1.44% (1.08-1.49%); BENCHMARKS.md, "The rounds' spread, robust".
+    ``between_block_pct``: the standard deviation of the block ratios' logarithms, in percent. Blocks that disagree far more than their own noise
     says they should point at a difference between the processes (or nodes) that the ratio
     did not cancel, or at a machine whose state changes what the arm gains: on the CI VM,
     channels_last gained 1.24x or 1.33x as the machine's state changed within minutes, and a
@@ -175,10 +177,9 @@ class Side:
     def throughput(self, estimator: str = ESTIMATOR) -> float:
         return self.samples_per_step / typical_step_s(self.windows, estimator)
 
-    def window_throughputs(self, estimator: str = ESTIMATOR) -> np.ndarray:
-        return np.array(
-            [self.samples_per_step / typical_step_s([w], estimator) for w in self.windows if len(w)]
-        )
+    def window_steps(self, estimator: str = ESTIMATOR) -> np.ndarray:
+        """Each window's typical step time, in its order."""
+        return np.array([typical_step_s([w], estimator) for w in self.windows if len(w)])
 
 
 def slow_step_excess_pct(side: Side, estimator: str = ESTIMATOR, every_step: str = "mean") -> float:
@@ -202,38 +203,42 @@ class BlockRatio:
 def block_ratio(baseline: Side, arm: Side, *, paired: bool, estimator: str = ESTIMATOR) -> BlockRatio:
     """The ratio in one block. ``paired``: window i of both ran in round i of the same process."""
     log_ratio = math.log(arm.throughput(estimator) / baseline.throughput(estimator))
-    arm_windows = np.log(arm.window_throughputs(estimator))
-    base_windows = np.log(baseline.window_throughputs(estimator))
+    # Each window's share of the spread of log(throughput): minus its share of log(step).
     cut = TRIM if estimator == "trimmed_mean" else 0.0  # the spread of the estimate the point uses
-    if paired and len(arm_windows) == len(base_windows) >= 2:
-        variance, dof = _variance_of_mean(arm_windows - base_windows, cut)
-        se = math.sqrt(variance)
-    elif len(arm_windows) >= 2 and len(base_windows) >= 2:
-        (arm_variance, arm_dof), (base_variance, base_dof) = (
-            _variance_of_mean(arm_windows, cut),
-            _variance_of_mean(base_windows, cut),
-        )
-        se, dof = math.sqrt(arm_variance + base_variance), min(arm_dof, base_dof)
+    arm_spread, arm_kept = _log_influence(arm.window_steps(estimator), cut)
+    base_spread, base_kept = _log_influence(baseline.window_steps(estimator), cut)
+    if paired and len(arm_spread) == len(base_spread) >= 2:
+        differences = base_spread - arm_spread  # log ratio = log(baseline step) - log(arm step)
+        se = float(differences.std(ddof=1) / math.sqrt(len(differences)))
+        dof = min(arm_kept, base_kept) - 1
+    elif len(arm_spread) >= 2 and len(base_spread) >= 2:
+        se = math.sqrt(arm_spread.var(ddof=1) / len(arm_spread) + base_spread.var(ddof=1) / len(base_spread))
+        dof = min(arm_kept, base_kept) - 1
     else:
         se, dof = math.nan, 0
     return BlockRatio(log_ratio, se, dof, baseline, arm, estimator)
 
 
-def _variance_of_mean(values: np.ndarray, cut: float) -> tuple[float, int]:
-    """The squared standard error of the ``cut``-trimmed mean of ``values``, and its degrees of
-    freedom: Yuen's (1974), from the winsorized variance, ``s_w^2 / ((1 - 2 cut)^2 n)`` with
-    ``n - 2g - 1`` degrees of freedom for g values trimmed at each end. With ``cut`` 0 it is
-    the plain mean's. The trimmed mean sets a stalled round aside; this spread does too, so
-    that one stall (a 359 ms one widened a 200-round A/A interval by 75%) no longer widens
-    the interval that the point estimate ignores it in."""
-    count = len(values)
+def _log_influence(steps: np.ndarray, cut: float) -> tuple[np.ndarray, int]:
+    """Each window's part in the spread of the log of its arm's typical step, and how many
+    windows the estimate keeps (which sets the degrees of freedom).
+
+    For the ``cut``-trimmed mean: each window's winsorized deviation over (1 - 2 cut) times the
+    trimmed mean (its influence function; the delta method for the log, as in Yuen's standard
+    error of a trimmed mean, 1974). Each arm is winsorized on its own, as the point trims each
+    arm on its own, and paired rounds keep their covariance. A stalled round that the point
+    sets aside then does not widen the interval either: one 359 ms stall had widened a
+    600-round A/A interval by 75% when the plain spread was used. With ``cut`` 0, the log
+    steps' own deviations."""
+    count = len(steps)
     trimmed = int(count * cut)
-    if count - 2 * trimmed < 2:
-        return float(values.var(ddof=1)) / count, count - 1
-    ordered = np.sort(values)
-    winsorized = np.clip(ordered, ordered[trimmed], ordered[count - 1 - trimmed])
+    if count - 2 * trimmed < 2 or cut == 0:
+        logs = np.log(steps)
+        return logs - logs.mean(), count
+    ordered = np.sort(steps)
+    winsorized = np.clip(steps, ordered[trimmed], ordered[count - 1 - trimmed])
     kept_share = (count - 2 * trimmed) / count
-    return float(winsorized.var(ddof=1)) / (kept_share**2 * count), count - 2 * trimmed - 1
+    return (winsorized - winsorized.mean()) / (kept_share * _trimmed_mean(steps, cut)), count - 2 * trimmed
 
 
 @dataclass(frozen=True)
