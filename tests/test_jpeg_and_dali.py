@@ -238,7 +238,8 @@ def test_dali_labels_follow_the_class_folders(folder):
     from workbench.techniques.dali import DaliConfig, build_pipeline
 
     images = scan(JpegFolder(str(folder), size=CROP))
-    pipeline = build_pipeline(images, DaliConfig(threads=1), 32, seed=0, device=CPU, with_source_info=True)
+    pipeline = build_pipeline(images, DaliConfig(threads=3), 32, seed=0, device=CPU, with_source_info=True)
+    assert pipeline.num_threads == 3  # the threads setting reaches DALI (a mutation audit: it could be lost)
     for _ in range(3):
         _, labels, sources = pipeline.run()
         for index in range(len(labels)):

@@ -18,7 +18,7 @@ Typical step time (``ESTIMATOR``)
     on one arm of a block by chance. With the interval's floor (below), the trimmed mean's
     A/A intervals contained 1.0 in 200 of 200 runs, at median half-widths of 1.1-1.6%; the
     mean's, in 197 of 200, at 2.5-3.1% (both with the rounds' plain spread; with the robust
-    one now used, below, the trimmed mean's held 1.0 in 197 of 200). Without the floor the
+    one now used, below, the trimmed mean's held 1.0 in 237 of 240 over six sets). Without the floor the
     trimmed mean had missed 1.0 too often (148 of 160), because three blocks that agree by
     chance understate its spread.
     On resnet-mini's techniques the two estimators' median speedups agree within about 1%.
@@ -53,8 +53,8 @@ Spread within and between blocks
     for the trimmed mean, from the rounds' winsorized spread, each arm winsorized on its own
     (its influence function, as in Yuen's standard error; ``_log_influence``), so that a
     stalled round the point sets aside does not widen the interval's floor or a single
-    block's interval either. Re-judged on the five stored A/A sets of 2026-11-27, the
-    intervals held 1.0 in 197 of 200 runs (the plain spread: 200 of 200), at median
+    block's interval either. On the six A/A sets of 2026-11-27 that kept their windows, the
+    intervals held 1.0 in 237 of 240 runs (the plain spread: 240 of 240), at median
     half-widths of 0.94-1.44% (1.08-1.49%); BENCHMARKS.md, "The rounds' spread, robust".
     ``between_block_pct``: the standard deviation of the block ratios' logarithms, in percent. Blocks that disagree far more than their own noise
     says they should point at a difference between the processes (or nodes) that the ratio
