@@ -123,8 +123,13 @@ def test_a_stalled_round_that_the_point_sets_aside_does_not_widen_the_interval()
     assert half_width(0.359, "trimmed_mean") == pytest.approx(half_width(None, "trimmed_mean"), rel=0.02)
     assert half_width(0.359, "mean") > 2 * half_width(None, "mean")
     # Each arm's rounds winsorized on their own: the influence of each on the log of the trimmed mean.
-    spread, kept = stats._log_influence(np.array([1.0, 2.0, 3.0, 4.0, 100.0]), 0.2)
-    assert kept == 3 and spread == pytest.approx((np.array([2, 2, 3, 4, 4]) - 3.0) / (0.6 * 3.0))
+    steps = np.array([1.0, 2.0, 3.0, 4.0, 100.0] * 4)  # 20 rounds, 4 trimmed at each end
+    spread, kept = stats._log_influence(steps, 0.2)
+    winsorized = np.array([2.0, 2.0, 3.0, 4.0, 4.0] * 4)
+    assert kept == 12 and spread == pytest.approx((winsorized - 3.0) / (0.6 * 3.0))
+    # Among fewer rounds the winsorized values tie: the plain spread of the log steps.
+    few, kept = stats._log_influence(steps[:5], 0.2)
+    assert kept == 5 and few == pytest.approx(np.log(steps[:5]) - np.log(steps[:5]).mean())
 
 
 def test_a_single_block_takes_its_interval_from_its_rounds():

@@ -50,7 +50,9 @@ def plot_results(results, width: float = 13.0) -> ResultsFigure:
     from workbench.results_view import with_roles
 
     # first arm at the top; each arm's role, for the noise band its verdict is judged against
-    table = with_roles(results.table, results.record.get("arms", [])).iloc[::-1].reset_index(drop=True)
+    # (a table without a record's arms, as tests draw, is given roles by the arms' names)
+    arms = getattr(results, "record", {}).get("arms")
+    table = (with_roles(results.table, arms) if arms else results.table).iloc[::-1].reset_index(drop=True)
     y = np.arange(len(table))
     figure = ResultsFigure(figsize=(width, 1.6 + 0.42 * max(len(table), 3)), layout="constrained")
     speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])

@@ -115,6 +115,7 @@ def _all_steps(windows: Sequence[Sequence[float]]) -> np.ndarray:
 
 
 TRIM = 0.2  # the trimmed mean's cut at each end
+ROBUST_SPREAD_ROUNDS = 20  # fewer windows in a block: their plain spread (see _log_influence)
 
 
 def _trimmed_mean(values: np.ndarray, cut: float = TRIM) -> float:
@@ -228,11 +229,14 @@ def _log_influence(steps: np.ndarray, cut: float) -> tuple[np.ndarray, int]:
     error of a trimmed mean, 1974). Each arm is winsorized on its own, as the point trims each
     arm on its own, and paired rounds keep their covariance. A stalled round that the point
     sets aside then does not widen the interval either: one 359 ms stall had widened a
-    600-round A/A interval by 75% when the plain spread was used. With ``cut`` 0, the log
-    steps' own deviations."""
+    600-round A/A interval by 75% when the plain spread was used. With ``cut`` 0, or fewer
+    than ROBUST_SPREAD_ROUNDS windows, the log steps' own deviations: among a few rounds
+    the winsorized values tie, and their spread can come out as nothing (five rounds of a
+    kernel benchmark, one side twice the other's in another order, gave an interval of
+    zero width)."""
     count = len(steps)
     trimmed = int(count * cut)
-    if count - 2 * trimmed < 2 or cut == 0:
+    if count < ROBUST_SPREAD_ROUNDS or cut == 0:
         logs = np.log(steps)
         return logs - logs.mean(), count
     ordered = np.sort(steps)
