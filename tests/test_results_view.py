@@ -513,3 +513,18 @@ def test_each_arm_is_drawn_over_the_noise_band_its_verdict_is_judged_against():
     assert [row for row, _, _ in spans] == [1, 2]
     for _, low, high in spans:
         assert (low, high) == (pytest.approx(0.975), pytest.approx(1.0))
+
+
+def test_the_plots_memory_and_share_labels_are_never_in_scientific_notation():
+    """A loader-only arm's memory labels read 4.2e-05, and a full device's share 1e+02%."""
+    from workbench.plots import _mib, _percent
+
+    assert [_mib(v) for v in (4.2e-5, 0.0, 0.42, 4.83, 12.4, 1234.5)] == [
+        "<0.001",
+        "0",
+        "0.42",
+        "4.8",
+        "12",
+        "1,234",
+    ]
+    assert [_percent(v) for v in (100.0, 85.3, 0.123)] == ["100%", "85%", "0.12%"]

@@ -40,9 +40,19 @@ MEMORY_COLOR = "#1a9e9e"
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
 
 
+def _percent(value: float) -> str:
+    """Two significant digits, written plainly: "85%", "100%", "0.12%" (never "1e+02%")."""
+    from workbench.results_view import plain_number
+
+    return f"{plain_number(value, digits=2)}%"
+
+
 def _mib(value: float) -> str:
-    """Two significant digits below 10 MiB (small models), whole MiB above."""
-    return f"{value:.2g}" if value < 10 else f"{value:.0f}"
+    """Two significant digits below 10 MiB (small models), whole MiB above; never in scientific
+    notation, and below a thousandth of a MiB (a kilobyte) "<0.001", not 4.2e-05."""
+    from workbench.results_view import plain_number
+
+    return plain_number(value, digits=2, smallest=0.001) if value < 10 else f"{value:,.0f}"
 
 
 def plot_results(results, width: float = 13.0) -> ResultsFigure:
@@ -587,7 +597,7 @@ def _plot_memory_limit(axes, facts, limited: bool) -> None:
     axes.set_xlabel("MiB")
     share = 100 * facts.peak_mib / facts.capacity_mib
     axes.set_title(
-        f"peak {_mib(facts.peak_mib)} of {facts.capacity_mib:,.0f} MiB ({share:.2g}%)\n{facts.capacity_source}",
+        f"peak {_mib(facts.peak_mib)} of {facts.capacity_mib:,.0f} MiB ({_percent(share)})\n{facts.capacity_source}",
         fontsize=9,
     )
 
