@@ -308,8 +308,7 @@ def _open_out(
     """The output folder, locked for this run, and the processes a previous run of this same
     ablation finished there. The caller unlocks it when the run ends."""
     folder = ResultsFolder(out)
-    if folder.path.exists() and not folder.path.is_dir():
-        raise ValueError(f"out={str(folder.path)!r} is a file; out names a folder for the results")
+    _refuse_a_file(folder)
     taken_over = folder.lock()
     try:
         if taken_over:
@@ -333,6 +332,11 @@ def _open_out(
         raise
 
 
+def _refuse_a_file(folder: ResultsFolder) -> None:
+    if folder.path.exists() and not folder.path.is_dir():
+        raise ValueError(f"out={str(folder.path)!r} is a file; out names a folder for the results")
+
+
 def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> None:
     """Raise when ``folder`` holds what this ablation may not add to: another kind of results,
     files workbench did not write, or another ablation (ValueError naming it)."""
@@ -348,26 +352,20 @@ def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> None:
         refuse_a_different_run(folder.path, json.loads(plan_file.read_text()), fingerprint, "ablation")
 
 
-def check_out(arguments: Mapping[str, Any]) -> None:
-    """Refuse now what ``ablate(**arguments)`` would refuse of its ``out`` once started: a file,
-    a folder of another run (unless ``overwrite``) or of the user's files. The panel asks before
-    it starts a run, so that the refusal comes at once, not from the run's thread."""
+def check_before_run(arguments: Mapping[str, Any]) -> None:
+    """Refuse now what ``ablate(**arguments)`` would refuse once started: bad settings, as
+    ``plan`` does, and an ``out`` that is a file, a folder of another run (unless
+    ``overwrite``) or of the user's files. The panel asks before it starts a run, so that the
+    refusal comes at once, not from the run's thread; the job is prepared once for both."""
+    prepared = _prepare_plan(**plan_arguments(arguments))
     out = arguments.get("out")
     if out is None or out is False or not Path(out).exists():
         return
     folder = ResultsFolder(out)
-    if not folder.path.is_dir():
-        raise ValueError(f"out={str(folder.path)!r} is a file; out names a folder for the results")
+    _refuse_a_file(folder)
     if arguments.get("overwrite"):
         folder.refuse_to_clear_foreign()  # what clear() would refuse, in its words
         return
-    job = plan_arguments(arguments)
-    run = RunConfig.from_options(
-        "ablate", {k: v for k, v in job.items() if k not in PLAN_ONLY}, also=PLAN_ONLY
-    )
-    prepared = prepare(
-        job.get("model", "mlp"), job.get("data"), job.get("loss_fn"), job.get("techniques"), run
-    )
     _refuse_the_folder(folder, _fingerprint(prepared))
 
 
@@ -564,9 +562,10 @@ def plan(
     """
     import pandas as pd
 
-    run = RunConfig.from_options("plan", _blocks_from(settings, repeats), also=PLAN_ONLY)
-    prepared = prepare(model, data, loss_fn, techniques, run)
-    rows = [{**arm.record(), "blocks": 0 if arm.unavailable else run.blocks} for arm in prepared.arms]
+    # repeats= warned of here, so that the warning names the caller's line (stacklevel)
+    prepared = _prepare_plan(model, data, loss_fn, techniques, **_blocks_from(settings, repeats))
+    blocks = prepared.run.blocks
+    rows = [{**arm.record(), "blocks": 0 if arm.unavailable else blocks} for arm in prepared.arms]
     for row in rows:  # a text column with nothing to say holds "", as in Results.table
         if row["unavailable"]:
             row["process"] = ""
@@ -574,6 +573,21 @@ def plan(
         row["own_process"] = row["own_process"] or ""
     columns = ["name", "role", "process", "techniques", "unavailable", "own_process", "blocks"]
     return pd.DataFrame(rows)[columns]
+
+
+def _prepare_plan(
+    model: Any = "mlp",
+    data: Any = None,
+    loss_fn: Callable | None = None,
+    techniques: Mapping[str, Any] | None = None,
+    *,
+    repeats: int | None = None,
+    **settings: Any,
+) -> Prepared:
+    """``plan``'s checks and arms, as ``prepare`` gives them (``check_before_run`` needs the job's
+    fingerprint too)."""
+    run = RunConfig.from_options("plan", _blocks_from(settings, repeats), also=PLAN_ONLY)
+    return prepare(model, data, loss_fn, techniques, run)
 
 
 def plan_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:

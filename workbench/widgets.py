@@ -28,7 +28,7 @@ from typing import Any
 
 import ipywidgets as w
 
-from workbench.ablation import ablate, check_out, plan, plan_arguments
+from workbench.ablation import ablate, check_before_run
 from workbench.advisor import ADVISOR_FIXES, Advice, advise
 from workbench.config import TUNER_DECIDES, Option, RunConfig, run_options, unknown_name_error
 from workbench.data import BUILTIN_DATA, data_label, resolve_data
@@ -387,8 +387,7 @@ class AblationPanel(w.VBox):
         """Start the ablation in the background. Refused (False) while one is in flight or input is bad."""
         arguments = self.arguments()
         try:  # the same validation, and the same one-line messages, as the API
-            plan(**plan_arguments(arguments))
-            check_out(arguments)  # a folder the run would refuse: said now, not from its thread
+            check_before_run(arguments)  # bad settings or an out the run would refuse: said now
         except ValueError as error:
             self.status.value = _error_html(str(error))
             return False
