@@ -18,9 +18,9 @@ Typical step time (``ESTIMATOR``)
     on one arm of a block by chance. With the interval's floor (below), the trimmed mean's
     A/A intervals contained 1.0 in 200 of 200 runs, at median half-widths of 1.1-1.6%; the
     mean's, in 197 of 200, at 2.5-3.1% (both with the rounds' plain spread; with the robust
-    one now used, below, the trimmed mean's held 1.0 in 237 of 240 over six sets). Without the floor the
-    trimmed mean had missed 1.0 too often (148 of 160), because three blocks that agree by
-    chance understate its spread.
+    one now used, below, the trimmed mean's held 1.0 in 237 of 240 over six sets). Without
+    the floor the trimmed mean had missed 1.0 too often (148 of 160), because three blocks
+    that agree by chance understate its spread.
     On resnet-mini's techniques the two estimators' median speedups agree within about 1%.
     A robust estimator would also set aside slow steps that are the job's own (a periodic
     step that does more): an arm whose every fifth step is 4x slower would look faster than
@@ -56,8 +56,8 @@ Spread within and between blocks
     block's interval either. On the six A/A sets of 2026-11-27 that kept their windows, the
     intervals held 1.0 in 237 of 240 runs (the plain spread: 240 of 240), at median
     half-widths of 0.94-1.44% (1.08-1.49%); BENCHMARKS.md, "The rounds' spread, robust".
-    ``between_block_pct``: the standard deviation of the block ratios' logarithms, in percent. Blocks that disagree far more than their own noise
-    says they should point at a difference between the processes (or nodes) that the ratio
+    ``between_block_pct``: the standard deviation of the block ratios' logarithms, in percent.
+    Blocks that disagree far more than their own noise says they should point at a difference between the processes (or nodes) that the ratio
     did not cancel, or at a machine whose state changes what the arm gains: on the CI VM,
     channels_last gained 1.24x or 1.33x as the machine's state changed within minutes, and a
     block samples whichever held while it ran (BENCHMARKS.md). The table notes it.
@@ -205,7 +205,7 @@ def block_ratio(baseline: Side, arm: Side, *, paired: bool, estimator: str = EST
     """The ratio in one block. ``paired``: window i of both ran in round i of the same process."""
     log_ratio = math.log(arm.throughput(estimator) / baseline.throughput(estimator))
     # Each window's share of the spread of log(throughput): minus its share of log(step).
-    cut = TRIM if estimator == "trimmed_mean" else 0.0  # the spread of the estimate the point uses
+    cut = _cut_of(estimator)  # the spread of the estimate the point uses
     arm_spread, arm_kept = _log_influence(arm.window_steps(estimator), cut)
     base_spread, base_kept = _log_influence(baseline.window_steps(estimator), cut)
     if paired and len(arm_spread) == len(base_spread) >= 2:
@@ -218,6 +218,11 @@ def block_ratio(baseline: Side, arm: Side, *, paired: bool, estimator: str = EST
     else:
         se, dof = math.nan, 0
     return BlockRatio(log_ratio, se, dof, baseline, arm, estimator)
+
+
+def _cut_of(estimator: str) -> float:
+    """What ``estimator`` trims from each end: the spread of its estimate sets the same aside."""
+    return TRIM if estimator == "trimmed_mean" else 0.0
 
 
 def _log_influence(steps: np.ndarray, cut: float) -> tuple[np.ndarray, int]:
@@ -295,12 +300,7 @@ def combine_blocks(
         half = t_quantile(confidence, only.degrees_of_freedom) * only.within_se
         return Speedup(math.exp(mean), math.exp(mean - half), math.exp(mean + half), 1, within_pct, math.nan)
     low, high = _within_window_interval(
-        only.baseline,
-        only.arm,
-        math.exp(mean),
-        confidence,
-        seed,
-        TRIM if only.estimator == "trimmed_mean" else 0.0,
+        only.baseline, only.arm, math.exp(mean), confidence, seed, _cut_of(only.estimator)
     )
     return Speedup(math.exp(mean), low, high, 1, within_pct, math.nan)
 
