@@ -226,7 +226,7 @@ def test_the_report_is_one_file_that_opens_offline(tmp_path):
     assert results.to_html() == report
     mine = tmp_path / "notes.html"
     mine.write_text("<p>my notes</p>")
-    with pytest.raises(ValueError, match="not a workbench report"):
+    with pytest.raises(ValueError, match="exists and workbench did not write it"):
         results.to_html(mine)
     assert mine.read_text() == "<p>my notes</p>"
 
@@ -349,6 +349,14 @@ def test_compare_in_80_columns_puts_intervals_under_their_figures_before_breakin
     assert any(line.strip().startswith("[0.68, 0.70]") for line in lines), (
         "the interval sits under its figure"
     )
+
+
+def test_compare_writes_intervals_as_the_results_table_does():
+    nan = float("nan")
+    one_step, wide = _run(1.05, nan, nan), _run(1.2, 0.000054, 30.0)
+    text = repr(wb.compare(one_step, wide, names=["a", "b"]))
+    assert "[no interval]" in text and "nan" not in text
+    assert "[0.000054, 30.00]" in text, "a very wide interval's low end does not read as 0.00"
 
 
 def test_compare_matches_arms_and_gives_the_ratio_with_its_interval(tmp_path):

@@ -365,11 +365,9 @@ def _check_output_file(flag: str, path: str, written_by_us) -> Path:
         raise ValueError(f"{flag} {path} is a folder; name a file")
     if not target.parent.is_dir():
         raise ValueError(f"{flag} {path}: the folder {target.parent} does not exist")
-    if target.exists() and not written_by_us(target):
-        raise ValueError(
-            f"{flag} {path} exists and workbench did not write it; choose another path "
-            "(workbench replaces only files it wrote)"
-        )
+    from workbench.results_folder import refuse_a_file_not_ours
+
+    refuse_a_file_not_ours(target, written_by_us, f"{flag} {path}")
     return target
 
 
@@ -493,12 +491,11 @@ def in_cli_terms(message: str, args: argparse.Namespace) -> str:
     return re.sub(r"(?<![\w:.,=-])([a-z]+_\w+)\b(?!=)", lambda m: flags.get(m[1], m[1]), message)
 
 
-EXIT_CODES = {0: "every arm ran", 1: "some arms failed (their rows say why)", 2: "bad input: nothing ran"}
-
-
 def exit_code(table) -> int:
     """0 when every runnable arm ran, 1 when any failed, ran out of memory or was skipped for it."""
-    failed = table[table.status.isin(["failed", "oom", "skipped"])]
+    from workbench.results import DID_NOT_RUN
+
+    failed = table[table.status.isin(DID_NOT_RUN)]
     if failed.empty:
         return 0
     print(

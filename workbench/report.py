@@ -20,7 +20,7 @@ from typing import Any
 from workbench.config import Link, RunConfig, run_options
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
-from workbench.results_folder import ResultsFolder
+from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours
 from workbench.results_view import results_html, search_html
 from workbench.techniques import get_technique, settings_of
 
@@ -41,16 +41,16 @@ def write_report(results, path: str | os.PathLike | None = None) -> Path:
         target = Path(path)
         if target.is_dir() or str(path).endswith(("/", os.sep)):  # "newdir/" names a folder to make
             target = target / REPORT_NAME
-    if target.exists() and GENERATOR not in target.read_text(errors="replace")[:2000]:
-        raise ValueError(
-            f"{target} exists and is not a workbench report; choose another path "
-            "(workbench replaces only files it wrote)"
-        )
+    refuse_a_file_not_ours(target, _is_our_report, str(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.partial")
     staging.write_text(report_html(results), encoding="utf-8")
     staging.replace(target)  # a reader never sees half a report
     return target
+
+
+def _is_our_report(path: Path) -> bool:
+    return GENERATOR in path.read_text(errors="replace")[:2000]
 
 
 def report_html(results) -> str:

@@ -353,6 +353,16 @@ def _describe_holder(holder: dict) -> str:
     return text
 
 
+def refuse_a_file_not_ours(target: Path, written_by_us, name: str) -> None:
+    """Raise when ``target`` exists and ``written_by_us(target)`` says workbench did not write it:
+    the one check before any single file (a report, advice's JSON or plot) is replaced."""
+    if target.exists() and not written_by_us(target):
+        raise ValueError(
+            f"{name} exists and workbench did not write it; choose another path "
+            "(workbench replaces only files it wrote)"
+        )
+
+
 def json_values(value: Any) -> Any:
     """JSON has no NaN/Infinity: an unavailable figure is null (None), in files and in memory."""
     if isinstance(value, float) and not math.isfinite(value):
