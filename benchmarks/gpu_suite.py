@@ -360,9 +360,7 @@ def gpt_mini_batches_in_memory(batch_size: int, count: int = 8):
     def gpt_mini_text_in_memory():
         from workbench.data import endless_batches, resolve_data
 
-        batches = endless_batches(
-            resolve_data(None, "gpt-mini", seed=0), batch_size, seed=0, loader_options={}
-        )
+        batches = endless_batches(resolve_data(None, "gpt-mini"), batch_size, seed=0, loader_options={})
         return [next(batches) for _ in range(count)]
 
     return gpt_mini_text_in_memory

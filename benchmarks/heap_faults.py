@@ -48,7 +48,7 @@ def resnet_mini_steps(arms: list[str]) -> dict:
     from workbench.data import resolve_data
     from workbench.models import build_model
 
-    source = resolve_data("textures", "resnet-mini", 0)
+    source = resolve_data("textures", "resnet-mini")
     dataset = source.open_dataset(0)
     inputs = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(32)])
     targets = torch.tensor([int(dataset[i][1]) for i in range(32)])

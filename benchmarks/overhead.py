@@ -58,7 +58,7 @@ def _bare_setup(model_name: str, batch_size: int, seed: int, device):
 
     _initialize_runtime(device)  # the harness pays this outside its clock too
     seed_everything(seed)
-    source = resolve_data(None, model_name, seed)
+    source = resolve_data(None, model_name)
     model = build_model(model_name, source.spec).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = endless_batches(source, batch_size, seed, {})

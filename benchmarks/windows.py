@@ -36,7 +36,7 @@ from workbench.techniques import parse_techniques
 from workbench.worker import BlockSpec, run_block
 
 model, steps, plans = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-data = resolve_data(None, model, 0)
+data = resolve_data(None, model)
 arms = [ArmSpec("baseline", []), ArmSpec("control", []), ArmSpec("amp", parse_techniques({"amp": True}))]
 found = {}
 for index in np.random.default_rng().permutation(len(plans)):

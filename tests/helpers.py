@@ -29,7 +29,7 @@ def block_spec(
     settings = {key: overrides.pop(key) for key in list(overrides) if key in run_options()}
     spec = BlockSpec(
         model=model,
-        data=resolve_data(data, model, 0),
+        data=resolve_data(data, model),
         loss_fn=overrides.pop("loss_fn", None),
         arms=[ArmSpec(name, parse_techniques(chosen)) for name, chosen in arms.items()],
         run=RunConfig(
@@ -77,7 +77,7 @@ def unavailable_here(
     """Why technique ``name``, with its settings row, cannot run on ``model`` here (None: it can)."""
     row = TECHNIQUE_SETTINGS[name]
     technique = get_technique(name)
-    source = resolve_data(row.get("data"), model, 0)
+    source = resolve_data(row.get("data"), model)
     ranks = row.get("world_size", 1) if world_size is None else world_size
     ctx = technique_context(RunConfig(device=str(device), world_size=ranks), model, source)
     return technique.unavailable_reason(ctx, technique.configure(row["config"]))

@@ -56,6 +56,16 @@ def test_recommendations_are_ranked_by_their_ceiling_and_each_says_why():
     assert "On a CPU" in advice.caveats[0]
 
 
+def test_dataloader_workers_fit_the_cores_this_job_may_use(monkeypatch):
+    facts = _facts(data_ms=7.0)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)  # taskset to 2 cores
+    by_technique = {s.technique: s for s in suggestions(facts, EVERYTHING)}
+    assert by_technique["dataloader"].settings["num_workers"] == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    by_technique = {s.technique: s for s in suggestions(facts, EVERYTHING)}
+    assert by_technique["dataloader"].settings["num_workers"] == 4
+
+
 def test_amp_is_not_suggested_for_speed_on_a_cpu_that_emulates_bfloat16():
     native = build_advice(_facts(), EVERYTHING)
     assert native.bottleneck == "compute" and "amp" in native.recommended

@@ -51,7 +51,7 @@ def test_builders_are_deterministic(tmp_path):
     ],
 )
 def test_builtin_batches_have_the_model_shapes(model, data, kind):
-    source = resolve_data(data, model, 0)
+    source = resolve_data(data, model)
     inputs, targets = next(endless_batches(source, 8, 0, {}))
     assert source.spec.kind == kind and inputs.shape == (8, *source.spec.shape)
     assert targets.dtype == torch.int64
@@ -60,25 +60,25 @@ def test_builtin_batches_have_the_model_shapes(model, data, kind):
 
 
 def test_every_arm_sees_the_same_batches():
-    source = resolve_data("textures", "resnet-mini", 0)
+    source = resolve_data("textures", "resnet-mini")
     a = next(endless_batches(source, 16, 7, {}))
     b = next(endless_batches(source, 16, 7, {"num_workers": 1}))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_batches_continue_past_the_end_of_an_epoch():
-    source = resolve_data("digits", "mlp", 0)
+    source = resolve_data("digits", "mlp")
     stream = endless_batches(source, 512, 0, {})
     assert len([next(stream) for _ in range(10)]) == 10  # 1,797 samples = 3 batches per epoch
 
 
 def test_user_dataset_list_of_batches_and_callable():
     dataset = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randint(0, 2, (20,)))
-    source = resolve_data(dataset, lambda: torch.nn.Linear(3, 2), 0)
+    source = resolve_data(dataset, lambda: torch.nn.Linear(3, 2))
     assert source.is_dataset and next(endless_batches(source, 4, 0, {}))[0].shape == (4, 3)
 
     batches = [(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))] * 2
-    source = resolve_data(batches, lambda: torch.nn.Linear(3, 2), 0)
+    source = resolve_data(batches, lambda: torch.nn.Linear(3, 2))
     assert not source.is_dataset
     stream = endless_batches(source, 999, 0, {})
     assert [next(stream)[0].shape[0] for _ in range(5)] == [5] * 5  # cycled; batch_size does not apply
@@ -86,7 +86,7 @@ def test_user_dataset_list_of_batches_and_callable():
     def fresh_generator():
         return ((torch.randn(2, 3), torch.zeros(2, dtype=torch.long)) for _ in range(3))
 
-    source = resolve_data(fresh_generator, lambda: torch.nn.Linear(3, 2), 0)
+    source = resolve_data(fresh_generator, lambda: torch.nn.Linear(3, 2))
     stream = endless_batches(source, 2, 0, {})
     with pytest.raises(ValueError, match="ran out after 3 batches and cannot be replayed"):
         for _ in range(4):
@@ -101,7 +101,7 @@ def test_bad_batches_and_small_datasets_are_explained():
     with pytest.raises(ValueError, match="data 'small' has 3 samples, fewer than batch_size=8"):
         next(endless_batches(DataSource(label="small", user=small), 8, 0, {}))
     with pytest.raises(ValueError, match="returned int"):
-        resolve_data(lambda: 3, lambda: torch.nn.Linear(1, 1), 0)
+        resolve_data(lambda: 3, lambda: torch.nn.Linear(1, 1))
 
 
 def test_list_datasets():

@@ -59,7 +59,7 @@ def test_scan_lists_classes_in_sorted_order_with_matching_labels(folder):
 
 
 def test_builtin_jpeg_data_builds_once_and_sizes_the_model():
-    source = resolve_data("jpeg", "resnet-mini", 0)
+    source = resolve_data("jpeg", "resnet-mini")
     assert source.spec.shape == (3, jpeg.CROP, jpeg.CROP)
     assert source.spec.num_classes == len(jpeg.CLASSES)
     assert len(source.images.files) == jpeg.IMAGES_PER_CLASS * len(jpeg.CLASSES)
@@ -67,15 +67,15 @@ def test_builtin_jpeg_data_builds_once_and_sizes_the_model():
 
 
 def test_jpeg_folder_string_form_equals_the_object(folder):
-    by_string = resolve_data(f"jpeg-folder:{folder}", "mlp", 0)
-    by_object = resolve_data(JpegFolder(str(folder)), "mlp", 0)
+    by_string = resolve_data(f"jpeg-folder:{folder}", "mlp")
+    by_object = resolve_data(JpegFolder(str(folder)), "mlp")
     assert by_string.images.files == by_object.images.files
     assert by_string.label == f"jpeg-folder:{folder}"
 
 
 def test_gpt_mini_refuses_images(folder):
     with pytest.raises(ValueError, match="'gpt-mini' trains on tokens data, not JPEG images"):
-        resolve_data(f"jpeg-folder:{folder}", "gpt-mini", 0)
+        resolve_data(f"jpeg-folder:{folder}", "gpt-mini")
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_dali_shards_are_disjoint_and_cover_the_files(folder):
 
 
 def _context(data, model="mlp", device=CPU):
-    source = resolve_data(data, model, 0)
+    source = resolve_data(data, model)
     return Context(
         device=device,
         data_label=source.label,

@@ -49,7 +49,7 @@ def test_mfu_arithmetic():
 def test_flops_of_the_mlp_match_the_formula():
     """A Linear does 2*B*in*out FLOPs forward and twice that backward (input and weight gradients);
     the stem's input needs no gradient, so its backward is half of that."""
-    spec = resolve_data(None, "mlp", 0).spec
+    spec = resolve_data(None, "mlp").spec
     batch, width = 16, 256
     inputs, targets = torch.zeros((batch, *spec.shape)), torch.zeros(batch, dtype=torch.long)
     flops = count_flops(lambda: build_model("mlp", spec), inputs, targets, default_loss)
@@ -59,7 +59,7 @@ def test_flops_of_the_mlp_match_the_formula():
 
 
 def test_flop_counting_leaves_no_real_memory_behind():
-    spec = resolve_data(None, "gpt-mini", 0).spec
+    spec = resolve_data(None, "gpt-mini").spec
     tokens = torch.zeros((4, *spec.shape), dtype=torch.long)
     flops = count_flops(lambda: build_model("gpt-mini", spec), tokens, tokens, default_loss)
     assert flops > 0  # the model and batch lived on the meta device: nothing was computed
@@ -171,7 +171,7 @@ def test_every_cpu_run_reports_its_flops():
     from helpers import train
 
     result = train("mlp", {"amp": {"dtype": "bfloat16"}}, steps=2, warmup=1, batch_size=16)
-    spec = resolve_data(None, "mlp", 0).spec
+    spec = resolve_data(None, "mlp").spec
     inputs, targets = torch.zeros((16, *spec.shape)), torch.zeros(16, dtype=torch.long)
     per_sample = count_flops(lambda: build_model("mlp", spec), inputs, targets, default_loss) / 16
     assert result["flops_per_sample"] == per_sample

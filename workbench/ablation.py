@@ -76,7 +76,7 @@ from workbench.loop import check_the_loss
 from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
 from workbench.progress import Progress, describe_plan
-from workbench.results import SCHEMA, Results, summarize
+from workbench.results import DID_NOT_RUN, SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
 from workbench.slurm import SlurmBlocks, attempt_folder, check_cluster, job_gpus
 from workbench.techniques import (
@@ -122,7 +122,7 @@ def prepare(
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
     inspected = inspect_model(model)
-    source = resolve_data(data, model, run.seed)
+    source = resolve_data(data, model)
     check_sample_count(source, run.batch_size, run.world_size)
     first_batch = None
     if not (isinstance(model, str) and loss_fn is None):  # a built-in model with its own loss is known to fit
@@ -323,7 +323,7 @@ def _open_out(
             if retry_failed:
                 # A process in which an arm failed runs again whole: the arms of a block are only
                 # comparable when measured side by side, in the same process.
-                jobs = [job for job in jobs if not any(u["status"] in RETRIED for u in job["units"])]
+                jobs = [job for job in jobs if not any(u["status"] in DID_NOT_RUN for u in job["units"])]
             return folder, sorted(jobs, key=lambda job: job.get("finished_at", 0))
         write_json_atomic(folder.file("plan.json"), fingerprint)
         return folder, []
@@ -378,9 +378,6 @@ def refuse_a_different_run(path: Path, previous: dict, fingerprint: dict, what: 
             f"out={str(path)!r} holds a different {what} (differs in: {', '.join(differing)}); "
             "choose another out, or pass overwrite=True to discard it"
         )
-
-
-RETRIED = ("failed", "oom", "skipped")  # what retry_failed=True runs again when resuming
 
 
 def _blocks_from(settings: dict, repeats: int | None) -> dict:

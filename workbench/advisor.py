@@ -50,9 +50,9 @@ from workbench.results import Results
 from workbench.results_folder import json_values
 from workbench.stats import PHASES, phase_shares
 from workbench.techniques import all_techniques, technique_context
+from workbench.telemetry import usable_cores
 
 PARTS = ("data", "launch", "compute", "communication")
-BOTTLENECKS = (*PARTS, "memory")
 MEMORY_LIMIT = 0.8  # a peak at 80% of the capacity or more: memory is the limit
 WORTH_TRYING = 1.10  # a remedy for another part is still recommended if it could give 10%
 # Even for the bottleneck's own part, a remedy whose ceiling is this close to 1 has nothing to
@@ -219,7 +219,7 @@ def _pct(value: float) -> str:
 def _for_data(facts: Facts) -> Iterator[Suggestion]:
     share = facts.shares["data"]
     wait = f"the step waits for its next batch {_pct(share)} of the time"
-    workers = max(1, min(4, (os.cpu_count() or 2) - 1))
+    workers = max(1, min(4, usable_cores() - 1))  # the cores this job may use (taskset, cgroups, Slurm)
     yield Suggestion("dataloader", {"num_workers": workers, "pin_memory": facts.device == "cuda"}, "data",
                      bound(share), f"{wait}; {workers} worker processes prepare batches during the step")  # fmt: skip
     yield Suggestion(
@@ -581,7 +581,7 @@ def advise(
             "advise: the baseline's run was stopped before it finished; nothing to advise on"
         )
     run = RunConfig(**{k: v for k, v in settings.items() if k in RunConfig.__dataclass_fields__})
-    ctx = technique_context(run, model, resolve_data(data, model, run.seed))
+    ctx = technique_context(run, model, resolve_data(data, model))
     available = {t.name: t.unavailable_reason(ctx, t.configure({})) for t in all_techniques()}
     facts = facts_from(results, results.record["config"]["device"].split(":")[0], run.memory_cap_mb)
     facts = replace(facts, has_conv=_has_conv(ctx.model))

@@ -26,7 +26,7 @@ import numpy as np
 from workbench.core_sync import STATE_RATIO
 from workbench.plots import ResultsFigure, readable_log_ticks
 from workbench.results import Results, load_results
-from workbench.results_view import READER_CSS, badge, text_table, times
+from workbench.results_view import READER_CSS, badge, interval_text, text_table
 
 # Settings whose difference changes what a speedup means; listed when the runs disagree.
 COMPARED_SETTINGS = (
@@ -162,15 +162,14 @@ class Comparison:
         point, low, high = row[f"{name} speedup"], row[f"{name} low"], row[f"{name} high"]
         if not math.isfinite(point):
             return row[f"{name} verdict"] if row[f"{name} verdict"] != "ok" else "-"
-        return times(point) if low == high else f"{times(point)} [{low:.2f}, {high:.2f}]"
+        return interval_text(point, low, high)
 
     def _ratio_cells(self, row, name: str) -> tuple[str, str]:
         key = f"{name} / {self.names[0]}"
         ratio, low, high = row[f"{key} ratio"], row[f"{key} low"], row[f"{key} high"]
         if not math.isfinite(ratio):
             return "-", row[f"{key} change"]
-        text = times(ratio) if low == high else f"{times(ratio)} [{low:.2f}, {high:.2f}]"
-        return text, row[f"{key} change"]
+        return interval_text(ratio, low, high), row[f"{key} change"]
 
     def _reader(self) -> tuple[list[str], list[list[str]]]:
         headings = ["arm", *(f"{name}" for name in self.names)]

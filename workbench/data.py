@@ -172,12 +172,6 @@ def data_label(data: object, model: object = None) -> str:
     return getattr(data, "__name__", type(data).__name__)
 
 
-def image_size_of(data: object) -> int | None:
-    """The crop size when ``data`` names a JPEG folder, else None. Does no I/O."""
-    folder = as_jpeg_folder(data)
-    return folder.size if folder is not None else None
-
-
 def _resolve_jpeg_folder(folder: JpegFolder, label: str, builtin_model: Any) -> DataSource:
     if builtin_model is not None and "image" not in builtin_model.accepts:
         raise ValueError(
@@ -190,7 +184,7 @@ def _resolve_jpeg_folder(folder: JpegFolder, label: str, builtin_model: Any) -> 
     return DataSource(label=label, spec=spec, images=images)
 
 
-def resolve_data(data: object, model: object, seed: int) -> DataSource:
+def resolve_data(data: object, model: object) -> DataSource:
     """Check ``data`` against ``model`` and describe how each arm will load it."""
     builtin_model = get_builtin_model(model) if isinstance(model, str) else None
     if data is None:

@@ -1,7 +1,8 @@
 """Optional packages: each one's absence is a reason shown to the user, never a crash.
 
 The bare install (``pip install -e .``, no extras) is a first-class user, so every optional
-package goes through :func:`missing` before it is imported. ``importlib.util.find_spec`` alone
+package is probed through :func:`missing`, or imported inside a ``try`` that turns any failure
+into a reason, and every message about one gives its :func:`install_hint`. ``find_spec`` alone
 is not enough: for a dotted name it imports the parent first, so ``find_spec("nvidia.dali")``
 *raises* ModuleNotFoundError when no ``nvidia`` package exists at all, and a half-installed
 package can raise anything while its parent imports.
@@ -24,13 +25,28 @@ OPTIONAL_PACKAGES = (
     OptionalPackage(
         "nvidia.dali", "the dali technique", "pip install 'workbench[dali]'; its CPU operators need no GPU"
     ),
-    OptionalPackage("cupy", "cupy_fusion's raw CUDA kernels", "pip install 'workbench[gpu]'"),
+    OptionalPackage(
+        "cupy",
+        "cupy_fusion's raw CUDA kernels",
+        "pip install 'workbench[gpu]' (cupy-cuda12x), or cupy-cuda13x to match a CUDA 13 driver",
+    ),
     OptionalPackage("pynvml", "GPU utilization, power and clocks", "pip install nvidia-ml-py"),
-    OptionalPackage("cuda.bindings", "the NVRTC compile check of kernels/", "pip install cuda-bindings"),
+    OptionalPackage(
+        "cuda.bindings", "the NVRTC compile check of kernels/", "pip install cuda-bindings nvidia-cuda-nvrtc"
+    ),
     OptionalPackage("ipywidgets", "the notebook panel", "pip install 'workbench[notebook]'"),
     OptionalPackage("jupyterlab", "the teaching notebooks", "pip install 'workbench[notebook]'"),
-    OptionalPackage("submitit", "executor='slurm': blocks as Slurm jobs", "pip install 'workbench[cluster]'"),
+    OptionalPackage(
+        "submitit",
+        "executor='slurm': blocks as Slurm jobs",
+        "pip install 'workbench[cluster]', or pip install -e .[cluster] from a clone",
+    ),
 )
+
+
+def install_hint(module: str) -> str:
+    """How to install one of OPTIONAL_PACKAGES: every message that names it says the same."""
+    return next(p.install for p in OPTIONAL_PACKAGES if p.module == module)
 
 
 def missing(module: str, install: str = "") -> str | None:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from workbench.optional import install_hint
+
 KERNELS = ("bias_gelu", "residual_dropout_layer_norm", "adamw")
 ARCHITECTURES = ("sm_80", "sm_90")  # cvt.rn.bf16.f32 in common.cuh needs sm_80 or newer
 COMPILE_OPTIONS = ("--std=c++17",)
@@ -32,7 +34,7 @@ DTYPE_SUFFIX = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16"
 # Arithmetic inside the kernels happens in this type (see kernels/common.cuh).
 ACCUMULATE = {torch.float64: torch.float64, torch.float32: torch.float32}
 
-CUPY_HINT = "pip install cupy-cuda12x (or cupy-cuda13x, matching your driver's CUDA)"
+CUPY_HINT = install_hint("cupy")
 
 
 def kernel_dir() -> Path:
@@ -85,8 +87,8 @@ def nvrtc_unavailable_reason() -> str | None:
         error, *_ = nvrtc.nvrtcVersion()
     except Exception as exc:  # ImportError, or the shared library is missing
         return (
-            f"the compile check needs cuda-python's NVRTC bindings and the NVRTC library "
-            f"(pip install cuda-bindings nvidia-cuda-nvrtc): {exc}"
+            "the compile check needs cuda-python's NVRTC bindings and the NVRTC library "
+            f"({install_hint('cuda.bindings')}): {exc}"
         )
     if error != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         return f"NVRTC did not load: {error}"
@@ -174,6 +176,8 @@ def cupy_unavailable_reason(device: torch.device | None = None) -> str | None:
         import cupy
     except ImportError:
         return f"needs CuPy, which is not installed ({CUPY_HINT})"
+    except Exception as exc:  # noqa: BLE001 - a half-installed CuPy: its error is the reason
+        return f"CuPy is installed but does not import ({type(exc).__name__}: {exc}); {CUPY_HINT}"
     try:
         cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # a CuPy built for another CUDA major version than the driver's

@@ -33,7 +33,10 @@ from workbench.stats import PHASES
 
 SCHEMA = "workbench-results/2"  # 2: blocks (several arms per process) replaced one process per run
 READABLE_SCHEMAS = (SCHEMA, "workbench-results/1")
-STATUSES = ("ok", "unavailable", "failed", "oom", "diverged", "interrupted")
+STATUSES = ("ok", "unavailable", "failed", "oom", "skipped", "diverged", "interrupted")  # an arm's, per block
+# Arms that measured nothing through a fault of their own (skipped: it failed in an earlier
+# block): the CLI's exit code 1, and what retry_failed runs again when resuming.
+DID_NOT_RUN = ("failed", "oom", "skipped")
 TABLE_COLUMNS = [
     "arm",
     "kind",

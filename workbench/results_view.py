@@ -40,7 +40,7 @@ VERDICT_STYLES = {
     "worse": ("#f8dcdc", "#8a1c1c", "31"),
     "absent": ("#ececec", "#444444", "90"),
 }
-NOT_OK_STYLE = ("#fdebd0", "#8a4b00", "33")  # failed, unavailable, oom, diverged, interrupted
+NOT_OK_STYLE = ("#fdebd0", "#8a4b00", "33")  # failed, unavailable, oom, skipped, diverged, interrupted
 VERDICT_LEGEND = (
     "verdict: faster or slower when the arm's whole 95% interval lies outside the control arm's "
     "band (the baseline measured again: where a change that does nothing lands); within noise "
@@ -139,13 +139,18 @@ def times(value: float) -> str:
 
 
 def speedup_text(row) -> str:
-    if not math.isfinite(row.speedup):
+    return interval_text(row.speedup, row.speedup_low, row.speedup_high)
+
+
+def interval_text(point: float, low: float, high: float) -> str:
+    """A ratio and its 95% interval as people read them: 1.23× [1.10, 1.37]."""
+    if not math.isfinite(point):
         return "-"
-    if row.speedup_low == row.speedup_high:  # the baseline against itself
-        return times(row.speedup)
-    if not (math.isfinite(row.speedup_low) and math.isfinite(row.speedup_high)):
-        return f"{times(row.speedup)} [no interval]"  # one timed step: its notes say why
-    return f"{times(row.speedup)} [{_interval_end(row.speedup_low)}, {_interval_end(row.speedup_high)}]"
+    if low == high:  # the baseline against itself
+        return times(point)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return f"{times(point)} [no interval]"  # one timed step: its notes say why
+    return f"{times(point)} [{_interval_end(low)}, {_interval_end(high)}]"
 
 
 def _interval_end(value: float) -> str:

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.config import SlurmOptions
-from workbench.optional import missing
+from workbench.optional import install_hint, missing
 from workbench.progress import Progress
 from workbench.results_folder import ResultsFolder, write_json_atomic
 from workbench.telemetry import usable_cores
@@ -81,9 +81,7 @@ def job_gpus(options: SlurmOptions, world_size: int, device: str) -> int:
 
 def check_cluster() -> None:
     """One clear error when this machine cannot submit Slurm jobs (before anything starts)."""
-    reason = missing(
-        "submitit", "pip install 'workbench[cluster]', or pip install -e .[cluster] from a clone"
-    )
+    reason = missing("submitit", install_hint("submitit"))
     if reason:
         raise ValueError(f"executor='slurm' submits through submitit, which is missing: {reason}")
     for command in ("sbatch", "squeue", "scancel"):

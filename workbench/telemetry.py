@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from workbench.optional import install_hint
 from workbench.stats import PHASES
 
 # How often the CUDA clock marks the phases inside a step: every 8th step. Every step still gets
@@ -456,7 +457,7 @@ class _NvmlReader:
             self.available = bool(self._handles)
             self.reason = "" if self.available else "NVML sees no GPU"
         except ImportError:
-            self.reason = "nvidia-ml-py is not installed (pip install 'workbench[gpu]')"
+            self.reason = f"nvidia-ml-py is not installed ({install_hint('pynvml')})"
         except Exception as error:  # pynvml.NVMLError: no driver, no device
             self.reason = f"NVML unavailable: {error}"
 

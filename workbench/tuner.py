@@ -650,7 +650,7 @@ class _Search:
             if final and not grown:
                 break
             index += 1
-        return self._finish(results, index, stopped)
+        return self._finish(results, stopped)
 
     def _plan_round(self, index: int, alive: list[Candidate]) -> tuple[list[str], int] | None:
         """The candidates and blocks of round ``index``, or None when the budget holds no round."""
@@ -818,7 +818,7 @@ class _Search:
 
     # --- the answer -------------------------------------------------------------------------------
 
-    def _finish(self, results: Results | None, index: int, stopped: str) -> Results:
+    def _finish(self, results: Results | None, stopped: str) -> Results:
         if results is None:
             raise NothingMeasured(
                 f"tune: no round finished ({stopped}); the calibration is saved in {self.folder.path}"

@@ -320,7 +320,7 @@ class AblationPanel(w.VBox):
             model = self._model_value()
             key = (self.model.value, self.data.value, run.seed)
             if key not in self._sources:  # a user's data factory is called once, not per change
-                self._sources[key] = resolve_data(self._data_value(), model, run.seed)
+                self._sources[key] = resolve_data(self._data_value(), model)
             ctx = technique_context(run, model, self._sources[key])
         except ValueError as error:
             self.status.value = self._settings_error = _error_html(str(error))

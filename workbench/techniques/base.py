@@ -109,8 +109,8 @@ REQUIREMENTS: dict[str, Callable[[Context], str | None]] = {
     "dataset": _needs_dataset,
     "jpeg_files": _needs_jpeg_files,
     "ranks": _needs_ranks,
-    "cupy": _needs_package("cupy", "pip install 'workbench[gpu]'"),
-    "dali": _needs_package("nvidia.dali", "pip install 'workbench[dali]', or 'workbench[gpu]' with CUDA"),
+    "cupy": _needs_package("cupy", optional.install_hint("cupy")),
+    "dali": _needs_package("nvidia.dali", optional.install_hint("nvidia.dali")),
 }
 
 

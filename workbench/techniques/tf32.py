@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from workbench.config import check_bool
-from workbench.devices import current_precision  # noqa: F401 - where callers looked for it before
 from workbench.techniques.base import Context, Technique
 
 
