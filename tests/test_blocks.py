@@ -14,6 +14,7 @@ from torch import nn
 
 import workbench as wb
 from workbench.ablation import _Runner
+from workbench.devices import TF32_ON, set_tf32_flags, tf32_flags
 from workbench.process_state import differences, fingerprint
 from workbench.results import oversubscribed_blocks
 from workbench.techniques import Context, Technique, get_technique, register_technique, unregister_technique
@@ -321,11 +322,15 @@ def test_the_fingerprint_sees_flags_threads_and_patches():
     before = fingerprint()
     threads = torch.get_num_threads()
     original_forward = nn.GELU.forward
+    tf32 = tf32_flags()
     try:
         torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
         torch.set_num_threads(max(1, threads - 1) if threads > 1 else 2)
         nn.GELU.forward = lambda self, x: original_forward(self, x)  # every GELU in the process
+        flipped = ("ieee" if tf32[1] == TF32_ON else TF32_ON) if isinstance(TF32_ON, str) else not tf32[1]
+        set_tf32_flags(tf32[0], flipped)  # convolutions' TF32 switched, matmuls' left
         changed = differences(before, fingerprint())
+        assert any(c.startswith("cudnn_conv_tf32") for c in changed)
         assert any(c.startswith("cudnn_benchmark") for c in changed)
         assert any(c.startswith("torch_threads") for c in changed)
         assert any("monkey-patched (torch.nn.GELU.forward)" in c for c in changed)
@@ -333,6 +338,7 @@ def test_the_fingerprint_sees_flags_threads_and_patches():
         torch.backends.cudnn.benchmark = before["cudnn_benchmark"]
         torch.set_num_threads(threads)
         nn.GELU.forward = original_forward
+        set_tf32_flags(*tf32)
     assert differences(before, fingerprint()) == []
 
 

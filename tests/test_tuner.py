@@ -161,7 +161,7 @@ def test_a_faster_finalist_inside_the_noise_does_not_leave_the_search_without_a_
 
     wide = Candidate("A", [], 0, [_figures(1.50, 0.95, 2.40, verdict="within noise")])
     narrow = Candidate("B", [], 1, [_figures(1.30, 1.20, 1.40)])
-    screened = Candidate("C", [], 2, [{**_figures(1.10, 1.0, 1.2), "round": 0}])
+    screened = Candidate("C", [], 2, [{**_figures(1.10, 1.0, 1.2), "round": 1}])
     screened.drop(0, "in the lower half of round 1")
     best, runner_up, undecided = _answer([wide, narrow, screened])
     assert (best, runner_up, undecided) == (narrow, wide, None)
@@ -191,16 +191,16 @@ def test_clearly_slower_needs_a_gap_wider_than_the_control_band():
 def test_a_nested_results_folder_is_cleared_with_its_parent_and_guards_the_users_files(tmp_path):
     parent = ResultsFolder(tmp_path)
     parent.file("tune.json").write_text("{}")
-    inner = ResultsFolder(parent.nest("round-0"))
+    inner = ResultsFolder(parent.nest("round-1"))
     inner.file("results.json").write_text("{}")
     assert parent.foreign_files() == []  # the round's own manifest answers for its files
-    (tmp_path / "round-0" / "notes.txt").write_text("mine")
-    assert ResultsFolder(tmp_path).foreign_files() == ["round-0/notes.txt"]
-    with pytest.raises(ValueError, match="round-0/notes.txt"):
+    (tmp_path / "round-1" / "notes.txt").write_text("mine")
+    assert ResultsFolder(tmp_path).foreign_files() == ["round-1/notes.txt"]
+    with pytest.raises(ValueError, match="round-1/notes.txt"):
         ResultsFolder(tmp_path).clear()
-    (tmp_path / "round-0" / "notes.txt").unlink()
+    (tmp_path / "round-1" / "notes.txt").unlink()
     ResultsFolder(tmp_path).clear()
-    assert not (tmp_path / "round-0").exists() and not (tmp_path / "tune.json").exists()
+    assert not (tmp_path / "round-1").exists() and not (tmp_path / "tune.json").exists()
 
 
 # --- searches with a known answer (slow) --------------------------------------------------------
@@ -314,7 +314,7 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
     assert res.tuning_verdict.startswith("best: no_pause, x")
     assert [len(axes.patches) + len(axes.lines) for axes in res.plot_tuning().axes][0] > 0
     # Saved like an ablation, with the search beside it.
-    for name in ("results.json", "tune.json", "tune.csv", "tune.png", "plot.png", "round-0/results.json"):
+    for name in ("results.json", "tune.json", "tune.csv", "tune.png", "plot.png", "round-1/results.json"):
         assert (out / name).exists(), name
     assert wb.load_results(out).best == {"no_pause": {}}
     from workbench.cli import main  # `workbench show` of a search says what it found, not only its last round
@@ -327,18 +327,18 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
     assert page.index("<h2>The search</h2>") < page.index("<h2>Verdicts of its last round</h2>")
     assert "best: no_pause, x" in page
     # One warm template served the calibration and every round (each would import torch again).
-    assert json.loads((out / "round-0" / "results.json").read_text())["worker_start"] == (
+    assert json.loads((out / "round-1" / "results.json").read_text())["worker_start"] == (
         "forked from a warm template kept from an earlier run in this Python process"
     )
     # The same call again resumes: the rounds are read back, nothing measured is run again.
     rounds_before = json.loads((out / "tune.json").read_text())["rounds"]
-    units = sorted(p.name for p in (out / "round-0" / "units").iterdir())
+    units = sorted(p.name for p in (out / "round-1" / "units").iterdir())
     again = wb.tune(
         PausingNet, batches(), budget_s=budget, techniques=known_techniques, out=out, **RUN, **QUIET
     )
     assert again.best == {"no_pause": {}}
     assert json.loads((out / "tune.json").read_text())["rounds"][: len(rounds_before)] == rounds_before
-    assert sorted(p.name for p in (out / "round-0" / "units").iterdir()) == units
+    assert sorted(p.name for p in (out / "round-1" / "units").iterdir()) == units
     with pytest.raises(ValueError, match="holds a different search"):
         wb.tune(
             PausingNet, batches(), budget_s=2 * budget, techniques=known_techniques, out=out, **RUN, **QUIET
@@ -483,5 +483,5 @@ def test_after_screening_the_techniques_that_helped_alone_are_combined(tmp_path)
             unregister_technique(name)
     by_name = {c["name"]: c for c in res.record["tune"]["candidates"]}
     combined = by_name["no_first_pause+no_second_pause"]
-    assert combined["history"][0]["round"] == 1, "the combination joins after the screening round"
+    assert combined["history"][0]["round"] == 2, "the combination joins after the screening round"
     assert res.best == {"no_first_pause": {}, "no_second_pause": {}}, res.tuning_verdict

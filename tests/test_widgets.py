@@ -593,9 +593,9 @@ def test_the_advise_and_tune_page_builds_its_calls_from_the_job_above():
 
 def test_each_round_of_a_search_starts_the_live_lines_afresh():
     live = LiveRun()
-    live({"type": "tune_round", "round": 0, "candidates": ["a", "b"], "blocks": 1})
+    live({"type": "tune_round", "round": 1, "candidates": ["a", "b"], "blocks": 1})
     live({"type": "progress", "arm": "a", "samples_per_s": 100.0, "block": 0})
-    live({"type": "tune_round", "round": 1, "candidates": ["a"], "blocks": 2})
+    live({"type": "tune_round", "round": 2, "candidates": ["a"], "blocks": 2})
     live({"type": "progress", "arm": "a", "samples_per_s": 120.0, "block": 0})
     snapshot = live.snapshot()
     assert [point[1] for point in snapshot["throughput"]["a"]] == [120.0]  # no line across rounds

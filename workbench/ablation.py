@@ -63,7 +63,6 @@ from workbench.arms import (
     own_baseline_name,
     plan_arms,
     plan_combinations,
-    slug,
     sweep_names,
 )
 from workbench.config import SMOKE_NOTE, RunConfig, SlurmOptions, check_bool, smoke_test, takes_run_options
@@ -86,7 +85,7 @@ from workbench.techniques import (
 )
 from workbench.telemetry import Sampler, competing_load, usable_cores
 from workbench.template import WarmTemplate, acquire_template, keep_warm_s, release_template
-from workbench.worker import BlockSpec, trace_file_name
+from workbench.worker import BlockSpec, slug, trace_file_name
 
 
 @dataclass
@@ -264,6 +263,11 @@ def _fingerprint(prepared: Prepared) -> dict:
     settings["arms"] = [
         [arm.name, arm.record()["techniques"], arm.process] for arm in prepared.arms if not arm.unavailable
     ]
+    return settings_fingerprint(settings)
+
+
+def settings_fingerprint(settings: dict) -> dict:
+    """``{"digest", "settings"}``: what a resumed run (an ablation's, a search's) must match."""
     text = json.dumps(settings, sort_keys=True, default=str)
     # Compare in the form it is stored in (JSON), so a reloaded plan equals a fresh one.
     return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16], "settings": json.loads(text)}
@@ -440,8 +444,9 @@ def ablate(
     on_event    called with a dict per event, for live UIs: ``plan``; per process ``start``
                 (its block and arms); per arm ``phase`` (startup, warmup, measure with its
                 round), ``progress`` (throttled: step, loss, samples/s), ``arm_error``; ``unit``
-                (one arm's measurements in one block, in ``result``); ``telemetry`` (one
-                sampler reading, 1 Hz); and finally ``done`` or ``stopped``
+                (one arm's measurements in one block, in ``result``); ``process_done``;
+                ``telemetry`` (one sampler reading, 1 Hz); with executor="slurm", ``slurm``
+                (jobs done, running, pending) and ``slurm_retry``; finally ``done`` or ``stopped``
     stop        a threading.Event; setting it ends the run like Ctrl-C, returning partial results
     repeats     the former name of ``blocks``
 

@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from workbench.ablation import ablate
-from workbench.config import ADVISOR_FIXES, NothingMeasured, RunConfig, takes_run_options
+from workbench.config import ADVISOR_FIXES, MEMORY_LIMIT, NothingMeasured, RunConfig, takes_run_options
 from workbench.data import resolve_data
 from workbench.devices import cpu_lacks_native
 from workbench.results import Results
@@ -53,7 +53,6 @@ from workbench.techniques import all_techniques, technique_context
 from workbench.telemetry import usable_cores
 
 PARTS = ("data", "launch", "compute", "communication")
-MEMORY_LIMIT = 0.8  # a peak at 80% of the capacity or more: memory is the limit
 WORTH_TRYING = 1.10  # a remedy for another part is still recommended if it could give 10%
 # Even for the bottleneck's own part, a remedy whose ceiling is this close to 1 has nothing to
 # win (its part of the step is nearly empty): it is said why, not recommended.

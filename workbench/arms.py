@@ -5,13 +5,13 @@ process of its own against a baseline that also runs alone)."""
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from workbench.block import ArmSpec
 from workbench.techniques import Context, Technique, conflict_reason, settings_of
+from workbench.worker import slug
 
 DDP_OWN_PROCESS = "a data-parallel arm is a process group of its own (one process per rank)"
 ISOLATED = "isolate=True: every arm in a process of its own"
@@ -204,10 +204,6 @@ def add_own_baseline(arms: list[Arm], kind: str, from_block: int = 0) -> Arm:
     shared = [i for i, arm in enumerate(arms) if arm.kind == kind and arm.role in ("baseline", "control")]
     arms.insert(shared[-1] + 1 if shared else 0, baseline)
     return baseline
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
 
 
 @dataclass

@@ -402,7 +402,9 @@ def _run_advise(args: argparse.Namespace) -> int:
     print(advice.summary())
     if json_file is not None:
         record = {"generator": ADVICE_GENERATOR, **advice.to_json()}
-        json_file.write_text(json.dumps(record, indent=1, default=str, allow_nan=False))
+        from workbench.results_folder import write_text_atomic
+
+        write_text_atomic(json_file, json.dumps(record, indent=1, default=str, allow_nan=False))
     if plot_file is not None:
         advice.plot().savefig(plot_file, dpi=110, metadata={"Software": ADVICE_GENERATOR})
     if args.trace_dir:

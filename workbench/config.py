@@ -627,6 +627,8 @@ TUNER_DECIDES = ("blocks", "mode", "loader_arms", "profile_steps", "trace_dir")
 # advise measures the baseline alone, once: these settings are its own, and the command line has
 # no flags for them (nor for mode: with no techniques there is nothing to combine).
 ADVISOR_FIXES = {"blocks": 1, "control": False, "loader_arms": False, "isolate": False}
+# The advisor calls memory the limit from a peak at this share of the capacity; its plot draws it.
+MEMORY_LIMIT = 0.8
 
 
 def describe_run_options(indent: str = "    ") -> str:

@@ -354,7 +354,8 @@ def _cycle(iterable: Iterable, replayable: bool) -> Iterator[tuple[Any, Any]]:
 # A batch is an (inputs, targets) pair, or a dict of named inputs (the Hugging Face
 # convention: input_ids, attention_mask, labels), whose model computes its own loss from the
 # labels in it. Inputs are a tensor (model(x)), a tuple or list (model(*x)) or a dict
-# (model(**x)); every step, technique and measurement goes through the helpers below.
+# (model(**x)); the step and the techniques go through the helpers below, except grad_accum's
+# _split and ablation._shapes_of, which walk the same forms (ARCHITECTURE.md, "Batches").
 
 
 def inputs_and_targets(batch: Any) -> tuple[Any, torch.Tensor | None]:

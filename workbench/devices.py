@@ -1,4 +1,5 @@
-"""Device resolution and the one synchronization point the clocks rely on."""
+"""Device resolution, the one synchronization point the clocks rely on, the TF32 flags as they
+stand (``current_precision``), and whether this CPU computes bfloat16/float16 natively."""
 
 from __future__ import annotations
 
@@ -36,14 +37,33 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# PyTorch >= 2.9 holds TF32 as per-backend strings ("tf32", "ieee", "none"); before, as booleans.
+# The switch between the two spellings lives here alone.
+_PRECISION_STRINGS = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+TF32_ON: object = "tf32" if _PRECISION_STRINGS else True  # what tf32_flags reads when it is on
+
+
+def tf32_flags() -> tuple[object, object]:
+    """The (matmul, cuDNN convolution) TF32 flags exactly as torch holds them."""
+    if _PRECISION_STRINGS:
+        return torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def set_tf32_flags(matmul: object, cudnn: object) -> None:
+    """Set both flags, in tf32_flags' spelling (a pair it returned restores the state exactly)."""
+    if _PRECISION_STRINGS:
+        torch.backends.cuda.matmul.fp32_precision = matmul
+        torch.backends.cudnn.conv.fp32_precision = cudnn
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
 def current_precision() -> tuple[bool, bool]:
     """Whether float32 (matmuls, cuDNN convolutions) run as TF32 in this process right now."""
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # the newer per-backend switches
-        return (
-            torch.backends.cuda.matmul.fp32_precision == "tf32",
-            torch.backends.cudnn.conv.fp32_precision == "tf32",
-        )
-    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    matmul, cudnn = tf32_flags()
+    return matmul == TF32_ON, cudnn == TF32_ON
 
 
 # CPU instructions that compute in a 16-bit float natively, by their /proc/cpuinfo flag (x86

@@ -75,7 +75,7 @@ class LiveRun:
                 self.throughput, self.finished, self.processes_done, self.slurm = {}, [], 0, None
                 count = len(event["candidates"])
                 self.stage = (
-                    f"tuning, round {event['round'] + 1}: {count} candidate{'s' * (count != 1)} x "
+                    f"tuning, round {event['round']}: {count} candidate{'s' * (count != 1)} x "
                     f"{event['blocks']} block{'s' * (event['blocks'] != 1)}"
                 )
 

@@ -589,8 +589,11 @@ def _plot_memory_limit(axes, facts, limited: bool) -> None:
     axes.barh(0, facts.peak_mib, color=MEMORY_COLOR, height=0.5,
               edgecolor="black" if limited else "white", linewidth=2.5 if limited else 0.5,
               hatch="//" if limited else None)  # fmt: skip
-    axes.axvline(0.8 * facts.capacity_mib, color="#c44e52", linestyle="--", linewidth=1)
-    axes.text(0.8 * facts.capacity_mib, 0.3, " limit (80%)", color="#c44e52", fontsize=8, ha="right")
+    from workbench.config import MEMORY_LIMIT
+
+    limit = MEMORY_LIMIT * facts.capacity_mib
+    axes.axvline(limit, color="#c44e52", linestyle="--", linewidth=1)
+    axes.text(limit, 0.3, f" limit ({100 * MEMORY_LIMIT:.0f}%)", color="#c44e52", fontsize=8, ha="right")
     axes.set_ylim(-0.5, 0.5)
     axes.set_yticks([])
     axes.set_xlim(0, facts.capacity_mib * 1.02)
@@ -630,7 +633,7 @@ def plot_tune(results, path=None) -> ResultsFigure:
                 continue
             offset = (step - (len(candidate["history"]) - 1) / 2) * 0.2
             low, high = entry["speedup_low"], entry["speedup_high"]
-            index = entry["round"]
+            index = entry["round"] - 1  # rounds are numbered from 1
             label = None
             if index not in shown:
                 shown.add(index)

@@ -30,16 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from workbench.devices import tf32_flags
+
 
 def _precision_flags() -> dict[str, Any]:
     flags: dict[str, Any] = {"float32_matmul_precision": torch.get_float32_matmul_precision()}
+    flags["cuda_matmul_tf32"], flags["cudnn_conv_tf32"] = tf32_flags()
     matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):  # PyTorch >= 2.9
-        flags["cuda_matmul_fp32_precision"] = matmul.fp32_precision
-        flags["cudnn_conv_fp32_precision"] = torch.backends.cudnn.conv.fp32_precision
-    else:
-        flags["cuda_matmul_allow_tf32"] = matmul.allow_tf32
-        flags["cudnn_allow_tf32"] = torch.backends.cudnn.allow_tf32
     flags["cuda_matmul_allow_fp16_reduced_precision"] = matmul.allow_fp16_reduced_precision_reduction
     flags["cuda_matmul_allow_bf16_reduced_precision"] = matmul.allow_bf16_reduced_precision_reduction
     return flags

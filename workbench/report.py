@@ -20,7 +20,7 @@ from typing import Any
 from workbench.config import Link, RunConfig, run_options
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
-from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours
+from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours, write_text_atomic
 from workbench.results_view import results_html, search_html
 from workbench.techniques import get_technique, settings_of
 
@@ -42,10 +42,7 @@ def write_report(results, path: str | os.PathLike | None = None) -> Path:
         if target.is_dir() or str(path).endswith(("/", os.sep)):  # "newdir/" names a folder to make
             target = target / REPORT_NAME
     refuse_a_file_not_ours(target, _is_our_report, str(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.partial")
-    staging.write_text(report_html(results), encoding="utf-8")
-    staging.replace(target)  # a reader never sees half a report
+    write_text_atomic(target, report_html(results))  # a reader never sees half a report
     return target
 
 

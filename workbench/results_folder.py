@@ -250,7 +250,7 @@ class ResultsFolder:
         self._write_manifest()
 
     def _is_own_temporary(self, name: str) -> bool:
-        # write_json_atomic's temporary file is "<name><random>.tmp" beside the target; a run
+        # write_text_atomic's temporary file is "<name><random>.tmp" beside the target; a run
         # killed mid-write leaves one behind.
         return name.endswith(".tmp") and any(name.startswith(own) for own in self._owned | {MANIFEST, LOCK})
 
@@ -384,13 +384,19 @@ os.umask(_UMASK)
 
 
 def write_json_atomic(path: Path, record: Any) -> None:
-    """Write to a temporary file and rename it into place: a reader never sees half a file."""
+    """``record`` as JSON (NaN as null), written whole or not at all (``write_text_atomic``)."""
+    write_text_atomic(path, json.dumps(json_values(record), indent=1, allow_nan=False))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file and rename it into place: a reader never sees half a file, and
+    a failure (a full disk, Ctrl-C) leaves the earlier file as it was and no temporary behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         os.fchmod(handle, 0o666 & ~_UMASK)
-        with os.fdopen(handle, "w") as file:
-            json.dump(json_values(record), file, indent=1, allow_nan=False)
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

@@ -2,7 +2,8 @@
 
 Step clock
     Each optimizer step is split into phases: ``data`` (waiting for the next batch and
-    copying it to the device), ``forward``, ``backward`` and ``optimizer``. On CPU the
+    copying it to the device), ``forward``, ``backward`` and ``optimizer`` (or ``replay``: a
+    captured CUDA graph of the whole compute step). On CPU the
     phases are read with ``time.perf_counter`` (eager CPU kernels run synchronously).
     On CUDA, events are recorded on the stream and read once the window is over, so the
     breakdown adds no synchronization inside the step; as an event costs the CPU about what a

@@ -31,7 +31,7 @@ Hyperband):
    not measurably faster stays beside it as the runner-up, saying why. With no such finalist
    ``best`` is ``{}`` (``_answer``).
 
-Each round is an ordinary ablation in ``out/round-N`` (arms side by side in one process, block
+Each round is an ordinary ablation in ``out/round-N``, N from 1 (arms side by side in one process, block
 by block), so its figures are as honest as any ablation's, and a rerun with the same ``out``
 resumes: finished blocks are read back, decisions are re-derived from them, and the search goes
 on with what is left of the budget. ``out/results.json`` holds the last round's results with
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import itertools
 import json
 import math
@@ -58,7 +57,14 @@ from typing import Any
 
 import numpy as np
 
-from workbench.ablation import Prepared, _default_out, _run_in_folder, prepare, refuse_a_different_run
+from workbench.ablation import (
+    Prepared,
+    _default_out,
+    _run_in_folder,
+    prepare,
+    refuse_a_different_run,
+    settings_fingerprint,
+)
 from workbench.config import (
     MAX_BLOCKS,
     SMOKE_BUDGET_S,
@@ -444,8 +450,7 @@ class _Search:
             "max_candidates": max_candidates,
             **self.checked.identity,  # a model edited under the same name is another search
         }
-        text = json.dumps(settings, sort_keys=True, default=str)
-        return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16], "settings": json.loads(text)}
+        return settings_fingerprint(settings)
 
     def _save_state(self) -> None:
         self.state["spent_s"] = self.spent_s
@@ -673,7 +678,7 @@ class _Search:
         if blocks < 1 or self.costs.round_s(self._processes_of(names), blocks) > self.left_s:
             return None
         final = index > 0 and len(names) <= 2
-        recorded.append({"round": index, "candidates": names, "blocks": blocks, "final": final})
+        recorded.append({"round": index + 1, "candidates": names, "blocks": blocks, "final": final})
         self._save_state()
         return names, blocks
 
@@ -684,7 +689,7 @@ class _Search:
             self._say(f"{plan} (about {estimate:.0f} s of {self.left_s:.0f} s left)")
         else:  # resuming a search whose budget is spent: what its blocks measured still counts
             self._say(f"{plan}: the budget is spent; reading back the blocks that finished")
-        self.on_event({"type": "tune_round", "round": index, "candidates": [c.name for c in alive],
+        self.on_event({"type": "tune_round", "round": index + 1, "candidates": [c.name for c in alive],
                        "blocks": blocks, "estimate_s": estimate, "left_s": self.left_s})  # fmt: skip
         run = RunConfig(**{**self.run_config.to_json(), "blocks": blocks, "mode": "one-at-a-time",
                            "loader_arms": False, "profile_steps": 0, "trace_dir": None})  # fmt: skip
@@ -708,7 +713,7 @@ class _Search:
             self.on_event(event)
 
         began = time.monotonic()
-        sub = f"round-{index}"
+        sub = f"round-{index + 1}"  # numbered from 1, as the messages count rounds
         where = self.folder.nest(sub)  # an ablation's folder of its own, inside the search's
         self.state["rounds"][index]["folder"] = sub
         try:
@@ -855,7 +860,7 @@ def _figures(index: int, row, verdict: str, band: tuple[float, float]) -> dict:
     against the round's control band (the baseline measured again), as an ablation judges:
     "faster" only when the whole interval lies above what a change that does nothing shows."""
     return {
-        "round": index,
+        "round": index + 1,
         # The blocks behind the interval: those in which the baseline measured too.
         "blocks": int(row.speedup_blocks) if row.speedup_blocks == row.speedup_blocks else 0,
         "status": row.status,

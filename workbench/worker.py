@@ -70,10 +70,15 @@ WINDOW_TARGET_S = 0.005  # how long a window lasts when rounds are chosen from t
 LONE_ARM_ROUNDS = 10  # windows of an arm alone in its process
 
 
+def slug(text: str) -> str:
+    """``text`` as part of a file name: "baseline (control)" -> "baseline_control"."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
 def trace_file_name(block: int, arm: str, rank: int | None = None) -> str:
-    """The profiler trace's file name for ``arm`` in ``block`` (``rank``: under DDP), in trace_dir."""
-    name = re.sub(r"[^\w.-]+", "_", arm)  # "baseline (control)" -> "baseline_control_"
-    return f"b{block}-{name}" + (f"-rank{rank}" if rank is not None else "") + ".json"
+    """The profiler trace's file name for ``arm`` in ``block`` (``rank``: under DDP), in trace_dir;
+    its arm part spelled as the arm's own process's files are (``arms.Job.key``)."""
+    return f"b{block}-{slug(arm)}" + (f"-rank{rank}" if rank is not None else "") + ".json"
 
 
 def window_steps(steps: int, rounds: int) -> list[int]:

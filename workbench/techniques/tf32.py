@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench.config import check_bool
+from workbench.devices import TF32_ON, set_tf32_flags, tf32_flags
 from workbench.techniques.base import Context, Technique
 
 
@@ -51,34 +52,17 @@ class Tf32Config:
             raise ValueError("tf32: matmul and cudnn are both False, which would change nothing")
 
 
-def _raw_flags() -> tuple:
-    """The flags exactly as torch holds them (on PyTorch >= 2.9 the strings, 'none' included)."""
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        return torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
-    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-
-
-def _write_flags(matmul: object, cudnn: object) -> None:
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        torch.backends.cuda.matmul.fp32_precision = matmul
-        torch.backends.cudnn.conv.fp32_precision = cudnn
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = matmul
-        torch.backends.cudnn.allow_tf32 = cudnn
-
-
 @contextlib.contextmanager
 def precision(matmul: bool, cudnn: bool) -> Iterator[None]:
     """TF32 on for matmuls and/or cuDNN convolutions inside the block (a False leaves that flag
     as it was); after it, every flag exactly as before, so the block's other arms, and the
     check that no arm leaves process-wide state changed, see the flags they saw."""
-    previous = _raw_flags()
-    on = "tf32" if hasattr(torch.backends.cuda.matmul, "fp32_precision") else True
-    _write_flags(on if matmul else previous[0], on if cudnn else previous[1])
+    previous = tf32_flags()
+    set_tf32_flags(TF32_ON if matmul else previous[0], TF32_ON if cudnn else previous[1])
     try:
         yield
     finally:
-        _write_flags(*previous)
+        set_tf32_flags(*previous)
 
 
 class Tf32(Technique):
