@@ -451,7 +451,7 @@ def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     foreign = tmp_path / "my-notes"
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("precious")
-    with pytest.raises(ValueError, match="already holds files that are not workbench results"):
+    with pytest.raises(ValueError, match="holds files that workbench did not write there"):
         wb.ablate(**{**arguments, "out": foreign}, **QUIET)
     assert (foreign / "thesis.tex").read_text() == "precious"
 

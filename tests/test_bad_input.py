@@ -94,6 +94,14 @@ QUIET = {"progress": False, "out": False}
         ({"model": lambda: torch.nn.Linear(2, 2), "data": (b for b in [])}, r"one-shot iterator"),
         ({"model": lambda: torch.nn.Linear(2, 2), "data": 3}, r"data must be a built-in name"),
         ({"loss_fn": "mse"}, r"loss_fn must be a callable"),
+        (
+            {"loss_fn": torch.nn.MSELoss},
+            r"loss_fn is the class MSELoss; pass an instance: loss_fn=MSELoss\(\)",
+        ),
+        (
+            {"model": torch.nn.Linear, "data": [(torch.zeros(2, 4), torch.zeros(2))]},
+            r"model is called with no arguments to build each arm's copy, and Linear needs some",
+        ),
         ({"overwrite": "False"}, r"ablate: overwrite must be True or False; got 'False'"),
         ({"steps": 10**20}, r"ablate: steps must be <= 10000000; got 100000000000000000000$"),
         ({"blocks": 20_000}, r"ablate: blocks must be <= 10000; got 20000$"),
@@ -191,6 +199,12 @@ def test_missing_gpu_is_a_clear_error():
         (["ablate", "-t", "amp:dtype"], "cannot read technique option 'dtype'"),
         (["ablate", "-t", "amp:dtype=bfloat16,dtype=float16"], "option 'dtype' is given twice"),
         (["ablate", "--techniques", "{not json"], "--techniques is not valid JSON"),
+        (["ablate", "-t", "amp:dtype=bfloat16", "-t", "amp:dtype=float16"], "amp is given twice"),
+        (
+            ["ablate", "--loader-arms", "only", "-t", "amp"],
+            "times the input pipeline alone, so amp would measure nothing",
+        ),
+        (["ablate", "--profile-steps", "1", "--trace-dir", "pyproject.toml"], "is a file; name a folder"),
         (["show", "/no/such/folder"], "no results at /no/such/folder"),
     ],
 )
@@ -221,6 +235,9 @@ def test_cli_errors_name_the_flag_not_the_keyword():
     assert in_cli_terms(message, args) == (
         "--out '/tmp/x' holds a different ablation; choose another out, or pass --overwrite to discard it"
     )
+    # A technique's own option keeps its name: grad_accum's steps is not the run's --steps.
+    message = "grad_accum: steps=1000 exceeds batch_size=32; every micro-batch needs at least one sample"
+    assert in_cli_terms(message, args).startswith("grad_accum: steps=1000 exceeds --batch-size 32;")
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +141,55 @@ def test_advise_checks_where_it_will_write_before_it_measures(tmp_path, capsys):
         err = capsys.readouterr().err
         assert said in err and "Plan:" not in capsys.readouterr().out, err
     assert mine.read_text() == "the user's notes"
+
+
+def test_a_folder_that_cannot_be_read_or_written_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """As root (CI) permissions are not enforced, so the refusals are provoked: the folder's access
+    check says no, and a read fails as an unreadable file's would."""
+    import os
+
+    from workbench.cli import main
+
+    real_access = os.access
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == read_only else real_access(p, mode))
+    assert main(["advise", "--model", "mlp", "--json", str(read_only / "a.json"), "--no-progress"]) == 2
+    assert "cannot be written" in capsys.readouterr().err
+
+    results = tmp_path / "results.json"
+    results.write_text("{}")
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(results))
+
+    monkeypatch.setattr("workbench.results.open", unreadable, raising=False)  # load_results' open
+    assert main(["show", str(results)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"workbench: error: Permission denied: {results}" and "Traceback" not in err
+
+
+def test_show_refuses_what_is_not_a_results_file_without_reading_it_all(tmp_path, capsys, monkeypatch):
+    import os
+
+    from workbench import results as results_module
+    from workbench.cli import main
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # a read would block for ever
+    assert main(["show", str(fifo)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    big = tmp_path / "model.ckpt"
+    big.write_bytes(b"x" * 2048)
+    monkeypatch.setattr(results_module, "MAX_RESULTS_BYTES", 1024)
+    assert main(["show", str(big)]) == 2
+    assert "where results.json holds kilobytes" in capsys.readouterr().err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text("{}")
+    (run / "table.csv").write_text("arm,speedup\n")
+    assert main(["show", str(run / "table.csv")]) == 2
+    assert f"pass the run's folder: {run}" in capsys.readouterr().err
 
 
 def test_advise_recognises_the_files_it_wrote(tmp_path):

@@ -112,6 +112,77 @@ def test_an_ablation_and_a_search_never_share_a_folder(tmp_path):
     assert not (search / "plan.json").exists()
 
 
+@pytest.mark.slow  # real ablations in fresh processes
+def test_a_copy_of_a_runs_files_is_not_that_run_and_its_edits_are_kept(tmp_path):
+    """cp -r run/* copy/ leaves the hidden manifest behind: the copy's plan.json is the user's
+    file then, not a run to resume into, and its edited table.csv must not be overwritten."""
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    wb.ablate(**TINY, out=run)
+    copy.mkdir()
+    for name in ("plan.json", "table.csv", "results.json"):
+        (copy / name).write_bytes((run / name).read_bytes())
+    (copy / "table.csv").write_text((copy / "table.csv").read_text() + "# my annotations\n")
+    with pytest.raises(ValueError, match=r"holds files that workbench did not write there \(plan\.json"):
+        wb.ablate(**TINY, out=copy)
+    assert (copy / "table.csv").read_text().endswith("# my annotations\n")
+
+    # In the run's own folder the user's notes may sit beside it; a file where the run writes may not.
+    (run / "notes.md").write_text("mine")
+    assert wb.ablate(**TINY, out=run).complete  # resumed: everything was finished already
+    (run / "units" / "stray.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match=r"did not write there \(units/stray\.json\)"):
+        wb.ablate(**TINY, out=run)
+    (run / "units" / "stray.json").unlink()
+    assert (run / "notes.md").read_text() == "mine"
+
+
+def test_a_run_inside_another_runs_folder_is_refused(tmp_path):
+    outer = ResultsFolder(tmp_path / "outer")
+    outer.lock()
+    outer.file("plan.json").write_text("{}")
+    outer.nest("round-1")  # a folder the outer run made for a run of its own: allowed
+    outer.unlock()
+    with pytest.raises(ValueError, match=r"is inside the workbench results folder .*outer"):
+        wb.ablate(**TINY, out=tmp_path / "outer" / "units")
+    with pytest.raises(ValueError, match=r"is inside the workbench results folder"):
+        wb.tune("mlp", budget_s=60, out=tmp_path / "outer" / "deeper" / "search", progress=False)
+    ResultsFolder(tmp_path / "outer" / "round-1" / "inner").refuse_inside_another_run()  # no error
+    assert not (tmp_path / "outer" / "units").exists()
+
+
+def test_out_with_a_tilde_means_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    folder = ResultsFolder("~/results")
+    assert folder.path == tmp_path / "home" / "results"
+    folder.lock()
+    folder.unlock()
+    assert (tmp_path / "home" / "results").is_dir() and not (tmp_path / "~").exists()
+
+
+def test_save_refuses_the_users_files_and_other_runs_but_saves_its_own_run_again(tmp_path):
+    from workbench.results import load_results
+
+    run = tmp_path / "run"
+    results = wb.ablate(**TINY, out=run)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "table.csv").write_text("the user's table")
+    with pytest.raises(ValueError, match=r"save: .* holds files that workbench did not write \(table\.csv\)"):
+        results.save(mine)
+    assert (mine / "table.csv").read_text() == "the user's table"
+
+    copy = results.save(tmp_path / "copy")
+    assert results.save(copy) == copy  # the same run, saved again
+    other = load_results(run)
+    other.record["created"] = "2000-01-01T00:00:00"
+    with pytest.raises(ValueError, match="holds another workbench run's results"):
+        other.save(copy)
+    with pytest.raises(ValueError, match="is inside the workbench results folder"):
+        results.save(run / "units")
+    assert results.save(run) == run  # its own folder
+
+
 @pytest.mark.slow  # a real ablation in fresh processes
 def test_overwrite_keeps_the_users_files_and_refuses_naming_them(tmp_path):
     out = tmp_path / "run"

@@ -120,6 +120,10 @@ def prepare(
     chosen = parse_techniques(techniques)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
+    if isinstance(loss_fn, type):  # nn.MSELoss, not nn.MSELoss(): "calling" it builds a module
+        raise ValueError(
+            f"loss_fn is the class {loss_fn.__name__}; pass an instance: loss_fn={loss_fn.__name__}()"
+        )
     inspected = inspect_model(model)
     source = resolve_data(data, model)
     check_sample_count(source, run.batch_size, run.world_size)
@@ -151,6 +155,7 @@ def prepare(
     if loader_arms is None:  # auto: when an input-pipeline technique is ablated on a Dataset
         loader_arms = source.is_dataset and any(t.input_pipeline for t, _ in runnable)
     if loader_arms == "only":
+        _refuse_what_loaders_alone_cannot_time(runnable)
         arms = loader_twins(arms)
     elif loader_arms:
         arms += loader_twins(arms)
@@ -165,6 +170,17 @@ def prepare(
     }
     identity = job_identity(model, inspected[0], source, first_batch, loss_fn)
     return Prepared(run, model, source, loss_fn, arms, config, identity)
+
+
+def _refuse_what_loaders_alone_cannot_time(runnable: list) -> None:
+    """loader_arms='only' times the input pipeline without the model: a technique of the step would
+    be dropped without a word, and leave nothing to compare against the loader's baseline."""
+    others = [t.name for t, _ in runnable if not t.input_pipeline]
+    if others:
+        raise ValueError(
+            f"loader_arms='only' times the input pipeline alone, so {', '.join(others)} would measure "
+            "nothing there; leave them out, or use loader_arms='on' to add loader-only arms beside training"
+        )
 
 
 def _check_where_it_runs(run: RunConfig) -> torch.device:
@@ -313,6 +329,7 @@ def _open_out(
     ablation finished there. The caller unlocks it when the run ends."""
     folder = ResultsFolder(out)
     _refuse_a_file(folder)
+    folder.refuse_inside_another_run()
     taken_over = folder.lock()
     try:
         if taken_over:
@@ -323,7 +340,7 @@ def _open_out(
             folder.clear()  # only what workbench wrote; refuses if the user's files are there
         _refuse_the_folder(folder, fingerprint)
         if plan_file.exists():
-            jobs = [json.loads(p.read_text()) for p in sorted((folder.path / "units").glob("*.json"))]
+            jobs = [_read_unit(p) for p in sorted((folder.path / "units").glob("*.json"))]
             if retry_failed:
                 # A process in which an arm failed runs again whole: the arms of a block are only
                 # comparable when measured side by side, in the same process.
@@ -341,19 +358,55 @@ def _refuse_a_file(folder: ResultsFolder) -> None:
         raise ValueError(f"out={str(folder.path)!r} is a file; out names a folder for the results")
 
 
+# What a run writes in its folder: a file of the user's by one of these names (one the manifest
+# does not list) would be overwritten, or read back as the run's own.
+RUN_FILES = (
+    "plan.json",
+    "results.json",
+    "table.csv",
+    "losses.csv",
+    "telemetry.csv",
+    "plot.png",
+    "report.html",
+)
+RUN_FOLDERS = ("units/", "logs/", "slurm/")
+
+
 def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> None:
     """Raise when ``folder`` holds what this ablation may not add to: another kind of results,
-    files workbench did not write, or another ablation (ValueError naming it)."""
-    plan_file = folder.path / "plan.json"
+    files workbench did not write, or another ablation (ValueError naming it). A run of this
+    ablation resumes beside the user's own files, but not over them: ``plan.json`` counts only
+    when the folder's manifest lists it (a copy of a run's files is not that run)."""
     folder.refuse_other_results("plan.json", "an ablation")  # a search's, say (tune.json)
-    foreign = [] if plan_file.exists() else folder.foreign_files(limit=5)
+    resuming = "plan.json" in folder.own_files()
+    foreign = folder.foreign_files(limit=None if resuming else 5)
+    if resuming:
+        foreign = [name for name in foreign if name in RUN_FILES or name.startswith(RUN_FOLDERS)]
     if foreign:
         raise ValueError(
-            f"out={str(folder.path)!r} already holds files that are not workbench results "
-            f"({', '.join(foreign)}{', ...' if len(foreign) == 5 else ''}); choose a new or empty folder"
+            f"out={str(folder.path)!r} holds files that workbench did not write there "
+            f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder"
         )
-    if plan_file.exists():
-        refuse_a_different_run(folder.path, json.loads(plan_file.read_text()), fingerprint, "ablation")
+    if resuming:
+        plan = read_record(folder.path / "plan.json", "this run's plan")
+        refuse_a_different_run(folder.path, plan, fingerprint, "ablation")
+
+
+def _read_unit(path: Path) -> dict:
+    """One finished process's record, read back to resume; a damaged one is named, not guessed at."""
+    job = read_record(path, "a finished process's record")
+    if not (isinstance(job, dict) and isinstance(job.get("units"), list) and "block" in job and "job" in job):
+        raise ValueError(f"{path} is not a workbench process record; move it out of units/ to resume")
+    return job
+
+
+def read_record(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{path} ({what}) is damaged: {error}; move it away, or pass overwrite=True"
+        ) from None
 
 
 def check_before_run(arguments: Mapping[str, Any]) -> None:

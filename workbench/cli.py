@@ -6,6 +6,7 @@ Bad input ends with one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -94,8 +95,15 @@ def _techniques(args: argparse.Namespace, preset: dict) -> dict | None:
             raise ValueError(f"--techniques is not valid JSON: {error}") from None
     else:
         chosen = dict(preset["techniques"]) if "techniques" in preset else None
+    given: dict[str, str] = {}
     for flag in args.technique or []:
         name, value = parse_technique_flag(flag)
+        if name in given:  # the later would silently win
+            raise ValueError(
+                f"{name} is given twice (-t {given[name]}, -t {flag}); give it once, and to try both "
+                f"settings write them in one flag, as in -t amp:dtype=bfloat16|float16"
+            )
+        given[name] = flag
         chosen = {} if chosen is None else chosen
         chosen[name] = value
     return chosen
@@ -360,11 +368,13 @@ ADVICE_GENERATOR = "workbench advise"  # in the files advise writes: it replaces
 def _check_output_file(flag: str, path: str, written_by_us) -> Path:
     """A file a command will write, checked before anything is measured: its folder exists, it
     is not a folder, and it is new or one workbench wrote (``written_by_us(path)``)."""
-    target = Path(path)
+    target = Path(path).expanduser()
     if target.is_dir():
         raise ValueError(f"{flag} {path} is a folder; name a file")
     if not target.parent.is_dir():
         raise ValueError(f"{flag} {path}: the folder {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {target.parent} cannot be written")
     from workbench.results_folder import refuse_a_file_not_ours
 
     refuse_a_file_not_ours(target, written_by_us, f"{flag} {path}")
@@ -475,6 +485,15 @@ def in_cli_terms(message: str, args: argparse.Namespace) -> str:
             if action.nargs == 0:
                 switches.add(action.dest)
     flags |= FLAG_FOR_KEYWORD.get(command, {})
+    speaker = re.match(r"(\w+): ", message)
+    if speaker:  # a technique's message: its own options keep their names ("grad_accum: steps=1000")
+        from workbench.techniques import all_techniques
+
+        technique = next((t for t in all_techniques() if t.name == speaker[1]), None)
+        if technique is not None:
+            for option in dataclasses.fields(technique.Config):
+                flags.pop(option.name, None)
+                switches.discard(option.name)
     if command in ("ablate", "advise", "tune") and message.startswith("ablate: "):
         message = f"{command}: {message[len('ablate: ') :]}"
     prefix = f"{command}: "
@@ -609,6 +628,10 @@ def _main(argv: list[str] | None) -> int:
         # Python would complain again while flushing stdout at exit: point it at nothing first.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports a pipeline's writer
+    except OSError as error:  # a file or folder this user may not read or write, a full disk
+        where = f": {error.filename}" if error.filename else ""
+        print(f"workbench: error: {error.strerror or error}{where}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import os
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from workbench.heap import HEAP_CHOICES
@@ -599,6 +600,8 @@ class RunConfig:
             )
         if self.trace_dir is not None and not self.profile_steps:
             raise ValueError("ablate: trace_dir writes the profiler's trace, so it needs profile_steps >= 1")
+        if self.trace_dir is not None and Path(self.trace_dir).expanduser().is_file():
+            raise ValueError(f"ablate: trace_dir={self.trace_dir!r} is a file; name a folder for the traces")
         if self.slurm is not None and self.executor != "slurm":
             raise ValueError("ablate: slurm options describe Slurm jobs, so they need executor='slurm'")
         if self.link is not None and self.world_size < 2:

@@ -13,6 +13,7 @@ that is what activation checkpointing wraps by default.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -256,12 +257,31 @@ def build_model(model: object, spec: DataSpec | None) -> nn.Module:
         builtin = get_builtin_model(model)
         assert spec is not None
         return builtin.build(spec)
-    built = model()
+    try:
+        built = model()
+    except TypeError as error:  # nn.Linear, say: a class that needs arguments, not a factory
+        if _needs_arguments(model):
+            raise ValueError(
+                f"model is called with no arguments to build each arm's copy, and {model_label(model)} needs "
+                f"some ({error}); pass a factory: model=lambda: {model_label(model)}(...)"
+            ) from None
+        raise
     if not isinstance(built, nn.Module):
         raise ValueError(
             f"the model factory {model_label(model)} returned {type(built).__name__}, not an nn.Module"
         )
     return built
+
+
+def _needs_arguments(factory: object) -> bool:
+    """Whether calling ``factory()`` fails for want of arguments (not for an error inside it)."""
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        return True
+    except ValueError:  # a builtin whose signature Python cannot tell
+        return False
+    return False
 
 
 def inspect_model(model: object) -> tuple[nn.Module, str]:

@@ -38,10 +38,15 @@ def write_report(results, path: str | os.PathLike | None = None) -> Path:
             )
         target = ResultsFolder(results.path).file(REPORT_NAME)  # entered in the folder's manifest
     else:
-        target = Path(path)
+        target = Path(path).expanduser()
         if target.is_dir() or str(path).endswith(("/", os.sep)):  # "newdir/" names a folder to make
             target = target / REPORT_NAME
     refuse_a_file_not_ours(target, _is_our_report, str(target))
+    writable = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
+    if not os.access(writable, os.W_OK):
+        raise ValueError(
+            f"{writable} cannot be written; write the report elsewhere (to_html(path), report --out FILE)"
+        )
     write_text_atomic(target, report_html(results))  # a reader never sees half a report
     return target
 

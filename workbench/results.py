@@ -33,6 +33,7 @@ from workbench.stats import PHASES
 
 SCHEMA = "workbench-results/2"  # 2: blocks (several arms per process) replaced one process per run
 READABLE_SCHEMAS = (SCHEMA, "workbench-results/1")
+MAX_RESULTS_BYTES = 2**30  # read no further: a checkpoint passed by mistake is refused, not loaded
 STATUSES = ("ok", "unavailable", "failed", "oom", "skipped", "diverged", "interrupted")  # an arm's, per block
 # Arms that measured nothing through a fault of their own (skipped: it failed in an earlier
 # block): the CLI's exit code 1, and what retry_failed runs again when resuming.
@@ -693,8 +694,45 @@ class Results:
 
     def save(self, path: str | os.PathLike | ResultsFolder) -> Path:
         """Write results.json, table.csv, losses.csv, telemetry.csv and plot.png into the folder
-        ``path``; each is entered in the folder's manifest (see workbench.results_folder)."""
-        folder = path if isinstance(path, ResultsFolder) else ResultsFolder(path)
+        ``path``; each is entered in the folder's manifest (see workbench.results_folder).
+
+        The folder must be new, empty, or this same run's (saved again): one that holds the
+        user's own files or another run's results is refused, as ``ablate`` refuses such an
+        ``out``, and the folder's lock is held while the files are written."""
+        if isinstance(path, ResultsFolder):  # a run's own folder, which the run holds locked
+            return self._write(path)
+        folder = ResultsFolder(path)
+        if folder.path.exists() and not folder.path.is_dir():
+            raise ValueError(f"save: {str(folder.path)!r} is a file; name a folder for the results")
+        folder.refuse_inside_another_run("save: ")
+        foreign = folder.foreign_files(limit=5)
+        if foreign:
+            raise ValueError(
+                f"save: {str(folder.path)!r} holds files that workbench did not write ({', '.join(foreign)}"
+                f"{', ...' if len(foreign) == 5 else ''}); choose a new or empty folder"
+            )
+        if folder.own_files() and not self._is_saved_in(folder.path):
+            raise ValueError(
+                f"save: {str(folder.path)!r} holds another workbench run's results; choose a new or empty folder"
+            )
+        folder.lock()
+        try:
+            return self._write(folder)
+        finally:
+            folder.unlock()
+
+    def _is_saved_in(self, path: Path) -> bool:
+        """Whether ``path`` holds this run's results (an earlier save, or the run's own folder)."""
+        try:
+            saved = json.loads((path / "results.json").read_text())
+        except (OSError, ValueError):
+            return False
+        mine = json.loads(
+            json.dumps(json_values({k: self.record.get(k) for k in ("created", "config")}), default=str)
+        )
+        return isinstance(saved, dict) and all(saved.get(k) == mine[k] for k in mine)
+
+    def _write(self, folder: ResultsFolder) -> Path:
         folder.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(folder.file("results.json"), self.record)
         self.table.to_csv(folder.file("table.csv"), index=False)
@@ -981,18 +1019,28 @@ def _speedups_by_state(
 
 def load_results(path: str | os.PathLike) -> Results:
     """Load results saved by ``ablate(out=...)`` or ``Results.save``: a folder or its results.json."""
-    path = Path(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"load_results: pass a results folder or its results.json; got {path!r}")
+    path = Path(path).expanduser()
     file = path / "results.json" if path.is_dir() else path
     if not file.exists():
         raise FileNotFoundError(
             f"no results at {path} (expected a folder with results.json, or the file itself)"
+        )
+    if not file.is_file():  # a FIFO would block the read, a device would never end it
+        raise ValueError(f"{file} is not a workbench results file: not a regular file")
+    if file.stat().st_size > MAX_RESULTS_BYTES:
+        raise ValueError(
+            f"{file} is not a workbench results file: {file.stat().st_size / 2**30:.1f} GiB, "
+            f"where results.json holds kilobytes to a few MiB"
         )
     try:
         with open(file) as handle:
             record = json.load(handle)
     except json.JSONDecodeError as error:
         raise ValueError(
-            f"{file} is not valid JSON ({error.msg} at line {error.lineno}); it may be cut short"
+            _in_a_run_folder(file)
+            or f"{file} is not valid JSON ({error.msg} at line {error.lineno}); it may be cut short"
         ) from None
     except (UnicodeDecodeError, IsADirectoryError) as error:
         raise ValueError(f"{file} is not a workbench results file ({error})") from None
@@ -1002,7 +1050,8 @@ def load_results(path: str | os.PathLike) -> Results:
         )
     if record.get("schema") not in READABLE_SCHEMAS:
         raise ValueError(
-            f"{file} is not a workbench results file (schema {record.get('schema')!r}, expected {SCHEMA!r})"
+            _in_a_run_folder(file)
+            or f"{file} is not a workbench results file (schema {record.get('schema')!r}, expected {SCHEMA!r})"
         )
     problem = _malformed(record)
     if problem:
@@ -1013,6 +1062,14 @@ def load_results(path: str | os.PathLike) -> Results:
         for unit in record["units"]:
             unit["block"] = unit.get("repeat", 0)
     return Results(record, file.parent)
+
+
+def _in_a_run_folder(file: Path) -> str:
+    """For one of a run's other files (its table.csv, plan.json, units/...), where its results are."""
+    for folder in (file.parent, file.parent.parent):
+        if file != folder / "results.json" and (folder / "results.json").is_file():
+            return f"{file} is one of a run's files, not its results; pass the run's folder: {folder}"
+    return ""
 
 
 def _malformed(record: dict) -> str | None:

@@ -52,7 +52,7 @@ class ResultsFolder:
     """One run's view of its ``out`` folder: the manifest of its files, and the lock."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = Path(path).expanduser()  # "--out=~/x": the shell leaves a ~ after = alone
         self._holder: dict | None = None  # what this run wrote into the lock file while it holds it
         self._owned = set(self._read_manifest())
 
@@ -70,7 +70,11 @@ class ResultsFolder:
         note = None
         for _ in range(5):  # another run may take or drop the lock between two of our steps
             holder = _holder_record()
-            if _create_exclusively(self.path / LOCK, json.dumps(holder)):
+            try:
+                taken = _create_exclusively(self.path / LOCK, json.dumps(holder))
+            except PermissionError as error:  # an existing folder this user may not write
+                raise ValueError(f"out={str(self.path)!r} cannot be written: {error.strerror}") from None
+            if taken:
                 self._holder = holder
                 return note
             left = self._read_lock()
@@ -177,6 +181,24 @@ class ResultsFolder:
         return sorted(
             entry for entry in self._owned if (self.path / entry.rstrip("/").removesuffix("/**")).exists()
         )
+
+    def refuse_inside_another_run(self, label: str = "out=") -> None:
+        """Raise when this folder lies inside another run's folder that did not make room for it
+        (``nest``, ``tree``: the tuner's rounds, a Slurm job's block): that run's resume would read
+        this one's files as its own, and its ``overwrite`` would refuse them."""
+        here = self.path.resolve()
+        for parent in here.parents:
+            if not ((parent / MANIFEST).is_file() or (parent / LOCK).exists()):
+                continue
+            inside = here.relative_to(parent).as_posix()
+            made_room = [e.removesuffix("/**").rstrip("/") for e in ResultsFolder(parent)._owned if e.endswith("/")
+                         or e.endswith("/**")]  # fmt: skip
+            if any(inside == room or inside.startswith(room + "/") for room in made_room):
+                return
+            raise ValueError(
+                f"{label}{str(self.path)!r} is inside the workbench results folder {str(parent)!r}; "
+                "choose a folder outside it"
+            )
 
     def refuse_other_results(self, marker: str, what: str) -> None:
         """Raise when the folder holds workbench results but not ``marker``, the file that ``what``

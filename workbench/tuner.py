@@ -58,10 +58,12 @@ from typing import Any
 import numpy as np
 
 from workbench.ablation import (
+    RUN_FILES,
     Prepared,
     _default_out,
     _run_in_folder,
     prepare,
+    read_record,
     refuse_a_different_run,
     settings_fingerprint,
 )
@@ -84,6 +86,7 @@ from workbench.template import WarmTemplate, acquire_template, release_template
 # Settings the tuner decides for each round itself; the advisor's own run fixes some more.
 MAX_CANDIDATES = 24
 MAX_BUDGET_S = 30 * 24 * 3600  # beyond it, a typo of extra digits: refused, not planned for
+SEARCH_FILES = ("tune.json", "tune.csv", "tune.png", *RUN_FILES)  # what a search writes in its folder
 RESERVE = 0.8  # the final round plans for this share of what is left: costs are estimates
 # The least blocks a deciding figure comes from: one block's interval holds only the noise inside
 # its process, not the process's own luck (which the blocks' spread measures), so a winner seen
@@ -395,8 +398,10 @@ class _Search:
 
     def open(self, path: Path, overwrite: bool, techniques, advice, max_candidates: int) -> None:
         folder = ResultsFolder(path)
+        path = folder.path  # "~" expanded
         if path.exists() and not path.is_dir():
             raise ValueError(f"out={str(path)!r} is a file; out names a folder for the search")
+        folder.refuse_inside_another_run()
         folder.lock()
         self.folder = folder
         try:
@@ -405,17 +410,22 @@ class _Search:
             if overwrite:
                 folder.clear()
             folder.refuse_other_results("tune.json", "a search")  # an ablation's, say (plan.json)
-            if state_file.exists():
-                state = json.loads(state_file.read_text())
+            # As an ablation's folder (ablation._refuse_the_folder): tune.json counts only where
+            # the manifest lists it, and a search resumes beside the user's files, not over them.
+            resuming = "tune.json" in folder.own_files()
+            foreign = folder.foreign_files(limit=None if resuming else 5)
+            if resuming:
+                foreign = [name for name in foreign if name in SEARCH_FILES or name.startswith("round-")]
+            if foreign:
+                raise ValueError(
+                    f"out={str(path)!r} holds files that workbench did not write there "
+                    f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder"
+                )
+            if resuming:
+                state = read_record(state_file, "this search's state")
                 refuse_a_different_run(path, state, fingerprint, "search")
                 self._restore(state)
                 return
-            foreign = folder.foreign_files(limit=5)
-            if foreign:
-                raise ValueError(
-                    f"out={str(path)!r} already holds files that are not workbench results "
-                    f"({', '.join(foreign)}); choose a new or empty folder"
-                )
             self.state = {**fingerprint, "rounds": [], "spent_s": 0.0}
             self._calibrate(techniques, advice, max_candidates)
         except BaseException:
