@@ -118,12 +118,7 @@ def prepare(
     # Cheap checks first: building a dataset or a model takes time bad input should not cost.
     device = _check_where_it_runs(run)
     chosen = parse_techniques(techniques)
-    if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
-    if isinstance(loss_fn, type):  # nn.MSELoss, not nn.MSELoss(): "calling" it builds a module
-        raise ValueError(
-            f"loss_fn is the class {loss_fn.__name__}; pass an instance: loss_fn={loss_fn.__name__}()"
-        )
+    _check_loss_fn(loss_fn)
     inspected = inspect_model(model)
     source = resolve_data(data, model)
     check_sample_count(source, run.batch_size, run.world_size)
@@ -170,6 +165,15 @@ def prepare(
     }
     identity = job_identity(model, inspected[0], source, first_batch, loss_fn)
     return Prepared(run, model, source, loss_fn, arms, config, identity)
+
+
+def _check_loss_fn(loss_fn: Any) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (outputs, targets) -> scalar loss; got {loss_fn!r}")
+    if isinstance(loss_fn, type):  # nn.MSELoss, not nn.MSELoss(): "calling" it builds a module
+        raise ValueError(
+            f"loss_fn is the class {loss_fn.__name__}; pass an instance: loss_fn={loss_fn.__name__}()"
+        )
 
 
 def _refuse_what_loaders_alone_cannot_time(runnable: list) -> None:
