@@ -668,6 +668,22 @@ def test_summary_and_repr_mention_what_did_not_run(small_results):
             '{"schema": "%s", "table": [], "units": [], "config": {}, "environment": {}, "arms": [{"role": "x"}]}',
             "arm 0 of its plan has no name or role",
         ),
+        (
+            '{"schema": "%s", "table": [{"arm": "a", "status": 5}], "units": [], "config": {}, "environment": {}}',
+            "row 0 of its table has status 5, not text",
+        ),
+        (
+            '{"schema": "%s", "table": [{"arm": null}], "units": [], "config": {}, "environment": {}}',
+            r"row 0 of its table is not an arm's row \(no arm name\)",
+        ),
+        (
+            '{"schema": "%s", "table": [{"arm": "a", "final_loss": "x"}], "units": [], "config": {}, "environment": {}}',
+            "row 0 of its table has final_loss 'x', not a number",
+        ),
+        (
+            '{"schema": "%s", "table": [], "units": [], "config": {}, "environment": {}, "tune": {"nope": 1}}',
+            r"its search record \('tune'\) lacks budget_s, spent_s",
+        ),
         ("[1, 2, 3]", "it holds a JSON list, not an object"),
         ('{"schema": "%s", "table": [', "is not valid JSON"),
         ("", "is not valid JSON"),

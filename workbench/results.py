@@ -1081,9 +1081,14 @@ def _malformed(record: dict) -> str | None:
         if not isinstance(record[key], kind):
             return f"its {key!r} is a JSON {type(record[key]).__name__}, not a {'list' if kind is list else 'object'}"
     for index, row in enumerate(record["table"]):
-        if not isinstance(row, dict) or "arm" not in row:
-            return f"row {index} of its table is not an arm's row"
-        for column in ("speedup", "speedup_low", "speedup_high", "samples_per_s", "step_ms"):
+        if not isinstance(row, dict) or not isinstance(row.get("arm"), str):
+            return f"row {index} of its table is not an arm's row (no arm name)"
+        for column in ("status", "verdict", "reason", "notes"):
+            value = row.get(column)
+            if value is not None and not isinstance(value, str):
+                return f"row {index} of its table has {column} {value!r}, not text"
+        for column in ("speedup", "speedup_low", "speedup_high", "samples_per_s", "step_ms", "final_loss",
+                       "loss_vs_baseline"):  # fmt: skip
             value = row.get(column)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 return f"row {index} of its table has {column} {value!r}, not a number"
@@ -1096,7 +1101,16 @@ def _malformed(record: dict) -> str | None:
     for index, arm in enumerate(arms):
         if not isinstance(arm, dict) or not isinstance(arm.get("name"), str) or "role" not in arm:
             return f"arm {index} of its plan has no name or role"
+    tune = record.get("tune")
+    if tune is not None:
+        missing = [key for key in TUNE_KEYS if key not in tune] if isinstance(tune, dict) else list(TUNE_KEYS)
+        if missing:
+            return f"its search record ('tune') lacks {', '.join(missing)}"
     return None
+
+
+# What a search's record must hold for its views (tune_verdict, the candidates table, tune.png).
+TUNE_KEYS = ("budget_s", "spent_s", "rounds", "candidates", "fastest", "runner_up")
 
 
 def tune_verdict(record: dict) -> str:
