@@ -15,6 +15,7 @@ import time
 import pytest
 
 import workbench as wb
+from workbench.ablation import check_before_run
 from workbench.results_folder import LOCK, MANIFEST, TAKEOVER, FolderInUse, ResultsFolder
 
 TINY = {"model": "mlp", "techniques": {"amp": True}, "steps": 4, "warmup": 1, "blocks": 1, "progress": False}
@@ -144,6 +145,8 @@ def test_a_run_inside_another_runs_folder_is_refused(tmp_path):
     outer.unlock()
     with pytest.raises(ValueError, match=r"is inside the workbench results folder .*outer"):
         wb.ablate(**TINY, out=tmp_path / "outer" / "units")
+    with pytest.raises(ValueError, match=r"is inside the workbench results folder .*outer"):  # the panel's
+        check_before_run({**TINY, "out": tmp_path / "outer" / "units"})
     with pytest.raises(ValueError, match=r"is inside the workbench results folder"):
         wb.tune("mlp", budget_s=60, out=tmp_path / "outer" / "deeper" / "search", progress=False)
     ResultsFolder(tmp_path / "outer" / "round-1" / "inner").refuse_inside_another_run()  # no error

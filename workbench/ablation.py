@@ -383,14 +383,7 @@ def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> None:
     when the folder's manifest lists it (a copy of a run's files is not that run)."""
     folder.refuse_other_results("plan.json", "an ablation")  # a search's, say (tune.json)
     resuming = "plan.json" in folder.own_files()
-    foreign = folder.foreign_files(limit=None if resuming else 5)
-    if resuming:
-        foreign = [name for name in foreign if name in RUN_FILES or name.startswith(RUN_FOLDERS)]
-    if foreign:
-        raise ValueError(
-            f"out={str(folder.path)!r} holds files that workbench did not write there "
-            f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder"
-        )
+    folder.refuse_foreign_files(resuming, RUN_FILES + RUN_FOLDERS)
     if resuming:
         plan = read_record(folder.path / "plan.json", "this run's plan")
         refuse_a_different_run(folder.path, plan, fingerprint, "ablation")
@@ -416,13 +409,17 @@ def read_record(path: Path, what: str) -> Any:
 def check_before_run(arguments: Mapping[str, Any]) -> None:
     """Refuse now what ``ablate(**arguments)`` would refuse once started: bad settings, as
     ``plan`` does, and an ``out`` that is a file, a folder of another run (unless
-    ``overwrite``) or of the user's files. The panel asks before it starts a run, so that the
-    refusal comes at once, not from the run's thread; the job is prepared once for both."""
+    ``overwrite``) or of the user's files, or one inside another run's folder. The panel asks
+    before it starts a run, so that the refusal comes at once, not from the run's thread; the
+    job is prepared once for both."""
     prepared = _prepare_plan(**plan_arguments(arguments))
     out = arguments.get("out")
-    if out is None or out is False or not Path(out).exists():
+    if out is None or out is False or out is True:  # a new folder, or none
         return
-    folder = ResultsFolder(out)
+    folder = ResultsFolder(out)  # "~" expanded, as the run will
+    folder.refuse_inside_another_run()  # as _open_out does first
+    if not folder.path.exists():
+        return
     _refuse_a_file(folder)
     if arguments.get("overwrite"):
         folder.refuse_to_clear_foreign()  # what clear() would refuse, in its words

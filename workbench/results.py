@@ -1029,9 +1029,10 @@ def load_results(path: str | os.PathLike) -> Results:
         )
     if not file.is_file():  # a FIFO would block the read, a device would never end it
         raise ValueError(f"{file} is not a workbench results file: not a regular file")
-    if file.stat().st_size > MAX_RESULTS_BYTES:
+    size = file.stat().st_size
+    if size > MAX_RESULTS_BYTES:
         raise ValueError(
-            f"{file} is not a workbench results file: {file.stat().st_size / 2**30:.1f} GiB, "
+            f"{file} is not a workbench results file: {size / 2**30:.1f} GiB, "
             f"where results.json holds kilobytes to a few MiB"
         )
     try:

@@ -237,6 +237,20 @@ class ResultsFolder:
                 break
         return sorted(foreign)
 
+    def refuse_foreign_files(self, resuming: bool, writes: tuple[str, ...]) -> None:
+        """Raise, naming up to five, when files workbench did not write are here. A run resuming
+        here keeps the user's own files beside it, but not where it writes (``writes``: its file
+        names, and its folders' prefixes, which end in "/" or "-")."""
+        foreign = self.foreign_files(limit=None if resuming else 5)
+        if resuming:
+            prefixes = tuple(name for name in writes if name.endswith(("/", "-")))
+            foreign = [name for name in foreign if name in writes or name.startswith(prefixes)]
+        if foreign:
+            raise ValueError(
+                f"out={str(self.path)!r} holds files that workbench did not write there "
+                f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder"
+            )
+
     def refuse_to_clear_foreign(self) -> None:
         """Raise, naming them, when files workbench did not write are here: ``clear`` would refuse."""
         foreign = self.foreign_files()

@@ -413,14 +413,7 @@ class _Search:
             # As an ablation's folder (ablation._refuse_the_folder): tune.json counts only where
             # the manifest lists it, and a search resumes beside the user's files, not over them.
             resuming = "tune.json" in folder.own_files()
-            foreign = folder.foreign_files(limit=None if resuming else 5)
-            if resuming:
-                foreign = [name for name in foreign if name in SEARCH_FILES or name.startswith("round-")]
-            if foreign:
-                raise ValueError(
-                    f"out={str(path)!r} holds files that workbench did not write there "
-                    f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder"
-                )
+            folder.refuse_foreign_files(resuming, (*SEARCH_FILES, "round-"))
             if resuming:
                 state = read_record(state_file, "this search's state")
                 refuse_a_different_run(path, state, fingerprint, "search")
