@@ -13,8 +13,8 @@ Needs a CUDA device; on CPU it says so and exits.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 
 
 def main() -> int:
@@ -31,6 +31,7 @@ def main() -> int:
 
     import workbench as wb
     from workbench.environment import machine_summary
+    from workbench.results_folder import write_json_atomic
 
     if not torch.cuda.is_available():
         print("nothing to measure: CUDA Graphs need a CUDA device; none is visible", file=sys.stderr)
@@ -40,13 +41,24 @@ def main() -> int:
                "speedup_high", "noisy", "step_ms", "replay_ms", "forward_ms", "backward_ms", "optimizer_ms",
                "tflops", "mfu_pct", "gpu_util_pct", "gpu_power_w", "peak_mem_mb", "startup_s",
                "loss_vs_baseline", "notes"]  # fmt: skip
+    report = {"benchmark": "cuda-graphs", "machine": machine_summary()}
+
+    def keep(part: str, model: str, batch_size: int, results) -> None:
+        # Written after each ablation: a run stopped during the full stack keeps the launch-bound
+        # figures (an H100 run, 2026-11-28, lost them to its timeout).
+        print(results.summary(), flush=True)
+        report[part] = {"model": model, "batch_size": batch_size,
+                        "table": results.table[columns].to_dict(orient="records")}  # fmt: skip
+        if args.json:
+            write_json_atomic(Path(args.json), report)
+
     launch_bound = wb.ablate(
         model=args.model,
         techniques={"cuda_graphs": {"mode": ["manual", "compile"]}},
         batch_size=args.batch_size,
         **common,
     )
-    print(launch_bound.summary())
+    keep("launch_bound", args.model, args.batch_size, launch_bound)
     stack = wb.ablate(
         model="gpt-mini",
         techniques={"amp": {"dtype": "bfloat16"}, "compile": True, "cuda_graphs": True},
@@ -54,18 +66,7 @@ def main() -> int:
         batch_size=args.stack_batch_size,
         **common,
     )
-    print(stack.summary())
-    if args.json:
-        report = {
-            "benchmark": "cuda-graphs",
-            "machine": machine_summary(),
-            "launch_bound": {"model": args.model, "batch_size": args.batch_size,
-                             "table": launch_bound.table[columns].to_dict(orient="records")},
-            "full_stack": {"model": "gpt-mini", "batch_size": args.stack_batch_size,
-                           "table": stack.table[columns].to_dict(orient="records")},
-        }  # fmt: skip
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2, default=str)
+    keep("full_stack", "gpt-mini", args.stack_batch_size, stack)
     return 0
 
 
