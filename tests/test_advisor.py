@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 import workbench as wb
 from workbench.advisor import Facts, bound, build_advice, diagnose, suggestions
@@ -267,3 +268,36 @@ def test_an_arm_over_the_memory_cap_is_recorded_out_of_memory():
     assert capped.loc["baseline", "status"] == "oom", capped[["status", "reason"]]
     assert f"more than memory_cap_mb={between:g} allows" in capped.loc["baseline", "reason"]
     assert capped.loc["checkpointing", "status"] == "ok"  # it fits: checkpointing is what makes it fit
+
+
+# --- on a GPU: the profile reads CUDA kernels, not CPU operators ------------------------------------
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_on_cuda_a_tiny_mlp_at_batch_8_is_launch_bound_and_a_graph_is_suggested():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))] * 8
+    advice = wb.advise(_tiny_mlp, batches, steps=100, warmup=5, batch_size=8, device="cuda", progress=False)
+    facts = advice.facts
+    assert facts.device == "cuda" and facts.ops > 0 and facts.busy_ms > 0, facts
+    assert advice.bottleneck == "launch", advice.summary()
+    assert "cuda_graphs" in advice.recommended, advice.summary()
+    why = advice.recommendations.set_index("technique").why["cuda_graphs"]
+    assert "kernels of" in why and "one graph replay launches them all" in why
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_on_cuda_gpt_mini_profiles_its_float32_matmul_kernels_and_amp_is_worth_at_least_tf32():
+    # The strict float32 baseline's matmuls run without Tensor Cores: the profile must find them
+    # among the CUDA kernels (their names, not the CPU operators'), or tf32's ceiling reads 1.
+    advice = wb.advise(
+        "gpt-mini", steps=5, warmup=2, profile_steps=2, batch_size=1024, device="cuda", progress=False
+    )
+    facts = advice.facts
+    assert 0 < facts.fp32_matmul_ms <= facts.matmul_ms <= facts.busy_ms, facts
+    ceilings = {
+        s.technique: s.at_most for s in suggestions(facts, {"amp": None, "tf32": None}) if s.part == "compute"
+    }
+    assert ceilings["amp"] >= ceilings["tf32"] > 1.0, ceilings

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import tempfile
 from collections import Counter
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import requires_cuda
 from helpers import arm_result, block_spec, run_spec, unavailable_here
 from technique_settings import TECHNIQUE_SETTINGS
 from torch import nn
@@ -488,10 +490,14 @@ def cupy_fusion_launches_fused_kernels() -> None:
 # --- settings whose effect is not the technique's default one ---------------------------------------
 
 
-def amp_o2_casts_the_model_and_steps_float32_masters() -> None:
+def amp_o2_casts_the_model_and_steps_float32_masters(
+    device: torch.device = CPU, dtype: str = "bfloat16"
+) -> None:
     from workbench.mixed_precision import NORMS
 
-    with built_arm({"amp": {"level": "O2"}}, "resnet-mini") as arm:  # BatchNorm layers stay float32
+    half = getattr(torch, dtype)
+    # resnet-mini: its BatchNorm layers stay float32
+    with built_arm({"amp": {"level": "O2", "dtype": dtype}}, "resnet-mini", device=device) as arm:
         model, optimizer = arm.trainer.model, arm.trainer.optimizer
         outputs = []
         model.register_forward_hook(lambda module, args, output: outputs.append(output.dtype))
@@ -506,11 +512,9 @@ def amp_o2_casts_the_model_and_steps_float32_masters() -> None:
         masters = [p for group in optimizer.param_groups for p in group["params"]]
         model_parameters = list(model.parameters())
     assert norms, "resnet-mini has no normalization layer"
-    wrong = {n: d for n, d in dtypes.items() if d != (torch.float32 if n in norms else torch.bfloat16)}
-    assert not wrong, f"under O2, weights are bfloat16 and norm layers float32; these are not: {wrong}"
-    assert outputs == [torch.bfloat16] * 2, (
-        f"the model's outputs were {outputs}, not bfloat16: it ran in float32"
-    )
+    wrong = {n: d for n, d in dtypes.items() if d != (torch.float32 if n in norms else half)}
+    assert not wrong, f"under O2, weights are {dtype} and norm layers float32; these are not: {wrong}"
+    assert outputs == [half] * 2, f"the model's outputs were {outputs}, not {dtype}: it ran in float32"
     assert masters and all(m.dtype == torch.float32 for m in masters), (
         "the optimizer does not step float32 masters"
     )
@@ -599,6 +603,10 @@ def gradients_live_in_the_buckets() -> None:
 # Settings with an effect of their own, beyond their technique's default one: "technique[setting]".
 SETTING_EFFECT_CHECKS: dict[str, Callable[[], None]] = {
     "amp[level=O2]": amp_o2_casts_the_model_and_steps_float32_masters,
+    # float16 O2 runs only on CUDA (on a CPU it is refused), with a GradScaler beside the masters.
+    "amp[level=O2,dtype=float16] on CUDA": functools.partial(
+        amp_o2_casts_the_model_and_steps_float32_masters, torch.device("cuda"), "float16"
+    ),
     "ddp_compression[hook=topk]": topk_sends_values_and_positions_of_a_few,
     "ddp_compression[hook=int8]": int8_sends_a_quarter,
     "ddp_compression[hook=hierarchical]": hierarchical_sends_only_the_leaders_across_nodes,
@@ -677,6 +685,8 @@ def test_effect_check_fails_when_apply_does_nothing(name, monkeypatch):
 
 
 def _setting_marks(key: str) -> list:
+    if key.endswith("on CUDA"):
+        return [pytest.mark.gpu, requires_cuda]
     return [pytest.mark.slow] if key.startswith("ddp_compression") else []  # rank processes
 
 
