@@ -159,8 +159,8 @@ def test_out_with_a_tilde_means_the_home_folder(tmp_path, monkeypatch):
     folder = ResultsFolder("~/results")
     assert folder.path == tmp_path / "home" / "results"
     folder.lock()
-    folder.unlock()
     assert (tmp_path / "home" / "results").is_dir() and not (tmp_path / "~").exists()
+    folder.unlock()
 
 
 def test_save_refuses_the_users_files_and_other_runs_but_saves_its_own_run_again(tmp_path):
@@ -416,3 +416,25 @@ def test_out_that_is_a_file_is_bad_input(tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         wb.ablate(**TINY, out=a_file)
     assert a_file.read_text() == "not a folder"
+
+
+def test_unlocking_removes_only_the_empty_folders_that_locking_made(tmp_path):
+    """A run refused after it took the lock (a search with nothing that can run) leaves no empty
+    folder; a folder that was there before, or that holds anything, stays."""
+    made = ResultsFolder(tmp_path / "new" / "deeper" / "run")
+    made.lock()
+    assert (tmp_path / "new" / "deeper" / "run" / LOCK).exists()
+    made.unlock()
+    assert not (tmp_path / "new").exists()
+
+    (tmp_path / "mine").mkdir()
+    there_before = ResultsFolder(tmp_path / "mine")
+    there_before.lock()
+    there_before.unlock()
+    assert (tmp_path / "mine").is_dir()
+
+    written = ResultsFolder(tmp_path / "parent" / "run")
+    written.lock()
+    (tmp_path / "parent" / "run" / "notes.txt").write_text("the user's")
+    written.unlock()
+    assert (tmp_path / "parent" / "run" / "notes.txt").read_text() == "the user's"

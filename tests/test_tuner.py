@@ -77,6 +77,24 @@ def test_bad_input_is_refused_before_anything_runs(arguments, message):
         wb.tune("mlp", **arguments, out=False, **QUIET)
 
 
+def test_a_search_with_nothing_that_can_run_here_is_refused_before_calibrating_and_leaves_no_folder(
+    tmp_path, monkeypatch
+):
+    import workbench.tuner
+
+    def calibrating(*args, **kwargs):
+        raise AssertionError("the search calibrated before it found that nothing can run here")
+
+    monkeypatch.setattr(workbench.tuner, "_run_in_folder", calibrating)
+    out = tmp_path / "searches" / "first"
+    with pytest.raises(ValueError) as refused:
+        wb.tune("mlp", techniques={"prefetch": True}, budget_s=600, device="cpu", out=out, **QUIET)
+    assert str(refused.value) == (
+        "tune: no combination can run here (prefetch: needs a CUDA device; this run is on cpu)"
+    )  # the technique named once, not "prefetch: prefetch: ..."
+    assert not (tmp_path / "searches").exists()
+
+
 def test_a_round_never_plans_more_blocks_than_a_run_may_have():
     from workbench.config import MAX_BLOCKS
     from workbench.tuner import Costs

@@ -54,6 +54,7 @@ class ResultsFolder:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).expanduser()  # "--out=~/x": the shell leaves a ~ after = alone
         self._holder: dict | None = None  # what this run wrote into the lock file while it holds it
+        self._made: list[Path] = []  # the folders lock() created, deepest first
         self._owned = set(self._read_manifest())
 
     # --- the lock ---------------------------------------------------------------------------
@@ -63,8 +64,10 @@ class ResultsFolder:
 
         Returns a note when a lock left by a run that no longer exists was taken over.
         """
+        missing = [folder for folder in (self.path, *self.path.parents) if not folder.exists()]
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            self._made = missing
         except OSError as error:
             raise ValueError(f"out={str(self.path)!r} cannot be written: {error.strerror or error}") from None
         note = None
@@ -99,11 +102,19 @@ class ResultsFolder:
         raise FolderInUse(f"out={str(self.path)!r}: its lock changed hands repeatedly; try again")
 
     def unlock(self) -> None:
-        """Drop the lock, if this run still holds it (never another run's)."""
+        """Drop the lock, if this run still holds it (never another run's). The folders lock()
+        created go too where they are left empty: a run refused before it wrote anything (a
+        search with nothing that can run here) leaves no empty folder behind."""
         if self._holder is not None:
             if self._read_lock() == self._holder:
                 (self.path / LOCK).unlink(missing_ok=True)
             self._holder = None
+            for folder in self._made:
+                try:
+                    folder.rmdir()  # only an empty folder: anything in it, ours or not, keeps it
+                except OSError:
+                    break
+            self._made = []
 
     def _read_lock(self) -> dict | None:
         """The lock's holder; {} for an empty or unreadable lock file; None when there is no lock."""

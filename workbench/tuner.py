@@ -511,6 +511,9 @@ class _Search:
             pool = pool_from_techniques(techniques)
             if not pool:
                 raise ValueError("tune: techniques names nothing to search (every one is switched off)")
+        # Which combinations can run here is known before anything is measured: a search with
+        # none is refused at once, not after a calibration's 30 s.
+        self._choose_candidates(pool, max_candidates)
         # A technique whose arms start far slower than the baseline (compile) is measured once
         # here, beside the baseline: costed as the baseline, its candidates would overrun the
         # rounds that hold them (a screening cut by the budget measures nothing).
@@ -527,7 +530,7 @@ class _Search:
             calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False, False,
                                          False, self.progress, None, None, None)  # fmt: skip
         self._learn_calibration(calibration, time.monotonic() - began, list(costly))
-        self._choose_candidates(pool, max_candidates)
+        self._price_candidates()
 
     def _learn_calibration(self, calibration: Results, wall: float, costly: list[str]) -> None:
         """What a process, an arm and each slow-starting technique cost here, from the calibration."""
@@ -572,8 +575,17 @@ class _Search:
             self.excluded.append({"name": c.name, "why": f"beyond max_candidates={max_candidates}"})
         self.candidates, self.reserve = kept[:max_candidates], kept[max_candidates:]
         if not self.candidates:
-            shown = "; ".join(f"{e['name']}: {e['why']}" for e in self.excluded[:5])
+            # A reason that names its technique already ("prefetch: needs a CUDA device") is not
+            # prefixed with the combination's name again when the combination is that technique.
+            shown = "; ".join(
+                e["why"] if e["why"].startswith(f"{e['name']}: ") else f"{e['name']}: {e['why']}"
+                for e in self.excluded[:5]
+            )
             raise ValueError(f"tune: no combination can run here ({shown})")
+
+    def _price_candidates(self) -> None:
+        """Each candidate's expected arm time from the calibration (slow starters cost more), then
+        the budget's check and the search's first saved state."""
         extra = self.state["calibration"].get("startup_extra_s", {})
         for candidate in [*self.candidates, *self.reserve]:
             slow = sum(extra.get(technique.name, 0.0) for technique, _ in candidate.pairs)
