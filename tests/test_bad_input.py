@@ -25,11 +25,20 @@ QUIET = {"progress": False, "out": False}
         ),
         ({"model": "resnet"}, r"unknown model 'resnet'; valid models: mlp, resnet-mini, gpt-mini"),
         (
+            {"model": "MLP"},
+            r"unknown model 'MLP'; valid models: .* \(did you mean 'mlp'\?\)",
+        ),  # not 'gpt-mini'
+        (
+            {"techniques": {"amp,compile": True}},
+            r"unknown technique 'amp,compile'; .* \(2 techniques in one name: give 'amp' and 'compile' separately\)",
+        ),
+        (
             {"data": "cifar10"},
             r"unknown dataset 'cifar10'; valid datasets: digits, textures, text, jpeg, synthetic, jpeg-folder:PATH",
         ),
         ({"mode": "sweep"}, r"unknown mode 'sweep'; valid modes: one-at-a-time, leave-one-out, grid"),
         ({"device": "tpu"}, r"unknown device 'tpu'; valid devices: auto, cpu, cuda, cuda:N"),
+        ({"device": torch.device("mps")}, r"unknown device 'mps'; valid devices: auto, cpu, cuda, cuda:N"),
         ({"optimizer": "lion"}, r"unknown optimizer 'lion'; valid optimizers: adamw, sgd"),
         ({"steps": 0}, r"ablate: steps must be >= 1; got 0"),
         ({"steps": 2.5}, r"ablate: steps must be an integer >= 1; got 2.5"),
@@ -282,3 +291,12 @@ def test_a_warm_up_shorter_than_powersgds_start_iter_is_refused():
         wb.plan(model="mlp", techniques=techniques, world_size=2, warmup=2, device="cpu")
     planned = wb.plan(model="mlp", techniques=techniques, world_size=2, warmup=3, device="cpu")
     assert "ddp_compression" in set(planned.name)
+
+
+def test_a_torch_device_is_taken_as_its_name():
+    from workbench.config import RunConfig
+
+    assert RunConfig(device=torch.device("cpu")).device == "cpu"
+    assert RunConfig(device=torch.device("cuda", 1)).device == "cuda:1"  # checked against the machine later
+    plan = wb.plan("mlp", techniques={}, device=torch.device("cpu"))
+    assert list(plan["name"]) == ["baseline", "baseline (control)"]

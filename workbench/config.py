@@ -60,7 +60,13 @@ def unknown_name_error(kind: str, name: object, valid: Iterable[str]) -> ValueEr
     """A one-line error for an unknown name, listing the valid ones."""
     valid = list(valid)
     message = f"unknown {kind} {name!r}; valid {kind}s: {', '.join(valid)}"
-    close = difflib.get_close_matches(str(name), valid, n=1)
+    text = str(name)
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) > 1 and all(part in valid for part in parts):  # "-t amp,compile": two names in one
+        named = " and ".join(repr(part) for part in parts)
+        return ValueError(f"{message} ({len(parts)} {kind}s in one name: give {named} separately)")
+    same_but_case = [choice for choice in valid if choice.lower() == text.lower()]
+    close = same_but_case or difflib.get_close_matches(text, valid, n=1)
     if close:
         message += f" (did you mean {close[0]!r}?)"
     return ValueError(message)
@@ -111,6 +117,10 @@ class NothingMeasured(RuntimeError):
 
 
 def check_device(value: object) -> str:
+    # A torch.device is what PyTorch code has at hand: taken as its name ("cuda:0"), which is what
+    # travels to the workers. Recognised by its type's name: the CLI reads this module without torch.
+    if type(value).__name__ == "device" and type(value).__module__ == "torch":
+        value = str(value)
     if isinstance(value, str) and (value in ("auto", "cpu", "cuda") or _is_cuda_index(value)):
         return value
     raise ValueError(f"unknown device {value!r}; valid devices: {', '.join(DEVICES)}")
