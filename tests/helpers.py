@@ -2,6 +2,7 @@
 
 import contextlib
 import ctypes
+import itertools
 import os
 import traceback
 
@@ -346,10 +347,16 @@ def result_row(arm, status="ok", reason="", speedup=None, low=None, high=None, *
     return row
 
 
+_SYNTHETIC_RUNS = itertools.count()
+
+
 def synthetic_results(rows, roles=None, config=None, path=None):
     """A Results with these table rows (arms as treatments unless ``roles`` says otherwise), run
     settings at their defaults on mlp/digits/cpu: its table, summary, plot and report read as usual."""
     roles = roles or {}
+    # Each a run of its own, started a second after the last (compare refuses one run given twice).
+    number = next(_SYNTHETIC_RUNS)
+    started = f"2026-11-25T10:{number // 60 % 60:02d}:{number % 60:02d}"
     arms = [
         {
             "name": row["arm"],
@@ -363,7 +370,7 @@ def synthetic_results(rows, roles=None, config=None, path=None):
     ]
     record = {
         "schema": "workbench-results/2",
-        "created": "2026-11-25T10:00:00",
+        "created": started,
         "config": {
             "model": "mlp",
             "data": "digits",

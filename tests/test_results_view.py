@@ -396,6 +396,10 @@ def test_compare_says_when_the_runs_differ_and_refuses_bad_input(tmp_path):
         wb.compare(_run(1.2, 1.1, 1.3), _run(1.2, 1.1, 1.3), names=["a"])
     with pytest.raises(FileNotFoundError, match="no results at"):
         wb.compare(_run(1.2, 1.1, 1.3), tmp_path / "missing")
+    once = _run(1.2, 1.1, 1.3)
+    once.record["created"] = "2026-11-28T03:05:28"
+    with pytest.raises(ValueError, match=r"runs 1 and 3 are the same run \(created 2026-11-28T03:05:28\)"):
+        wb.compare(once, _run(1.25, 1.12, 1.35), once)  # "within noise" with itself would say nothing
 
 
 def test_the_plots_warning_title_is_wrapped_inside_the_figure():

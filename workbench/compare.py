@@ -16,6 +16,7 @@ that interval would need: a floored interval's come from the rounds, not the blo
 from __future__ import annotations
 
 import html
+import json
 import math
 import os
 import textwrap
@@ -59,7 +60,27 @@ def compare(*runs: Results | str | os.PathLike, names: list[str] | None = None) 
         raise ValueError(f"compare: {len(names)} names for {len(loaded)} runs; give one name per run")
     if len(set(names)) != len(names):
         raise ValueError(f"compare: the runs' names must differ; got {names}")
+    _refuse_a_run_twice(loaded)
     return Comparison(list(names), loaded)
+
+
+def _refuse_a_run_twice(runs: list[Results]) -> None:
+    """The same run given twice (its folder twice, or a saved copy of it beside the original)
+    would agree with itself "within noise", inside an interval that counts two measurements'
+    noise where there was one: that says nothing about reproducibility, so it is refused."""
+    seen: dict[tuple, int] = {}
+    for number, run in enumerate(runs, start=1):
+        created = run.record.get("created")
+        # Its start (to the second), its settings and every arm's measured rate: two runs started
+        # in the same second with the same settings still differ in what they measured.
+        rates = tuple(run.table["samples_per_s"].round(9)) if "samples_per_s" in run.table else ()
+        identity = (created, json.dumps(run.record.get("config"), sort_keys=True, default=str), rates)
+        if created and identity in seen:
+            raise ValueError(
+                f"compare: runs {seen[identity]} and {number} are the same run (created {created}); "
+                "compare runs measured apart, such as the same job run again"
+            )
+        seen.setdefault(identity, number)
 
 
 def _default_names(runs: list[Results]) -> list[str]:
