@@ -229,6 +229,11 @@ def test_the_report_is_one_file_that_opens_offline(tmp_path):
     with pytest.raises(ValueError, match="exists and workbench did not write it"):
         results.to_html(mine)
     assert mine.read_text() == "<p>my notes</p>"
+    with pytest.raises(
+        ValueError, match=r"the report is an HTML page: name it with \.html \(got '.*report\.pdf'\)"
+    ):
+        results.to_html(tmp_path / "report.pdf")  # HTML under a PDF's name would open as a broken PDF
+    assert not (tmp_path / "report.pdf").exists()
 
 
 def test_the_report_names_the_gpu_and_its_driver(tmp_path):

@@ -41,6 +41,11 @@ def write_report(results, path: str | os.PathLike | None = None) -> Path:
         target = Path(path).expanduser()
         if target.is_dir() or str(path).endswith(("/", os.sep)):  # "newdir/" names a folder to make
             target = target / REPORT_NAME
+        if target.suffix.lower() not in (".html", ".htm"):  # "report.pdf" would hold HTML under a PDF's name
+            raise ValueError(
+                f"the report is an HTML page: name it with .html (got {str(path)!r}); "
+                "a browser's Print turns it into a PDF"
+            )
     refuse_a_file_not_ours(target, _is_our_report, str(target))
     writable = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
     if not os.access(writable, os.W_OK):
