@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from workbench.cli import parse_technique_flag
+from workbench.progress import describe_plan
 
 
 def run(*arguments, timeout=600):
@@ -79,6 +80,29 @@ def test_dry_run_plans_without_running():
     assert done.returncode == 0
     for arm in ("baseline", "amp", "channels_last", "checkpointing", "grad_accum"):
         assert arm in done.stdout
+
+
+def test_a_plan_that_runs_no_technique_says_so():
+    """Every -t switched off, or none available here: an A/A check, said, not a silent baseline run."""
+    for flags in (["--techniques", '{"amp": false}'], ["-t", "cuda_graphs"]):  # off; unavailable on a CPU
+        done = run("ablate", *flags, "--dry-run")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.rstrip().endswith(
+            "No technique will run: the baseline against its control only (an A/A check of the noise)."
+        ), done.stdout
+    assert "No technique will run" not in run("ablate", "-t", "amp", "--dry-run").stdout
+    arms = [{"role": "baseline", "unavailable": "", "process": "block"},
+            {"role": "treatment", "unavailable": "needs a CUDA device", "process": "block"}]  # fmt: skip
+    event = {
+        "arms": arms,
+        "blocks": 1,
+        "processes": 1,
+        "remaining": 1,
+        "steps": 10,
+        "rounds": None,
+        "out": None,
+    }
+    assert "; no technique will run: the baseline against its control only" in describe_plan(event)
 
 
 def test_technique_flag_parsing():

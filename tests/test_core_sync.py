@@ -173,8 +173,19 @@ def test_a_run_whose_cpu_blocks_ran_more_threads_than_cores_warns_once_naming_th
 
 
 def test_the_plan_line_warns_before_an_oversubscribed_run_and_counts_in_the_singular():
-    event = {"arms": [{"unavailable": False, "process": "block"}] * 2, "blocks": 1, "processes": 1,
-             "remaining": 1, "steps": 10, "rounds": None, "out": None}  # fmt: skip
+    arms = [
+        {"role": "baseline", "unavailable": "", "process": "block"},
+        {"role": "treatment", "unavailable": "", "process": "block"},
+    ]
+    event = {
+        "arms": arms,
+        "blocks": 1,
+        "processes": 1,
+        "remaining": 1,
+        "steps": 10,
+        "rounds": None,
+        "out": None,
+    }
     line = describe_plan(event)
     assert line.startswith("Plan: 1 block; 2 arms side by side in one process per block; 1 process;")
     assert "WARNING" not in line

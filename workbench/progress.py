@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from workbench.worker import WINDOW_TARGET_S
 
+# Said where a plan runs no technique: legitimate (an A/A check), or every -t switched off, or
+# unavailable here, by mistake.
+NO_TECHNIQUE = "no technique will run: the baseline against its control only (an A/A check of the noise)"
+
 
 def describe_plan(event: dict) -> str:
     """One line saying what will run: arms, blocks, processes, what is unavailable, what is resumed."""
@@ -34,6 +38,8 @@ def describe_plan(event: dict) -> str:
         text += "; each block a Slurm job (one node each)"
     if unavailable:
         text += f"; {unavailable} unavailable"
+    if not any(arm["role"] == "treatment" and not arm["unavailable"] for arm in arms):
+        text += f"; {NO_TECHNIQUE}"
     if event.get("oversubscribed"):  # workbench.core_sync.oversubscription
         text += f"; WARNING: {event['oversubscribed']}: threads will wait for cores, and steps measure that"
     if event["remaining"] < event["processes"]:
