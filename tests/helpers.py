@@ -395,3 +395,21 @@ def synthetic_results(rows, roles=None, config=None, path=None):
         "table": rows,
     }
     return wb.Results(record, path)
+
+
+def plan_event(treatment_unavailable: str = "") -> dict:
+    """The plan event ablate sends (workbench.progress.describe_plan reads it): a baseline and
+    one treatment, unavailable for this reason where one is given, in one block of one process."""
+    arms = [
+        {"role": "baseline", "unavailable": "", "process": "block"},
+        {"role": "treatment", "unavailable": treatment_unavailable, "process": "block"},
+    ]
+    return {
+        "arms": arms,
+        "blocks": 1,
+        "processes": 1,
+        "remaining": 1,
+        "steps": 10,
+        "rounds": None,
+        "out": None,
+    }

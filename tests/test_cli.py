@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import plan_event
 
 from workbench.cli import parse_technique_flag
 from workbench.progress import describe_plan
@@ -91,18 +92,9 @@ def test_a_plan_that_runs_no_technique_says_so():
             "No technique will run: the baseline against its control only (an A/A check of the noise)."
         ), done.stdout
     assert "No technique will run" not in run("ablate", "-t", "amp", "--dry-run").stdout
-    arms = [{"role": "baseline", "unavailable": "", "process": "block"},
-            {"role": "treatment", "unavailable": "needs a CUDA device", "process": "block"}]  # fmt: skip
-    event = {
-        "arms": arms,
-        "blocks": 1,
-        "processes": 1,
-        "remaining": 1,
-        "steps": 10,
-        "rounds": None,
-        "out": None,
-    }
-    assert "; no technique will run: the baseline against its control only" in describe_plan(event)
+    assert "; no technique will run: the baseline against its control only" in describe_plan(
+        plan_event(treatment_unavailable="needs a CUDA device")
+    )
 
 
 def test_technique_flag_parsing():

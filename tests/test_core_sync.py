@@ -1,6 +1,7 @@
 """The fork-join probe of the CPU threads, and the warning when a run saw two machine states."""
 
 import torch
+from helpers import plan_event
 
 from workbench.core_sync import (
     MIN_REPEATS,
@@ -173,19 +174,7 @@ def test_a_run_whose_cpu_blocks_ran_more_threads_than_cores_warns_once_naming_th
 
 
 def test_the_plan_line_warns_before_an_oversubscribed_run_and_counts_in_the_singular():
-    arms = [
-        {"role": "baseline", "unavailable": "", "process": "block"},
-        {"role": "treatment", "unavailable": "", "process": "block"},
-    ]
-    event = {
-        "arms": arms,
-        "blocks": 1,
-        "processes": 1,
-        "remaining": 1,
-        "steps": 10,
-        "rounds": None,
-        "out": None,
-    }
+    event = plan_event()
     line = describe_plan(event)
     assert line.startswith("Plan: 1 block; 2 arms side by side in one process per block; 1 process;")
     assert "WARNING" not in line
