@@ -250,31 +250,48 @@ def test_cli_errors_name_the_flag_not_the_keyword():
 
 
 @pytest.mark.parametrize(
-    "arguments",
+    ("arguments", "hint"),
     [
-        ["advise", "--blocks", "3"],  # advise measures one block of the baseline: not a flag of its own
-        ["advise", "--mode", "grid"],
-        ["tune", "--budget", "60", "--mode", "grid"],  # not read as a prefix of --model
-        ["ablate", "--step", "3"],
+        # advise measures one block of the baseline: not a flag of its own
+        (["advise", "--blocks", "3"], "--blocks is a flag of ablate, not of advise"),
+        (["advise", "--mode", "grid"], "--mode is a flag of ablate, not of advise"),
+        # not read as a prefix of --model, nor suggested as if it were
+        (["tune", "--budget", "60", "--mode", "grid"], "--mode is a flag of ablate, not of tune"),
+        (["ablate", "--step", "3"], "did you mean --steps for --step?"),
+        (["ablate", "--warmpu=3"], "did you mean --warmup for --warmpu?"),
     ],
 )
-def test_flags_a_command_does_not_take_are_refused_by_name(arguments, capsys):
+def test_flags_a_command_does_not_take_are_refused_by_name(arguments, hint, capsys):
     from workbench.cli import main
 
     with pytest.raises(SystemExit) as exited:
         main(arguments)
     assert exited.value.code == 2
-    assert f"unrecognized arguments: {' '.join(arguments[-2:])}" in capsys.readouterr().err
+    unknown = " ".join(arguments[-2:]) if "=" not in arguments[-1] else arguments[-1]
+    (line,) = capsys.readouterr().err.splitlines()  # one line: no usage block before it
+    assert line == (
+        f"workbench: error: unrecognized arguments: {unknown}; {hint} (see 'workbench {arguments[0]} --help')"
+    )
 
 
-def test_cli_unknown_flag_is_argparse_exit_2():
+def test_cli_unknown_flag_is_argparse_exit_2_in_one_line():
     done = subprocess.run(
         [sys.executable, "-m", "workbench", "ablate", "--stepz", "3"],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 2 and "unrecognized arguments: --stepz" in done.stderr
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "workbench: error: unrecognized arguments: --stepz 3; did you mean --steps for --stepz? "
+        "(see 'workbench ablate --help')"
+    ]
+    done = subprocess.run([sys.executable, "-m", "workbench"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert (
+        done.stderr
+        == "workbench: error: the following arguments are required: COMMAND (see 'workbench --help')\n"
+    )
 
 
 def test_the_old_name_of_blocks_still_works_and_says_so():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from workbench.config import NothingMeasured
 
@@ -184,8 +185,35 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line: the message and where the flags are listed, not the
+    usage block before it (the subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _unrecognized(args: argparse.Namespace, extra: list[str]) -> str:
+    """argparse's "unrecognized arguments", with what each unknown flag may have meant: another
+    command's flag ("--mode" is ablate's, not tune's), else this command's nearest one."""
+    parsers = args.command_parsers
+    flags = list(parsers[args.command]._option_string_actions)
+    hints = []
+    for token in (token.split("=")[0] for token in extra if token.startswith("--")):
+        elsewhere = [name for name, other in parsers.items() if token in other._option_string_actions]
+        close = difflib.get_close_matches(token, flags, n=1)
+        if elsewhere:
+            hints.append(f"{token} is a flag of {' and '.join(elsewhere)}, not of {args.command}")
+        elif close:
+            hints.append(f"did you mean {close[0]} for {token}?")
+    return (
+        "; ".join([f"unrecognized arguments: {' '.join(extra)}", *hints])
+        + f" (see 'workbench {args.command} --help')"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="workbench",
         description="Honest, controlled ablations of PyTorch training-acceleration techniques.",
         allow_abbrev=False,
@@ -580,7 +608,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.exit(2, f"workbench: error: {_unrecognized(args, extra)}\n")
     _prewarm_template(args)
     try:
         if args.command == "list":
