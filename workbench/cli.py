@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
-from workbench.config import NothingMeasured
+from workbench.config import NothingMeasured, cli_flag
 
 PRESETS: dict[str, dict[str, Any]] = {
     # A CPU ablation that finishes in under a minute on 2 cores: a conv net, where layout and
@@ -124,8 +124,8 @@ def add_run_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = 
         if item.name in leave_out:
             continue
         rules = item.metadata["option"]
-        flag = "--" + item.name.replace("_", "-")
-        names = [flag, *("--" + alias.replace("_", "-") for alias in rules.aliases)]
+        flag = cli_flag(item.name)
+        names = [flag, *(cli_flag(alias) for alias in rules.aliases)]
         shown = rules.help.replace("%", "%%")  # argparse formats help with %
         if rules.parts is not None:  # one flag per part: --slurm-partition, --slurm-time-min, ...
             _add_part_flags(parser, item.name, rules.parts)
@@ -161,7 +161,7 @@ def _add_part_flags(parser: argparse.ArgumentParser, name: str, parts: type) -> 
     for part in fields(parts):
         default = "" if part.default is None else f" (default {part.default!r})"  # None: its help says auto
         group.add_argument(
-            f"--{name}-{part.name}".replace("_", "-"),
+            cli_flag(name, part.name),
             dest=f"{name}__{part.name}",
             metavar=part.name.upper(),
             help=f"{part.metadata['help']}{default}".replace("%", "%%"),

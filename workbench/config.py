@@ -411,6 +411,12 @@ def option(default: Any, help: str, kind: type, **rules: Any) -> Any:
     return field(default=default, metadata={"option": Option(help, kind, **rules)})
 
 
+def cli_flag(setting: str, part: str | None = None) -> str:
+    """The command line's flag for a run setting (``--memory-cap-mb``), or for one part of it
+    (``--slurm-time-min``): the CLI adds them by this name and the report writes them back."""
+    return "--" + (setting if part is None else f"{setting}_{part}").replace("_", "-")
+
+
 def run_options() -> dict[str, Option]:
     """Every run setting's Option, in RunConfig's order."""
     return {f.name: f.metadata["option"] for f in fields(RunConfig)}

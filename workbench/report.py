@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from workbench.config import Link, RunConfig, run_options
+from workbench.config import Link, RunConfig, cli_flag, run_options
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
 from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours, write_text_atomic
@@ -260,7 +260,7 @@ def _flag_word(value: Any) -> str:
 
 def _run_flag(name: str, value: Any) -> list[str]:
     rules = run_options()[name]
-    flag = "--" + name.replace("_", "-")
+    flag = cli_flag(name)
     if rules.kind is bool and rules.choices is None:
         return [flag] if value else ["--no-" + flag[2:]]
     if rules.choices is not None:
@@ -273,7 +273,7 @@ def _run_flag(name: str, value: Any) -> list[str]:
             word
             for part, setting in value.items()
             if setting != defaults[part]
-            for word in (f"{flag}-{part.replace('_', '-')}", str(setting))
+            for word in (cli_flag(name, part), str(setting))
         ]
     return [flag, "none" if value is None else str(value)]
 
