@@ -256,6 +256,13 @@ def test_a_second_run_fails_at_once_naming_the_first(tmp_path):
         with pytest.raises(FolderInUse):  # overwrite is no way around it
             wb.ablate(**TINY, out=out, overwrite=True)
         assert not (out / "plan.json").exists()
+        # The panel's pre-flight, which takes no lock, says the same, not that the other run's
+        # files (half written, not yet in its manifest) are the user's.
+        (out / "plan.json").write_text("{}")
+        from workbench.ablation import check_before_run
+
+        with pytest.raises(FolderInUse, match=rf"in use by another workbench run \(process {holder.pid} on "):
+            check_before_run({**TINY, "out": out})
     finally:
         holder.kill()
         holder.wait()

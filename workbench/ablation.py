@@ -421,6 +421,7 @@ def check_before_run(arguments: Mapping[str, Any]) -> None:
     if not folder.path.exists():
         return
     _refuse_a_file(folder)
+    folder.refuse_if_in_use()  # as lock() would: not the other run's half-written files, misread
     if arguments.get("overwrite"):
         folder.refuse_to_clear_foreign()  # what clear() would refuse, in its words
         return

@@ -83,23 +83,33 @@ class ResultsFolder:
             left = self._read_lock()
             if left is None:  # gone meanwhile: try again
                 continue
-            if left and left.get("host") != socket.gethostname():
-                raise FolderInUse(
-                    f"out={str(self.path)!r} is locked by a workbench run on another host "
-                    f"({_describe_holder(left)}), which this machine cannot check. If that run has ended, remove "
-                    f"{self.path / LOCK}; otherwise wait for it, or choose another out"
-                )
-            if left and _is_alive(left):
-                raise FolderInUse(
-                    f"out={str(self.path)!r} is in use by another workbench run ({_describe_holder(left)}); wait "
-                    "for it to finish, or choose another out"
-                )
+            self._refuse_a_live_holder(left)
             if self._remove_stale_lock() and left:  # {}: an empty file, left by an older workbench
                 note = (
                     f"took over the lock that an earlier run left in {self.path} ({_describe_holder(left)}, "
                     "no longer running)"
                 )
         raise FolderInUse(f"out={str(self.path)!r}: its lock changed hands repeatedly; try again")
+
+    def refuse_if_in_use(self) -> None:
+        """FolderInUse where another run holds the lock now: a check that takes no lock (the
+        panel's pre-flight), which would otherwise read that run's half-written files."""
+        left = self._read_lock()
+        if left:
+            self._refuse_a_live_holder(left)
+
+    def _refuse_a_live_holder(self, left: dict) -> None:
+        if left and left.get("host") != socket.gethostname():
+            raise FolderInUse(
+                f"out={str(self.path)!r} is locked by a workbench run on another host "
+                f"({_describe_holder(left)}), which this machine cannot check. If that run has ended, remove "
+                f"{self.path / LOCK}; otherwise wait for it, or choose another out"
+            )
+        if left and _is_alive(left):
+            raise FolderInUse(
+                f"out={str(self.path)!r} is in use by another workbench run ({_describe_holder(left)}); wait "
+                "for it to finish, or choose another out"
+            )
 
     def unlock(self) -> None:
         """Drop the lock, if this run still holds it (never another run's). The folders lock()

@@ -385,6 +385,8 @@ class AblationPanel(w.VBox):
 
     def run(self) -> bool:
         """Start the ablation in the background. Refused (False) while one is in flight or input is bad."""
+        if self._refused_while_running():  # first: the pre-flight would read the running job's folder
+            return False
         arguments = self.arguments()
         try:  # the same validation, and the same one-line messages, as the API
             check_before_run(arguments)  # bad settings or an out the run would refuse: said now
@@ -445,9 +447,13 @@ class AblationPanel(w.VBox):
             "Switched on: " + html.escape(", ".join(self._adoptable)) + ". Press <b>Run ablation</b>."
         )
 
-    def _start(self, job: Callable[[], Any], message: str) -> bool:
+    def _refused_while_running(self) -> bool:
         if self.running:
             self.status.value = _error_html("A run is already in progress: wait for it, or press Stop first.")
+        return self.running
+
+    def _start(self, job: Callable[[], Any], message: str) -> bool:
+        if self._refused_while_running():
             return False
         self.error, self.results, self._adoptable = None, None, {}
         self.live = LiveRun()
