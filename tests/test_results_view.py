@@ -508,6 +508,34 @@ def test_a_search_reads_furthest_first_with_what_became_of_each_candidate():
     assert search_rows(record)[0][-1].startswith("the fastest, but no winner")
 
 
+def test_a_search_lists_what_it_could_not_run_here_with_the_reason_and_counts_what_it_left_out():
+    """tune.json kept the combinations that cannot run here, but no table, report or panel showed
+    them: a technique asked for and never measured vanished without a reason."""
+    from workbench.results_view import NOT_SEARCHED_SHOWN, search_html, search_rows
+
+    record = _search_record()
+    cannot = [
+        {"name": f"dali+t{i}", "why": "dali: needs JPEG files to decode"}
+        for i in range(NOT_SEARCHED_SHOWN + 2)
+    ]
+    record["excluded"] = [*cannot, *({"name": f"c{i}", "why": "beyond max_candidates=24"} for i in range(30))]
+    rows = search_rows(record)
+    assert [cells[0] for cells in rows[:4]] == [cells[0] for cells in search_rows(_search_record())]
+    left_out = rows[4:]
+    assert left_out[0] == [
+        "dali+t0",
+        "0",
+        "0",
+        "-",
+        "-",
+        "not searched: cannot run here: dali: needs JPEG files to decode",
+    ]
+    assert [cells[0] for cells in left_out[-2:]] == ["2 more combinations", "30 more combinations"]
+    assert left_out[-1][-1] == "not searched: beyond max_candidates=24"
+    assert len(left_out) == NOT_SEARCHED_SHOWN + 2
+    assert "not searched: cannot run here: dali: needs JPEG files" in search_html(record)
+
+
 def test_each_arm_is_drawn_over_the_noise_band_its_verdict_is_judged_against():
     """The plot shaded the control's raw interval, [0.975, 0.995], across every row: amp at
     [0.997, 1.02] sat right of it, outside the noise by the picture, while its verdict said

@@ -526,6 +526,46 @@ def search_rows(tune: dict) -> list[list[str]]:
                 outcome,
             ]
         )
+    return rows + _not_searched_rows(tune.get("excluded") or [])
+
+
+NOT_SEARCHED_SHOWN = 8  # combinations that could not run, each on its own row; the rest summed up
+
+
+def _not_searched_rows(excluded: list[dict]) -> list[list[str]]:
+    """The combinations the search left out, last: each that cannot run here with its reason (a
+    technique a user asked for and never saw measured must say why), then one row for those
+    beyond max_candidates, which are only counted."""
+    unmeasured = speedup_text(_Figures(math.nan, math.nan, math.nan))
+    cannot = [e for e in excluded if not e["why"].startswith("beyond max_candidates")]
+    beyond = [e for e in excluded if e["why"].startswith("beyond max_candidates")]
+    rows = [
+        [e["name"], "0", "0", unmeasured, times(math.nan), f"not searched: cannot run here: {e['why']}"]
+        for e in cannot[:NOT_SEARCHED_SHOWN]
+    ]
+    if len(cannot) > NOT_SEARCHED_SHOWN:
+        more = len(cannot) - NOT_SEARCHED_SHOWN
+        rows.append(
+            [
+                f"{more} more combinations",
+                "0",
+                "0",
+                unmeasured,
+                times(math.nan),
+                "not searched: cannot run here",
+            ]
+        )
+    if beyond:
+        rows.append(
+            [
+                f"{len(beyond)} more combinations",
+                "0",
+                "0",
+                unmeasured,
+                times(math.nan),
+                f"not searched: {beyond[0]['why']}",
+            ]
+        )
     return rows
 
 
