@@ -519,9 +519,8 @@ def _stop(process: subprocess.Popen) -> None:
 
 def launch(name: str, out: Path, size_name: str, limit_s: float) -> dict:
     log_path = out / f"{name}.log"
-    deadline = (
-        time.time() + limit_s - WRITE_MARGIN_S
-    )  # the child stops its own work then, leaving time to write
+    # The child stops its own work then, leaving time to write.
+    deadline = time.time() + limit_s - WRITE_MARGIN_S
     command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out),
                "--size", size_name, "--deadline", str(deadline), "--device", DEVICE]  # fmt: skip
     started = time.perf_counter()

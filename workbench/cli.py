@@ -348,9 +348,9 @@ def format_plan(table) -> str:
         ]
     if skipped:
         lines += ["", "Unavailable here:", *skipped]
-    if not ((table["role"] == "treatment") & (table["unavailable"] == "")).any():
-        from workbench.progress import NO_TECHNIQUE
+    from workbench.progress import NO_TECHNIQUE, runs_no_technique
 
+    if runs_no_technique(table.to_dict(orient="records")):
         lines += ["", NO_TECHNIQUE[0].upper() + NO_TECHNIQUE[1:] + "."]
     return "\n".join(line.rstrip() for line in lines)
 

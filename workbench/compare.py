@@ -16,7 +16,6 @@ that interval would need: a floored interval's come from the rounds, not the blo
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 import textwrap
@@ -26,7 +25,7 @@ import numpy as np
 
 from workbench.core_sync import STATE_RATIO
 from workbench.plots import ResultsFigure, readable_log_ticks
-from workbench.results import Results, load_results
+from workbench.results import Results, load_results, run_identity
 from workbench.results_view import READER_CSS, badge, interval_text, text_table
 
 # Settings whose difference changes what a speedup means; listed when the runs disagree.
@@ -74,7 +73,7 @@ def _refuse_a_run_twice(runs: list[Results]) -> None:
         # Its start (to the second), its settings and every arm's measured rate: two runs started
         # in the same second with the same settings still differ in what they measured.
         rates = tuple(run.table["samples_per_s"].round(9)) if "samples_per_s" in run.table else ()
-        identity = (created, json.dumps(run.record.get("config"), sort_keys=True, default=str), rates)
+        identity = (run_identity(run.record), rates)
         if created and identity in seen:
             raise ValueError(
                 f"compare: runs {seen[identity]} and {number} are the same run (created {created}); "

@@ -3,11 +3,18 @@ processes with the block, arm and phase in flight."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from workbench.worker import WINDOW_TARGET_S
 
 # Said where a plan runs no technique: legitimate (an A/A check), or every -t switched off, or
 # unavailable here, by mistake.
 NO_TECHNIQUE = "no technique will run: the baseline against its control only (an A/A check of the noise)"
+
+
+def runs_no_technique(arms: Iterable[Mapping]) -> bool:
+    """Whether no arm of a plan (its arms' records, or wb.plan's rows) applies a technique here."""
+    return not any(arm["role"] == "treatment" and not arm["unavailable"] for arm in arms)
 
 
 def describe_plan(event: dict) -> str:
@@ -38,7 +45,7 @@ def describe_plan(event: dict) -> str:
         text += "; each block a Slurm job (one node each)"
     if unavailable:
         text += f"; {unavailable} unavailable"
-    if not any(arm["role"] == "treatment" and not arm["unavailable"] for arm in arms):
+    if runs_no_technique(arms):
         text += f"; {NO_TECHNIQUE}"
     if event.get("oversubscribed"):  # workbench.core_sync.oversubscription
         text += f"; WARNING: {event['oversubscribed']}: threads will wait for cores, and steps measure that"

@@ -727,10 +727,7 @@ class Results:
             saved = json.loads((path / "results.json").read_text())
         except (OSError, ValueError):
             return False
-        mine = json.loads(
-            json.dumps(json_values({k: self.record.get(k) for k in ("created", "config")}), default=str)
-        )
-        return isinstance(saved, dict) and all(saved.get(k) == mine[k] for k in mine)
+        return isinstance(saved, dict) and run_identity(saved) == run_identity(self.record)
 
     def _write(self, folder: ResultsFolder) -> Path:
         folder.path.mkdir(parents=True, exist_ok=True)
@@ -1108,6 +1105,13 @@ def _malformed(record: dict) -> str | None:
         if missing:
             return f"its search record ('tune') lacks {', '.join(missing)}"
     return None
+
+
+def run_identity(record: dict) -> str:
+    """A run's start and settings as canonical JSON: two records with the same identity are one
+    run (its folder read twice, or a saved copy of it), however they were loaded."""
+    chosen = {key: record.get(key) for key in ("created", "config")}
+    return json.dumps(json_values(chosen), sort_keys=True, default=str)
 
 
 # What a search's record must hold for its views (tune_verdict, the candidates table, tune.png).

@@ -537,35 +537,17 @@ def _not_searched_rows(excluded: list[dict]) -> list[list[str]]:
     technique a user asked for and never saw measured must say why), then one row for those
     beyond max_candidates, which are only counted."""
     unmeasured = speedup_text(_Figures(math.nan, math.nan, math.nan))
+
+    def row(name: str, outcome: str) -> list[str]:  # no rounds, no blocks, no figures
+        return [name, "0", "0", unmeasured, times(math.nan), f"not searched: {outcome}"]
+
     cannot = [e for e in excluded if not e["why"].startswith("beyond max_candidates")]
     beyond = [e for e in excluded if e["why"].startswith("beyond max_candidates")]
-    rows = [
-        [e["name"], "0", "0", unmeasured, times(math.nan), f"not searched: cannot run here: {e['why']}"]
-        for e in cannot[:NOT_SEARCHED_SHOWN]
-    ]
+    rows = [row(e["name"], f"cannot run here: {e['why']}") for e in cannot[:NOT_SEARCHED_SHOWN]]
     if len(cannot) > NOT_SEARCHED_SHOWN:
-        more = len(cannot) - NOT_SEARCHED_SHOWN
-        rows.append(
-            [
-                f"{more} more combinations",
-                "0",
-                "0",
-                unmeasured,
-                times(math.nan),
-                "not searched: cannot run here",
-            ]
-        )
+        rows.append(row(f"{len(cannot) - NOT_SEARCHED_SHOWN} more combinations", "cannot run here"))
     if beyond:
-        rows.append(
-            [
-                f"{len(beyond)} more combinations",
-                "0",
-                "0",
-                unmeasured,
-                times(math.nan),
-                f"not searched: {beyond[0]['why']}",
-            ]
-        )
+        rows.append(row(f"{len(beyond)} more combinations", beyond[0]["why"]))
     return rows
 
 
