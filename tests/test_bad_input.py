@@ -270,7 +270,8 @@ def test_flags_a_command_does_not_take_are_refused_by_name(arguments, hint, caps
     unknown = " ".join(arguments[-2:]) if "=" not in arguments[-1] else arguments[-1]
     (line,) = capsys.readouterr().err.splitlines()  # one line: no usage block before it
     assert line == (
-        f"workbench: error: unrecognized arguments: {unknown}; {hint} (see 'workbench {arguments[0]} --help')"
+        f"workbench {arguments[0]}: error: unrecognized arguments: {unknown}; {hint} "
+        f"(see 'workbench {arguments[0]} --help')"
     )
 
 
@@ -283,7 +284,7 @@ def test_cli_unknown_flag_is_argparse_exit_2_in_one_line():
     )
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
-        "workbench: error: unrecognized arguments: --stepz 3; did you mean --steps for --stepz? "
+        "workbench ablate: error: unrecognized arguments: --stepz 3; did you mean --steps for --stepz? "
         "(see 'workbench ablate --help')"
     ]
     done = subprocess.run([sys.executable, "-m", "workbench"], capture_output=True, text=True, timeout=120)

@@ -206,10 +206,7 @@ def _unrecognized(args: argparse.Namespace, extra: list[str]) -> str:
             hints.append(f"{token} is a flag of {' and '.join(elsewhere)}, not of {args.command}")
         elif close:
             hints.append(f"did you mean {close[0]} for {token}?")
-    return (
-        "; ".join([f"unrecognized arguments: {' '.join(extra)}", *hints])
-        + f" (see 'workbench {args.command} --help')"
-    )
+    return "; ".join([f"unrecognized arguments: {' '.join(extra)}", *hints])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -610,7 +607,8 @@ def _main(argv: list[str] | None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        parser.exit(2, f"workbench: error: {_unrecognized(args, extra)}\n")
+        # The command's own parser reports it: "workbench ablate: error: ... (see 'workbench ablate --help')".
+        args.command_parsers[args.command].error(_unrecognized(args, extra))
     _prewarm_template(args)
     try:
         if args.command == "list":

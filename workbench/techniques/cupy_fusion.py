@@ -84,6 +84,8 @@ class CupyFusion(Technique):
     }
 
     def check(self, ctx: Context, config: CupyFusionConfig) -> str | None:
+        # ``requires`` saw a CUDA device and an installed CuPy; this asks whether CuPy imports and
+        # reaches the GPU (a CuPy built for another CUDA major version installs, then cannot).
         reason = cupy_unavailable_reason(ctx.device)
         if reason:
             return reason
