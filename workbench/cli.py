@@ -195,7 +195,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _unrecognized(args: argparse.Namespace, extra: list[str]) -> str:
     """argparse's "unrecognized arguments", with what each unknown flag may have meant: another
-    command's flag ("--mode" is ablate's, not tune's), else this command's nearest one."""
+    command's flag ("--mode" is ablate's, not tune's), else this command's nearest one. The command's
+    own parser reports it, ending "(see 'workbench ablate --help')"."""
     parsers = args.command_parsers
     flags = list(parsers[args.command]._option_string_actions)
     hints = []
@@ -607,7 +608,6 @@ def _main(argv: list[str] | None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        # The command's own parser reports it: "workbench ablate: error: ... (see 'workbench ablate --help')".
         args.command_parsers[args.command].error(_unrecognized(args, extra))
     _prewarm_template(args)
     try:
