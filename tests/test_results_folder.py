@@ -153,6 +153,32 @@ def test_a_run_inside_another_runs_folder_is_refused(tmp_path):
     assert not (tmp_path / "outer" / "units").exists()
 
 
+def test_a_folder_holding_other_runs_names_them_as_runs_not_as_the_users_files(tmp_path):
+    # ``--out runs`` where runs/r1 and runs/old/r0 are runs of their own: their files are workbench
+    # results, of other runs, and the refusal says so, apart from the user's own file beside them.
+    for run in ("r1", "old/r0"):
+        folder = ResultsFolder(tmp_path / "runs" / run)
+        folder.lock()
+        folder.file("plan.json").write_text("{}")
+        block = folder.file("units/b0-block.json")
+        block.parent.mkdir()
+        block.write_text("{}")
+        folder.unlock()
+    runs = ResultsFolder(tmp_path / "runs")
+    with pytest.raises(
+        ValueError, match=r"holds the results of other workbench runs \(r1/, old/r0/\); choose"
+    ):
+        runs.refuse_foreign_files(resuming=False, writes=())
+    (tmp_path / "runs" / "notes.md").write_text("mine")
+    with pytest.raises(ValueError) as refused:
+        runs.refuse_to_clear_foreign()
+    assert (
+        "other workbench runs (r1/, old/r0/) and files that workbench did not write there (notes.md)"
+        in str(refused.value)
+    )
+    assert (tmp_path / "runs" / "notes.md").read_text() == "mine"
+
+
 def test_out_with_a_tilde_means_the_home_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

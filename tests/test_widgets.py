@@ -123,7 +123,11 @@ def test_an_out_folder_the_run_would_refuse_is_refused_before_it_starts(tmp_path
     (tmp_path / "mine" / "thesis.tex").write_text("precious")
     panel = wb.panel(model="mlp", steps=3, out=str(tmp_path / "mine"), overwrite=True)
     assert panel.overwrite.value is True
-    assert panel.run() is False and "deletes nothing there: thesis.tex" in html.unescape(panel.status.value)
+    assert (
+        panel.run() is False
+        and "did not write there (thesis.tex); workbench deletes only what this run wrote, so nothing there"
+        in html.unescape(panel.status.value)
+    )
     assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
 
 

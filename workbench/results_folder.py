@@ -268,18 +268,40 @@ class ResultsFolder:
             foreign = [name for name in foreign if name in writes or name.startswith(prefixes)]
         if foreign:
             raise ValueError(
-                f"out={str(self.path)!r} holds files that workbench did not write there "
-                f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder"
+                f"out={str(self.path)!r} holds {self._describe_not_ours(foreign, 5)}; choose a new or empty folder"
             )
+
+    def _describe_not_ours(self, foreign: list[str], shown: int) -> str:
+        """What the files this folder's runs did not write are: the folders of other workbench runs
+        (each with a manifest of its own: another run's results, not the user's) and the user's files."""
+        runs, users = set(), []
+        for name in foreign:
+            outermost_first = reversed(Path(name).parents)  # ".", then "r1", then "r1/units"...
+            run = next((p for p in outermost_first if p.name and (self.path / p / MANIFEST).is_file()), None)
+            if run is None:
+                users.append(name)
+            else:
+                runs.add(f"{run.as_posix()}/")
+        parts = []
+        if runs:
+            named = sorted(runs, key=lambda run: (run.count("/"), run))  # outermost first
+            parts.append(
+                f"the results of {'another workbench run' if len(runs) == 1 else 'other workbench runs'} "
+                f"({', '.join(named[:shown])}{', ...' if len(named) > shown else ''})"
+            )
+        if users:
+            parts.append(
+                f"files that workbench did not write there ({', '.join(users[:shown])}{', ...' if len(users) > shown else ''})"
+            )
+        return " and ".join(parts)
 
     def refuse_to_clear_foreign(self) -> None:
         """Raise, naming them, when files workbench did not write are here: ``clear`` would refuse."""
         foreign = self.foreign_files()
         if foreign:
-            shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
             raise ValueError(
-                f"overwrite: out={str(self.path)!r} holds files that workbench did not write, so it deletes "
-                f"nothing there: {shown}. Move them away, or choose another out"
+                f"overwrite: out={str(self.path)!r} holds {self._describe_not_ours(foreign, 10)}; workbench "
+                "deletes only what this run wrote, so nothing there. Move them away, or choose another out"
             )
 
     def clear(self) -> None:
