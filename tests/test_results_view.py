@@ -1,6 +1,7 @@
 """Results read at a glance: verdicts, the formatted table (notebook and terminal), the report
 and saved runs side by side. Built from synthetic records, so each figure is known."""
 
+import html
 import json
 import math
 import re
@@ -65,6 +66,46 @@ def test_without_a_control_the_band_is_one_and_best_follows_the_verdict():
     typical = _typical()
     typical.record["arms"][2]["settings"] = {"amp": {"dtype": "bfloat16"}}
     assert typical.best == {"amp": {"dtype": "bfloat16"}}  # channels_last is within noise
+
+
+def _with_control_spread(low, high, between, within, blocks=3):
+    control = _row("baseline (control)", speedup=1.0, low=low, high=high, speedup_blocks=blocks,
+                   between_block_pct=between, within_block_pct=within)  # fmt: skip
+    return _results([_row("baseline", speedup=1.0, low=1.0, high=1.0), control], ROLES)
+
+
+def test_a_wide_noise_band_says_what_it_hides_and_about_how_many_blocks_would_narrow_it(tmp_path):
+    # The quick preset on a noisy hour of the AVX2-only VM: 3 blocks spread by 3.7%.
+    noisy = _with_control_spread(0.914, 1.099, between=3.71, within=3.0)
+    note = "the control's band is ±9.2% wide"
+    advice = "blocks=9 would narrow it to about ±3% (a rough guess from 3 blocks)"
+    for shown in (
+        noisy.summary(width=200),
+        _visible(noisy._repr_html_()),
+        _visible(noisy.to_html(tmp_path / "r.html").read_text()),
+    ):
+        shown = " ".join(html.unescape(shown).split())  # as read, whatever the line breaks
+        assert note in shown and advice in shown, shown
+    # So wide that no sensible count of blocks would do: a quieter machine, or one thread.
+    hopeless = " ".join(_with_control_spread(0.6, 1.6, between=20.0, within=5.0).summary().split())
+    assert "even blocks=30 would leave it about ±" in hopeless and "threads=1" in hopeless
+    # A band of ±2%, or a single block's (no spread between blocks to go by): nothing to add.
+    assert "noise:" not in _with_control_spread(0.98, 1.02, between=1.0, within=0.8).summary(width=200)
+    assert "noise:" not in _with_control_spread(0.8, 1.2, between=math.nan, within=5.0, blocks=1).summary()
+
+
+def test_the_blocks_projection_follows_the_intervals_own_rule():
+    from workbench.stats import BlockRatio, Side, combine_blocks, projected_half_width_pct
+
+    side = Side(windows=[[0.01]], samples_per_step=1.0)
+    for logs, within in (([0.05, -0.02, 0.01], 0.004), ([0.002, -0.001, 0.0005, 0.001], 0.01)):
+        ratios = [BlockRatio(value, within, 200, side, side) for value in logs]
+        speedup = combine_blocks(ratios)
+        half = 50 * math.log(speedup.high / speedup.low)
+        projected = projected_half_width_pct(speedup.between_block_pct, speedup.within_block_pct, len(logs))
+        assert projected == pytest.approx(
+            half, rel=0.01
+        )  # the first set by its blocks, the second by its rounds
 
 
 @pytest.mark.parametrize("value", [4640.2, 1e7, 123456.789, 0.000123, 1.5e-7, 48.213, 0.0])

@@ -283,6 +283,48 @@ def legend(rows: list[ReaderRow]) -> str:
     return VERDICT_LEGEND
 
 
+NOISY_BAND_PCT = 3.0  # a control band wider than this either side gets a note on what would narrow it
+MOST_BLOCKS_SUGGESTED = 30
+
+
+def noise_note(table) -> str | None:
+    """Where the control's band is wider than NOISY_BAND_PCT either side: what it hides, and about
+    how many blocks would narrow it, if the blocks spread as this run's did (stats.blocks_for_half_width)."""
+    from workbench.stats import blocks_for_half_width, projected_half_width_pct
+
+    control = table[table.arm == "baseline (control)"]
+    if control.empty:
+        return None
+    row = control.iloc[0]
+    blocks, between, within = (
+        row.get("speedup_blocks"),
+        row.get("between_block_pct"),
+        row.get("within_block_pct"),
+    )
+    if not (row.get("speedup_low", 0) > 0 and row.get("speedup_high", 0) > 0 and blocks and blocks >= 2):
+        return None
+    half = 50 * math.log(row.speedup_high / row.speedup_low)
+    if half <= NOISY_BAND_PCT or not math.isfinite(between):
+        return None
+    blocks = int(blocks)
+    needed = blocks_for_half_width(between, within, NOISY_BAND_PCT, MOST_BLOCKS_SUGGESTED)
+    if needed is None:
+        what = (
+            f"even blocks={MOST_BLOCKS_SUGGESTED} would leave it about "
+            f"±{projected_half_width_pct(between, within, MOST_BLOCKS_SUGGESTED):.1f}%: "
+            "a quieter machine, or fewer threads than cores (threads=1), would narrow it more"
+        )
+    elif needed > blocks:
+        what = f"blocks={needed} would narrow it to about ±{NOISY_BAND_PCT:.0f}%"
+    else:  # the floor or a chance wide spread made it wide; more blocks still narrow the t-interval
+        what = f"a run with blocks={blocks} again would most likely come out narrower"
+    return (
+        f"noise: the control's band is ±{half:.1f}% wide, so a change smaller than that reads within noise "
+        f"here. Its {blocks} blocks spread by {between:.1f}% (each block's own rounds by {within:.1f}%); if "
+        f"blocks keep spreading so, {what} (a rough guess from {blocks} blocks)."
+    )
+
+
 def results_html(table, warnings: list[str]) -> str:
     """The notebook's view of ``Results.table``: warnings, the reader's table, its legend, then
     every column behind a "details" toggle."""
@@ -291,6 +333,8 @@ def results_html(table, warnings: list[str]) -> str:
     parts += [f'<p class="wb-warning">{html.escape(warning)}</p>' for warning in warnings]
     parts.append(reader_table_html(columns, rows))
     parts.append(f'<p class="wb-legend">{html.escape(legend(rows))}</p>')
+    if note := noise_note(table):
+        parts.append(f'<p class="wb-legend">{html.escape(note)}</p>')
     parts.append(
         f"<details><summary>All {len(table.columns)} columns (Results.table)</summary>"
         f"{full_table_html(table)}</details>"
@@ -487,7 +531,10 @@ def results_text(table, width: int | None = None, colour: bool = False) -> str:
             "summary(width=120) show them.",
             width,
         )
-    return text + "\n\n" + textwrap.fill(legend(rows), width)
+    text += "\n\n" + textwrap.fill(legend(rows), width)
+    if note := noise_note(table):
+        text += "\n" + textwrap.fill(note, width)
+    return text
 
 
 # --- a search (wb.tune) ----------------------------------------------------------------------

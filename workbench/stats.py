@@ -305,6 +305,37 @@ def combine_blocks(
     return Speedup(math.exp(mean), low, high, 1, within_pct, math.nan)
 
 
+def projected_half_width_pct(
+    between_block_pct: float, within_block_pct: float, blocks: int, confidence: float = CONFIDENCE
+) -> float:
+    """About how wide (in percent of the speedup, either side) ``combine_blocks`` would make an
+    interval over ``blocks`` blocks that spread as much as these did: t over the blocks, floored at
+    their rounds' noise (many rounds: the normal quantile). A guess, as good as the spread it is
+    given: from three blocks, a standard deviation can be off by a factor of two or more."""
+    between = t_quantile(confidence, blocks - 1) * between_block_pct / math.sqrt(blocks)
+    within = (
+        t_quantile(confidence, 1000) * within_block_pct / math.sqrt(blocks)
+        if math.isfinite(within_block_pct)
+        else 0
+    )
+    return max(between, within)  # of the log ratio, in percent: the interval is symmetric there
+
+
+def blocks_for_half_width(
+    between_block_pct: float, within_block_pct: float, target_pct: float, most: int
+) -> int | None:
+    """The fewest blocks whose projected interval is at most ``target_pct`` wide either side; None
+    when even ``most`` would not do."""
+    return next(
+        (
+            n
+            for n in range(2, most + 1)
+            if projected_half_width_pct(between_block_pct, within_block_pct, n) <= target_pct
+        ),
+        None,
+    )
+
+
 @dataclass(frozen=True)
 class ArmSpeedup:
     """An arm's speedup over its baseline, which typical step time it was computed from, and
