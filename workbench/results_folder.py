@@ -236,22 +236,16 @@ class ResultsFolder:
 
     def foreign_files(self, limit: int | None = None) -> list[str]:
         """Files in the folder that workbench did not write (relative paths, sorted), or the
-        first ``limit`` found (a user who points ``out`` at a big folder waits for no full scan)."""
+        first ``limit`` found (a user who points ``out`` at a big folder waits for no full scan).
+        A nested run's folder answers for its own files (``wrote``)."""
         if not self.path.is_dir():
             return []
         foreign = []
-        nested = self._nested()
-        for inner in nested:  # a nested run's folder answers for its own files
-            foreign += [f"{inner}/{name}" for name in ResultsFolder(self.path / inner).foreign_files(limit)]
-        if limit is not None and len(foreign) >= limit:
-            return sorted(foreign)[:limit]
         for path in self.path.rglob("*"):
             if not (path.is_file() or path.is_symlink()):
                 continue
             name = path.relative_to(self.path).as_posix()
-            if name in (MANIFEST, LOCK, TAKEOVER) or name in self._owned or self._is_own_temporary(name):
-                continue
-            if any(name.startswith(inner + "/") for inner in [*nested, *self._trees()]):
+            if self.wrote(name):
                 continue
             foreign.append(name)
             if limit is not None and len(foreign) >= limit:
@@ -276,8 +270,8 @@ class ResultsFolder:
         (each with a manifest of its own: another run's results, not the user's) and the user's files."""
         runs, users = set(), []
         for name in foreign:
-            outermost_first = reversed(Path(name).parents)  # ".", then "r1", then "r1/units"...
-            run = next((p for p in outermost_first if p.name and (self.path / p / MANIFEST).is_file()), None)
+            outermost_first = [p for p in reversed(Path(name).parents) if p.name]  # "r1", "r1/units"...
+            run = next((p for p in outermost_first if self._run_wrote(p, Path(name).relative_to(p))), None)
             if run is None:
                 users.append(name)
             else:
@@ -294,6 +288,26 @@ class ResultsFolder:
                 f"files that workbench did not write there ({', '.join(users[:shown])}{', ...' if len(users) > shown else ''})"
             )
         return " and ".join(parts)
+
+    def _run_wrote(self, folder: Path, name: Path) -> bool:
+        """Whether the workbench run in ``folder`` (relative to this one) wrote its file ``name``: a
+        user's file inside a run's folder is still the user's."""
+        if not (self.path / folder / MANIFEST).is_file():
+            return False
+        try:
+            return ResultsFolder(self.path / folder).wrote(name.as_posix())
+        except ValueError:  # its manifest is damaged: it vouches for nothing
+            return False
+
+    def wrote(self, name: str) -> bool:
+        """Whether workbench wrote this file of the folder (a path relative to it), by its manifest,
+        its trees' and its nested runs' (what ``foreign_files`` leaves out)."""
+        if name in (MANIFEST, LOCK, TAKEOVER) or name in self._owned or self._is_own_temporary(name):
+            return True
+        if any(name.startswith(tree + "/") for tree in self._trees()):
+            return True
+        inner = next((inner for inner in self._nested() if name.startswith(inner + "/")), None)
+        return inner is not None and ResultsFolder(self.path / inner).wrote(name[len(inner) + 1 :])
 
     def refuse_to_clear_foreign(self) -> None:
         """Raise, naming them, when files workbench did not write are here: ``clear`` would refuse."""
