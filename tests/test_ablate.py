@@ -443,6 +443,19 @@ def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     assert [(e["block"], e["arms"]) for e in started] == [(1, ["baseline", "baseline (control)", "amp"])]
     assert set(second.table.status) == {"ok"} and set(second.table.blocks) == {2}
 
+    # More blocks add to the run (the noise note's advice): only the new block runs, and all three count.
+    started.clear()
+    more = wb.ablate(
+        **{**arguments, "blocks": 3},
+        on_event=lambda e: started.append(e) if e["type"] == "start" else None,
+        **QUIET,
+    )
+    assert [e["block"] for e in started] == [2] and set(more.table.blocks) == {3} and more.complete
+    assert json.loads((out / "plan.json").read_text())["settings"]["blocks"] == 3
+    # Fewer would leave measured blocks out: refused, saying how many it holds.
+    with pytest.raises(ValueError, match=r"holds this ablation's blocks up to block 3; blocks=2 would leave"):
+        wb.ablate(**arguments, **QUIET)
+
     with pytest.raises(ValueError, match=r"holds a different ablation \(differs in: steps\)"):
         wb.ablate(**{**arguments, "steps": 5}, **QUIET)
     again = wb.ablate(**{**arguments, "steps": 5}, overwrite=True, **QUIET)

@@ -68,17 +68,17 @@ def test_without_a_control_the_band_is_one_and_best_follows_the_verdict():
     assert typical.best == {"amp": {"dtype": "bfloat16"}}  # channels_last is within noise
 
 
-def _with_control_spread(low, high, between, within, blocks=3):
+def _with_control_spread(low, high, between, within, blocks=3, path=None):
     control = _row("baseline (control)", speedup=1.0, low=low, high=high, speedup_blocks=blocks,
                    between_block_pct=between, within_block_pct=within)  # fmt: skip
-    return _results([_row("baseline", speedup=1.0, low=1.0, high=1.0), control], ROLES)
+    return _results([_row("baseline", speedup=1.0, low=1.0, high=1.0), control], ROLES, path=path)
 
 
 def test_a_wide_noise_band_says_what_it_hides_and_about_how_many_blocks_would_narrow_it(tmp_path):
     # The quick preset on a noisy hour of the AVX2-only VM: 3 blocks spread by 3.7%.
     noisy = _with_control_spread(0.914, 1.099, between=3.71, within=3.0)
     note = "the control's band is ±9.2% wide"
-    advice = "blocks=9 would narrow it to about ±3% (a rough guess from 3 blocks)"
+    advice = "(a rough guess from 3 blocks), blocks=9 would narrow it to about ±3%."
     for shown in (
         noisy.summary(width=200),
         _visible(noisy._repr_html_()),
@@ -92,6 +92,22 @@ def test_a_wide_noise_band_says_what_it_hides_and_about_how_many_blocks_would_na
     # A band of ±2%, or a single block's (no spread between blocks to go by): nothing to add.
     assert "noise:" not in _with_control_spread(0.98, 1.02, between=1.0, within=0.8).summary(width=200)
     assert "noise:" not in _with_control_spread(0.8, 1.2, between=math.nan, within=5.0, blocks=1).summary()
+
+
+def test_the_noise_note_says_a_rerun_into_the_same_folder_adds_blocks_where_it_would(tmp_path):
+    from workbench.results_folder import ResultsFolder
+
+    run = ResultsFolder(tmp_path / "run")  # a run's folder: its manifest lists its plan
+    run.lock()
+    run.file("plan.json").write_text("{}")
+    run.unlock()
+    copy = tmp_path / "copy"  # its results saved elsewhere: no plan to resume
+    copy.mkdir()
+    rerun = f"Run it again with blocks=9 and the same out ({str(tmp_path / 'run')!r}): its 3 blocks count."
+    said = " ".join(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=run.path).summary(width=200).split())
+    assert rerun in said
+    said = " ".join(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=copy).summary(width=200).split())
+    assert "blocks=9 would narrow it" in said and "Run it again" not in said
 
 
 def test_the_blocks_projection_follows_the_intervals_own_rule():

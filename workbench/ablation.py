@@ -283,7 +283,14 @@ def _fingerprint(prepared: Prepared) -> dict:
     settings["arms"] = [
         [arm.name, arm.record()["techniques"], arm.process] for arm in prepared.arms if not arm.unavailable
     ]
-    return settings_fingerprint(settings)
+    # More blocks add to a run's own (the same command with a larger blocks resumes and runs only
+    # the new ones): the count is kept beside the digest, not in it.
+    fingerprint = settings_fingerprint({k: v for k, v in settings.items() if k not in ADDABLE})
+    fingerprint["settings"] |= {k: settings[k] for k in ADDABLE}
+    return fingerprint
+
+
+ADDABLE = ("blocks",)  # settings a resumed ablation may raise: each block is a process of its own
 
 
 def settings_fingerprint(settings: dict) -> dict:
@@ -344,6 +351,7 @@ def _open_out(
             folder.clear()  # only what workbench wrote; refuses if the user's files are there
         _refuse_the_folder(folder, fingerprint)
         if plan_file.exists():
+            write_json_atomic(folder.file("plan.json"), fingerprint)  # the blocks asked for now, if more
             jobs = [_read_unit(p) for p in sorted((folder.path / "units").glob("*.json"))]
             if retry_failed:
                 # A process in which an arm failed runs again whole: the arms of a block are only
@@ -387,6 +395,18 @@ def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> None:
     if resuming:
         plan = read_record(folder.path / "plan.json", "this run's plan")
         refuse_a_different_run(folder.path, plan, fingerprint, "ablation")
+        _refuse_fewer_blocks(folder, fingerprint["settings"]["blocks"])
+
+
+def _refuse_fewer_blocks(folder: ResultsFolder, blocks: int) -> None:
+    """A resumed run may add blocks, not leave out finished ones: what was measured stays counted."""
+    finished = {job["block"] for job in map(_read_unit, (folder.path / "units").glob("*.json"))}
+    if finished and max(finished) >= blocks:
+        raise ValueError(
+            f"out={str(folder.path)!r} holds this ablation's blocks up to block {max(finished) + 1}; "
+            f"blocks={blocks} would leave some of them out. Pass blocks={max(finished) + 1} or more to resume "
+            "(more add to them), or choose another out"
+        )
 
 
 def _read_unit(path: Path) -> dict:
@@ -432,7 +452,7 @@ def refuse_a_different_run(path: Path, previous: dict, fingerprint: dict, what: 
     """Raise, naming the settings that differ, when ``path`` holds a run other than this one."""
     if previous.get("digest") != fingerprint["digest"]:
         old, new = previous.get("settings", {}), fingerprint["settings"]
-        differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in ADDABLE)
         raise ValueError(
             f"out={str(path)!r} holds a different {what} (differs in: {', '.join(differing)}); "
             "choose another out, or pass overwrite=True to discard it"

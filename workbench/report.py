@@ -71,7 +71,7 @@ def report_html(results) -> str:
         *([_search_html(results)] if "tune" in record else []),
         _section(
             "Verdicts" + (" of its last round" if "tune" in record else ""),
-            results_html(results.table, results.warnings()),
+            results_html(results.table, results.warnings(), results.path),
         ),  # fmt: skip
         _section("Plots", _figure_img(results.plot(), "speedups, step-time breakdown and memory per arm")),
         _section("Notes per arm", _notes_html(results.table)),

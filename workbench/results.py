@@ -785,7 +785,7 @@ class Results:
         width = width or TERMINAL_WIDTH
         table = self.table
         text = "".join(textwrap.fill(f"WARNING: {warning}", width) + "\n\n" for warning in self.warnings())
-        text += results_text(table, width, colour)
+        text += results_text(table, width, colour, self.path)
         text += "\n" + textwrap.fill(
             "activations: what autograd saved for backward (MiB). Every other column (peak memory, the "
             "step's phases, utilization, communication) is in Results.table and table.csv.",
@@ -808,7 +808,7 @@ class Results:
     def _repr_html_(self) -> str:
         """In a notebook: the reader's table (verdicts, formatted figures) that fits the page,
         every other column behind a "details" toggle."""
-        return results_html(self.table, self.warnings())
+        return results_html(self.table, self.warnings(), self.path)
 
     def to_html(self, path: str | os.PathLike | None = None) -> Path:
         """Write one self-contained HTML report (the plots embedded, the table and verdicts, the

@@ -287,9 +287,10 @@ NOISY_BAND_PCT = 3.0  # a control band wider than this either side gets a note o
 MOST_BLOCKS_SUGGESTED = 30
 
 
-def noise_note(table) -> str | None:
+def noise_note(table, folder=None) -> str | None:
     """Where the control's band is wider than NOISY_BAND_PCT either side: what it hides, and about
-    how many blocks would narrow it, if the blocks spread as this run's did (stats.blocks_for_half_width)."""
+    how many blocks would narrow it, if the blocks spread as this run's did (stats.blocks_for_half_width).
+    ``folder``: where the run was saved, which a rerun with more blocks adds to."""
     from workbench.stats import blocks_for_half_width, projected_half_width_pct
 
     control = table[table.arm == "baseline (control)"]
@@ -316,16 +317,30 @@ def noise_note(table) -> str | None:
         )
     elif needed > blocks:
         what = f"blocks={needed} would narrow it to about ±{NOISY_BAND_PCT:.0f}%"
-    else:  # the floor or a chance wide spread made it wide; more blocks still narrow the t-interval
-        what = f"a run with blocks={blocks} again would most likely come out narrower"
-    return (
+    else:  # the rounds' noise set the band, from few rounds (a wide t): longer blocks narrow it
+        what = "more steps per block, rather than more blocks, would narrow it"
+    note = (
         f"noise: the control's band is ±{half:.1f}% wide, so a change smaller than that reads within noise "
         f"here. Its {blocks} blocks spread by {between:.1f}% (each block's own rounds by {within:.1f}%); if "
-        f"blocks keep spreading so, {what} (a rough guess from {blocks} blocks)."
+        f"blocks keep spreading so (a rough guess from {blocks} blocks), {what}."
     )
+    if needed is not None and needed > blocks and folder is not None and _resumable(folder):
+        note += f" Run it again with blocks={needed} and the same out ({str(folder)!r}): its {blocks} blocks count."
+    return note
 
 
-def results_html(table, warnings: list[str]) -> str:
+def _resumable(folder) -> bool:
+    """Whether ``folder`` holds an ablation that a rerun resumes (its manifest lists its plan), not a
+    saved copy of its results or a search."""
+    from workbench.results_folder import ResultsFolder
+
+    try:
+        return "plan.json" in ResultsFolder(folder).own_files()
+    except (OSError, ValueError):  # unreadable, or a damaged manifest: say nothing of resuming
+        return False
+
+
+def results_html(table, warnings: list[str], folder=None) -> str:
     """The notebook's view of ``Results.table``: warnings, the reader's table, its legend, then
     every column behind a "details" toggle."""
     columns, rows = reader_rows(table)
@@ -333,7 +348,7 @@ def results_html(table, warnings: list[str]) -> str:
     parts += [f'<p class="wb-warning">{html.escape(warning)}</p>' for warning in warnings]
     parts.append(reader_table_html(columns, rows))
     parts.append(f'<p class="wb-legend">{html.escape(legend(rows))}</p>')
-    if note := noise_note(table):
+    if note := noise_note(table, folder):
         parts.append(f'<p class="wb-legend">{html.escape(note)}</p>')
     parts.append(
         f"<details><summary>All {len(table.columns)} columns (Results.table)</summary>"
@@ -509,7 +524,7 @@ def _columns_that_fit(columns: list[str], rows: list[ReaderRow], width: int) -> 
     return columns, left_out
 
 
-def results_text(table, width: int | None = None, colour: bool = False) -> str:
+def results_text(table, width: int | None = None, colour: bool = False, folder=None) -> str:
     """The reader's table of ``Results.table`` as aligned text, then its legend. Where it is
     too wide for ``width``, the columns of GIVES_WAY_FIRST are left out, and a line says so."""
     width = width or TERMINAL_WIDTH
@@ -532,7 +547,7 @@ def results_text(table, width: int | None = None, colour: bool = False) -> str:
             width,
         )
     text += "\n\n" + textwrap.fill(legend(rows), width)
-    if note := noise_note(table):
+    if note := noise_note(table, folder):
         text += "\n" + textwrap.fill(note, width)
     return text
 
