@@ -452,6 +452,18 @@ def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     )
     assert [e["block"] for e in started] == [2] and set(more.table.blocks) == {3} and more.complete
     assert json.loads((out / "plan.json").read_text())["settings"]["blocks"] == 3
+    # A plan.json from before blocks could be added (the count inside its digest) resumes too.
+    from workbench.ablation import settings_fingerprint
+
+    plan = json.loads((out / "plan.json").read_text())
+    (out / "plan.json").write_text(json.dumps(settings_fingerprint(plan["settings"])))
+    started.clear()
+    legacy = wb.ablate(
+        **{**arguments, "blocks": 3},
+        on_event=lambda e: started.append(e) if e["type"] == "start" else None,
+        **QUIET,
+    )
+    assert legacy.complete and not started and set(legacy.table.blocks) == {3}
     # Fewer would leave measured blocks out: refused, saying how many it holds.
     with pytest.raises(ValueError, match=r"holds this ablation's blocks up to block 3; blocks=2 would leave"):
         wb.ablate(**arguments, **QUIET)

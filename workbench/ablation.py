@@ -394,8 +394,17 @@ def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> None:
     folder.refuse_foreign_files(resuming, RUN_FILES + RUN_FOLDERS)
     if resuming:
         plan = read_record(folder.path / "plan.json", "this run's plan")
+        if isinstance(plan, dict) and plan.get("digest") == _digest_with_blocks_in_it(fingerprint, plan):
+            plan = {**plan, "digest": fingerprint["digest"]}  # written before blocks could be added
         refuse_a_different_run(folder.path, plan, fingerprint, "ablation")
         _refuse_fewer_blocks(folder, fingerprint["settings"]["blocks"])
+
+
+def _digest_with_blocks_in_it(fingerprint: dict, plan: dict) -> str:
+    """This run's digest as a plan.json written before ADDABLE took the block count out of it would
+    hold it, with that plan's own count: equal when only the blocks differ."""
+    old = plan.get("settings") if isinstance(plan.get("settings"), dict) else {}
+    return settings_fingerprint({**fingerprint["settings"], **{k: old.get(k) for k in ADDABLE}})["digest"]
 
 
 def _refuse_fewer_blocks(folder: ResultsFolder, blocks: int) -> None:
