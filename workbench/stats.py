@@ -308,10 +308,11 @@ def combine_blocks(
 def projected_half_width_pct(
     between_block_pct: float, within_block_pct: float, blocks: int, confidence: float = CONFIDENCE
 ) -> float:
-    """About how wide (in percent of the speedup, either side) ``combine_blocks`` would make an
-    interval over ``blocks`` blocks that spread as much as these did: t over the blocks, floored at
-    their rounds' noise (many rounds: the normal quantile). A guess, as good as the spread it is
-    given: from three blocks, a standard deviation can be off by a factor of two or more."""
+    """About how wide ``combine_blocks`` would make an interval over ``blocks`` blocks that spread
+    as much as these did, either side, in percent of the log ratio (close to a share of the
+    speedup): t over the blocks, floored at their rounds' noise (many rounds: the normal quantile).
+    A guess, as good as the spread it is given: from three blocks, a standard deviation can be off
+    by a factor of two or more."""
     between = t_quantile(confidence, blocks - 1) * between_block_pct / math.sqrt(blocks)
     within = (
         t_quantile(confidence, 1000) * within_block_pct / math.sqrt(blocks)
