@@ -346,20 +346,15 @@ def _open_out(
         if taken_over:
             print(f"workbench: {taken_over}", file=sys.stderr, flush=True)
         fingerprint = _fingerprint(prepared)
-        plan_file = folder.path / "plan.json"
         if overwrite:
             folder.clear()  # only what workbench wrote; refuses if the user's files are there
-        _refuse_the_folder(folder, fingerprint)
-        if plan_file.exists():
-            write_json_atomic(folder.file("plan.json"), fingerprint)  # the blocks asked for now, if more
-            jobs = [_read_unit(p) for p in sorted((folder.path / "units").glob("*.json"))]
-            if retry_failed:
-                # A process in which an arm failed runs again whole: the arms of a block are only
-                # comparable when measured side by side, in the same process.
-                jobs = [job for job in jobs if not any(u["status"] in DID_NOT_RUN for u in job["units"])]
-            return folder, sorted(jobs, key=lambda job: job.get("finished_at", 0))
-        write_json_atomic(folder.file("plan.json"), fingerprint)
-        return folder, []
+        jobs = _refuse_the_folder(folder, fingerprint)
+        write_json_atomic(folder.file("plan.json"), fingerprint)  # a new run's, or the blocks asked for now
+        if retry_failed:
+            # A process in which an arm failed runs again whole: the arms of a block are only
+            # comparable when measured side by side, in the same process.
+            jobs = [job for job in jobs if not any(u["status"] in DID_NOT_RUN for u in job["units"])]
+        return folder, sorted(jobs, key=lambda job: job.get("finished_at", 0))
     except BaseException:
         folder.unlock()
         raise
@@ -384,20 +379,25 @@ RUN_FILES = (
 RUN_FOLDERS = ("units/", "logs/", "slurm/")
 
 
-def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> None:
+def _refuse_the_folder(folder: ResultsFolder, fingerprint: dict) -> list[dict]:
     """Raise when ``folder`` holds what this ablation may not add to: another kind of results,
-    files workbench did not write, or another ablation (ValueError naming it). A run of this
-    ablation resumes beside the user's own files, but not over them: ``plan.json`` counts only
-    when the folder's manifest lists it (a copy of a run's files is not that run)."""
+    files workbench did not write, another ablation, or more blocks of this one than it asks for
+    (ValueError naming it). Else return the processes a previous run of it finished there (none
+    for a new run). A run of this ablation resumes beside the user's own files, but not over
+    them: ``plan.json`` counts only when the folder's manifest lists it (a copy of a run's files
+    is not that run)."""
     folder.refuse_other_results("plan.json", "an ablation")  # a search's, say (tune.json)
     resuming = "plan.json" in folder.own_files()
     folder.refuse_foreign_files(resuming, RUN_FILES + RUN_FOLDERS)
-    if resuming:
-        plan = read_record(folder.path / "plan.json", "this run's plan")
-        if isinstance(plan, dict) and plan.get("digest") == _digest_with_blocks_in_it(fingerprint, plan):
-            plan = {**plan, "digest": fingerprint["digest"]}  # written before blocks could be added
-        refuse_a_different_run(folder.path, plan, fingerprint, "ablation")
-        _refuse_fewer_blocks(folder, fingerprint["settings"]["blocks"])
+    if not resuming:
+        return []
+    plan = read_record(folder.path / "plan.json", "this run's plan")
+    if isinstance(plan, dict) and plan.get("digest") == _digest_with_blocks_in_it(fingerprint, plan):
+        plan = {**plan, "digest": fingerprint["digest"]}  # written before blocks could be added
+    refuse_a_different_run(folder.path, plan, fingerprint, "ablation", addable=ADDABLE)
+    jobs = [_read_unit(p) for p in sorted((folder.path / "units").glob("*.json"))]
+    _refuse_fewer_blocks(folder, jobs, fingerprint["settings"]["blocks"])
+    return jobs
 
 
 def _digest_with_blocks_in_it(fingerprint: dict, plan: dict) -> str:
@@ -407,9 +407,9 @@ def _digest_with_blocks_in_it(fingerprint: dict, plan: dict) -> str:
     return settings_fingerprint({**fingerprint["settings"], **{k: old.get(k) for k in ADDABLE}})["digest"]
 
 
-def _refuse_fewer_blocks(folder: ResultsFolder, blocks: int) -> None:
+def _refuse_fewer_blocks(folder: ResultsFolder, jobs: list[dict], blocks: int) -> None:
     """A resumed run may add blocks, not leave out finished ones: what was measured stays counted."""
-    finished = {job["block"] for job in map(_read_unit, (folder.path / "units").glob("*.json"))}
+    finished = {job["block"] for job in jobs}
     if finished and max(finished) >= blocks:
         raise ValueError(
             f"out={str(folder.path)!r} holds this ablation's blocks up to block {max(finished) + 1}; "
@@ -457,11 +457,14 @@ def check_before_run(arguments: Mapping[str, Any]) -> None:
     _refuse_the_folder(folder, _fingerprint(prepared))
 
 
-def refuse_a_different_run(path: Path, previous: dict, fingerprint: dict, what: str) -> None:
-    """Raise, naming the settings that differ, when ``path`` holds a run other than this one."""
+def refuse_a_different_run(
+    path: Path, previous: dict, fingerprint: dict, what: str, addable: tuple[str, ...] = ()
+) -> None:
+    """Raise, naming the settings that differ, when ``path`` holds a run other than this one.
+    ``addable``: settings outside the digest, which a resumed run may change (not named)."""
     if previous.get("digest") != fingerprint["digest"]:
         old, new = previous.get("settings", {}), fingerprint["settings"]
-        differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in ADDABLE)
+        differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in addable)
         raise ValueError(
             f"out={str(path)!r} holds a different {what} (differs in: {', '.join(differing)}); "
             "choose another out, or pass overwrite=True to discard it"

@@ -34,6 +34,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -237,15 +238,15 @@ class ResultsFolder:
     def foreign_files(self, limit: int | None = None) -> list[str]:
         """Files in the folder that workbench did not write (relative paths, sorted), or the
         first ``limit`` found (a user who points ``out`` at a big folder waits for no full scan).
-        A nested run's folder answers for its own files (``wrote``)."""
+        A nested run's folder answers for its own files (``_wrote_by``)."""
         if not self.path.is_dir():
             return []
-        foreign = []
+        foreign, wrote = [], self._wrote_by()
         for path in self.path.rglob("*"):
             if not (path.is_file() or path.is_symlink()):
                 continue
             name = path.relative_to(self.path).as_posix()
-            if self.wrote(name):
+            if wrote(name):
                 continue
             foreign.append(name)
             if limit is not None and len(foreign) >= limit:
@@ -269,9 +270,12 @@ class ResultsFolder:
         """What the files this folder's runs did not write are: the folders of other workbench runs
         (each with a manifest of its own: another run's results, not the user's) and the user's files."""
         runs, users = set(), []
+        judges: dict[Path, Callable[[str], bool] | None] = {}  # each run's manifest, read once
         for name in foreign:
             outermost_first = [p for p in reversed(Path(name).parents) if p.name]  # "r1", "r1/units"...
-            run = next((p for p in outermost_first if self._run_wrote(p, Path(name).relative_to(p))), None)
+            run = next(
+                (p for p in outermost_first if self._run_wrote(p, Path(name).relative_to(p), judges)), None
+            )
             if run is None:
                 users.append(name)
             else:
@@ -289,25 +293,34 @@ class ResultsFolder:
             )
         return " and ".join(parts)
 
-    def _run_wrote(self, folder: Path, name: Path) -> bool:
+    def _run_wrote(self, folder: Path, name: Path, judges: dict) -> bool:
         """Whether the workbench run in ``folder`` (relative to this one) wrote its file ``name``: a
-        user's file inside a run's folder is still the user's."""
-        if not (self.path / folder / MANIFEST).is_file():
-            return False
-        try:
-            return ResultsFolder(self.path / folder).wrote(name.as_posix())
-        except ValueError:  # its manifest is damaged: it vouches for nothing
-            return False
+        user's file inside a run's folder is still the user's. ``judges`` keeps each folder's answer
+        to "is this a run, and which files are its", for the next file."""
+        if folder not in judges:
+            judges[folder] = None
+            if (self.path / folder / MANIFEST).is_file():
+                with contextlib.suppress(ValueError):  # a damaged manifest vouches for nothing
+                    judges[folder] = ResultsFolder(self.path / folder)._wrote_by()
+        judge = judges[folder]
+        return judge is not None and judge(name.as_posix())
 
-    def wrote(self, name: str) -> bool:
-        """Whether workbench wrote this file of the folder (a path relative to it), by its manifest,
-        its trees' and its nested runs' (what ``foreign_files`` leaves out)."""
-        if name in (MANIFEST, LOCK, TAKEOVER) or name in self._owned or self._is_own_temporary(name):
-            return True
-        if any(name.startswith(tree + "/") for tree in self._trees()):
-            return True
-        inner = next((inner for inner in self._nested() if name.startswith(inner + "/")), None)
-        return inner is not None and ResultsFolder(self.path / inner).wrote(name[len(inner) + 1 :])
+    def _wrote_by(self) -> Callable[[str], bool]:
+        """Whether workbench wrote a file of this folder (a path relative to it), by its manifest,
+        its trees' and its nested runs' (what ``foreign_files`` leaves out), as a function for many
+        files: each nested run's manifest is read once, not once per file."""
+        trees = self._trees()
+        nested = {inner: ResultsFolder(self.path / inner)._wrote_by() for inner in self._nested()}
+
+        def wrote(name: str) -> bool:
+            if name in (MANIFEST, LOCK, TAKEOVER) or name in self._owned or self._is_own_temporary(name):
+                return True
+            if any(name.startswith(tree + "/") for tree in trees):
+                return True
+            inner = next((inner for inner in nested if name.startswith(inner + "/")), None)
+            return inner is not None and nested[inner](name[len(inner) + 1 :])
+
+        return wrote
 
     def refuse_to_clear_foreign(self) -> None:
         """Raise, naming them, when files workbench did not write are here: ``clear`` would refuse."""
