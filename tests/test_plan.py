@@ -89,6 +89,24 @@ def test_unavailable_techniques_stay_out_of_combinations():
     assert "no Conv2d" in reasons["channels_last"] and "CUDA" in reasons["tf32"]
 
 
+def test_a_combination_that_cannot_run_names_its_technique_once():
+    """The tuner's candidates are combinations named by their techniques: "prefetch" alone must read
+    "needs a CUDA device", not "prefetch: prefetch: needs ...", while "amp+prefetch" must say which
+    of its two cannot run."""
+    from workbench.arms import plan_combinations
+    from workbench.techniques import technique_context
+
+    ctx = technique_context(RunConfig(device="cpu"))
+    combinations = {
+        "prefetch": parse_techniques(["prefetch"]),
+        "amp+prefetch": parse_techniques(["amp", "prefetch"]),
+    }
+    _, unavailable = plan_combinations(ctx, combinations, control=False)
+    reasons = {arm.name: arm.unavailable for arm in unavailable}
+    assert reasons["prefetch"].startswith("needs a CUDA device")
+    assert reasons["amp+prefetch"].startswith("prefetch: needs a CUDA device")
+
+
 def test_each_block_runs_its_processes_in_a_rotated_order():
     """The shared process and each arm's own process swap places from block to block."""
     arms = plan_arms("one-at-a-time", parse_techniques({"amp": True, "grad_accum": True}), control=False)

@@ -126,8 +126,14 @@ def plan_combinations(
     for name, pairs in combinations.items():
         for technique, config in pairs:
             technique.validate(ctx, config)
+        # the reason names its technique, unless the combination is that technique alone
         reason = next(
-            (f"{t.name}: {why}" for t, c in pairs if (why := t.unavailable_reason(ctx, c))), None
+            (
+                why if name == t.name else f"{t.name}: {why}"
+                for t, c in pairs
+                if (why := t.unavailable_reason(ctx, c))
+            ),
+            None,
         ) or conflict_reason(pairs)
         (unavailable if reason else arms).append(Arm(name, "treatment", list(pairs), reason))
     return arms, unavailable

@@ -575,12 +575,7 @@ class _Search:
             self.excluded.append({"name": c.name, "why": f"beyond max_candidates={max_candidates}"})
         self.candidates, self.reserve = kept[:max_candidates], kept[max_candidates:]
         if not self.candidates:
-            # A reason that names its technique already ("prefetch: needs a CUDA device") is not
-            # prefixed with the combination's name again when the combination is that technique.
-            shown = "; ".join(
-                e["why"] if e["why"].startswith(f"{e['name']}: ") else f"{e['name']}: {e['why']}"
-                for e in self.excluded[:5]
-            )
+            shown = "; ".join(f"{e['name']}: {e['why']}" for e in self.excluded[:5])
             raise ValueError(f"tune: no combination can run here ({shown})")
 
     def _price_candidates(self) -> None:
