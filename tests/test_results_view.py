@@ -565,6 +565,19 @@ def test_a_search_reads_furthest_first_with_what_became_of_each_candidate():
     assert search_rows(record)[0][-1].startswith("the fastest, but no winner")
 
 
+def test_a_searchs_table_gives_the_round_a_candidate_left_as_a_whole_number():
+    """A finalist left in no round: the column read 1.0 and NaN, as pandas makes of ints beside None."""
+    import pandas as pd
+
+    record = _search_record()
+    record["candidates"][0]["dropped_in_round"] = 1
+    for candidate in record["candidates"]:
+        candidate["techniques"] = {}
+    table = wb.Results({"tune": record}).tuning
+    assert str(table.dropped_in_round.dtype) == "Int64"
+    assert table.dropped_in_round.tolist()[:2] == [1, pd.NA]
+
+
 def test_a_search_lists_what_it_could_not_run_here_with_the_reason_and_counts_what_it_left_out():
     """tune.json kept the combinations that cannot run here, but no table, report or panel showed
     them: a technique asked for and never measured vanished without a reason."""
@@ -630,3 +643,50 @@ def test_the_plots_memory_and_share_labels_are_never_in_scientific_notation():
         "1,234",
     ]
     assert [_percent(v) for v in (100.0, 85.3, 0.123)] == ["100%", "85%", "0.12%"]
+
+
+def test_a_searchs_plot_shades_the_noise_band_its_verdict_was_judged_against(tmp_path):
+    """The verdict "reaches into the control's band [0.91, 1.09]" named a band that the plot did not
+    draw: a reader saw x1.15 [1.02, 1.29] right of the dashed 1 and no reason it was no winner."""
+    from matplotlib.colors import to_hex
+
+    def history(round_, speedup, low, high, band):
+        return {
+            "round": round_,
+            "speedup": speedup,
+            "speedup_low": low,
+            "speedup_high": high,
+            "noise_band": band,
+        }
+
+    fastest = {
+        "name": "channels_last",
+        "history": [history(1, 1.21, 1.14, 1.27, [0.95, 1.05]), history(2, 1.15, 1.02, 1.29, [0.91, 1.09])],
+        "speedup": 1.15,
+        "dropped": "the fastest, but not measurably faster than the baseline",
+        "dropped_in_round": None,
+    }
+    slower = {
+        "name": "amp",
+        "history": [history(1, 0.10, 0.09, 0.12, [0.95, 1.05])],
+        "speedup": 0.10,
+        "dropped": "clearly slower than channels_last",
+        "dropped_in_round": 1,
+    }
+    tune = {
+        "candidates": [slower, fastest],
+        "rounds": [{"blocks": 1}, {"blocks": 3}],
+        "spent_s": 65.0,
+        "budget_s": 75.0,
+        "best": None,
+        "undecided": "not measurably faster than the baseline",
+    }
+    figure = wb.Results({"tune": tune}).plot_tuning(tmp_path / "tune.png")
+    axes = figure.axes[0]
+    shaded = [patch for patch in axes.patches if to_hex(patch.get_facecolor()) == "#d9d9d9"]
+    assert len(shaded) == 1
+    band = shaded[0]
+    assert (band.get_x(), band.get_x() + band.get_width()) == pytest.approx((0.91, 1.09))
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert sorted(legend) == ["noise band in round 2", "round 1: 1 block", "round 2: 3 blocks"]
+    assert (tmp_path / "tune.png").stat().st_size > 0

@@ -643,6 +643,33 @@ def plot_tune(results, path=None) -> ResultsFigure:
                           fmt="o", color=shades[index], markersize=5, capsize=2, linewidth=1.2, label=label)  # fmt: skip
             lows.append(low)
             highs.append(high)
+    _label_candidates(axes, measured, best)
+    band = _final_noise_band(measured, len(rounds))
+    if band is not None:  # what the title's verdict was judged against
+        axes.axvspan(*band, color="#d9d9d9", alpha=0.6, zorder=0, label=f"noise band in round {len(rounds)}")
+        lows.append(band[0])
+        highs.append(band[1])
+    axes.axvline(1.0, color="black", linewidth=1, linestyle="--")
+    axes.set_xscale("log")
+    readable_log_ticks(axes, lows, highs)
+    axes.set_xlabel("speedup over the baseline (95% interval; log scale; dashed: the baseline)")
+    axes.set_ylim(-0.6, len(measured) - 0.4)
+    figure.legend(
+        loc="outside lower center", ncol=max(len(shown) + (band is not None), 1), fontsize=8, frameon=False
+    )
+    title = _tune_title(tune, best)
+    axes.set_title(
+        f"{title}\n{len(measured)} candidates measured in {len(rounds)} rounds, "
+        f"{tune['spent_s']:.0f} s of a {tune['budget_s']:.0f} s budget",
+        fontsize=10,
+    )
+    if path is not None:
+        figure.savefig(path, dpi=110)
+    return figure
+
+
+def _label_candidates(axes, measured: list[dict], best: str | None) -> None:
+    """Each row named by its candidate: the winner in bold, one that left greyed, with its round."""
     labels = []
     for candidate in measured:
         label = candidate["name"]
@@ -657,21 +684,18 @@ def plot_tune(results, path=None) -> ResultsFigure:
             tick.set_fontweight("bold")
         elif candidate["dropped"]:
             tick.set_color("#666666")
-    axes.axvline(1.0, color="black", linewidth=1, linestyle="--")
-    axes.set_xscale("log")
-    readable_log_ticks(axes, lows, highs)
-    axes.set_xlabel("speedup over the baseline (95% interval; log scale; dashed: the baseline)")
-    axes.set_ylim(-0.6, len(measured) - 0.4)
-    figure.legend(loc="outside lower center", ncol=max(len(shown), 1), fontsize=8, frameon=False)
-    title = _tune_title(tune, best)
-    axes.set_title(
-        f"{title}\n{len(measured)} candidates measured in {len(rounds)} rounds, "
-        f"{tune['spent_s']:.0f} s of a {tune['budget_s']:.0f} s budget",
-        fontsize=10,
-    )
-    if path is not None:
-        figure.savefig(path, dpi=110)
-    return figure
+
+
+def _final_noise_band(measured: list[dict], final_round: int) -> tuple[float, float] | None:
+    """The control's band in the search's last round (the same for every candidate in it): a
+    finalist is the winner only when its whole interval lies above it. None for a search saved
+    before rounds kept their band, or one whose last round measured no candidate."""
+    for candidate in measured:
+        for entry in candidate["history"]:
+            if entry["round"] == final_round and entry.get("noise_band"):
+                low, high = entry["noise_band"]
+                return (low, high) if high > low else None
+    return None
 
 
 def _blue(darkness: float) -> tuple:

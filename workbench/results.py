@@ -573,6 +573,8 @@ class Results:
         table = pd.DataFrame(rows, columns=columns)
         for column in ("speedup", "speedup_low", "speedup_high", "loss_vs_baseline"):
             table[column] = table[column].astype(float)
+        # a round is a whole number, and a finalist has none: 1 and <NA>, not 1.0 and NaN
+        table["dropped_in_round"] = table["dropped_in_round"].astype("Int64")
         return table
 
     @property
