@@ -95,6 +95,20 @@ def test_a_search_with_nothing_that_can_run_here_is_refused_before_calibrating_a
     assert not (tmp_path / "searches").exists()
 
 
+def test_a_rounds_time_says_when_it_costs_new_candidates_at_the_baselines_speed():
+    """Notebook 13's screening said "about 10 s" and took 42: its candidates held amp, emulated ten
+    times slower than the baseline on an AVX2-only CPU, and were costed at the baseline's speed."""
+    from workbench.tuner import _round_plan
+
+    assert _round_plan(0, 3, 1, 10.4, 3, 72.0) == (
+        "round 1: 3 candidates x 1 block (about 10 s if its 3 new candidates run as fast as the baseline; 72 s left)"
+    )
+    assert _round_plan(1, 1, 3, 19.0, 0, 30.0) == "round 2: 1 candidate x 3 blocks (about 19 s; 30 s left)"
+    assert _round_plan(2, 2, 4, 19.0, 1, 0.0).endswith(
+        ": the budget is spent; reading back the blocks that finished"
+    )
+
+
 def test_a_round_never_plans_more_blocks_than_a_run_may_have():
     from workbench.config import MAX_BLOCKS
     from workbench.tuner import Costs

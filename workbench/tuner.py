@@ -694,11 +694,8 @@ class _Search:
 
     def _run_round(self, index: int, alive: list[Candidate], blocks: int) -> tuple[Results, bool] | None:
         estimate = self.costs.round_s(self._processes_of([c.name for c in alive]), blocks)
-        plan = f"round {index + 1}: {len(alive)} candidate{'s' * (len(alive) != 1)} x {blocks} block{'s' * (blocks != 1)}"
-        if self.left_s > 0:
-            self._say(f"{plan} (about {estimate:.0f} s of {self.left_s:.0f} s left)")
-        else:  # resuming a search whose budget is spent: what its blocks measured still counts
-            self._say(f"{plan}: the budget is spent; reading back the blocks that finished")
+        new = sum(c.name not in self.costs.arm_s for c in alive)
+        self._say(_round_plan(index, len(alive), blocks, estimate, new, self.left_s))
         self.on_event({"type": "tune_round", "round": index + 1, "candidates": [c.name for c in alive],
                        "blocks": blocks, "estimate_s": estimate, "left_s": self.left_s})  # fmt: skip
         run = RunConfig(**{**self.run_config.to_json(), "blocks": blocks, "mode": "one-at-a-time",
@@ -882,6 +879,18 @@ def _figures(index: int, row, verdict: str, band: tuple[float, float]) -> dict:
         "verdict": verdict,
         "noise_band": list(band),
     }
+
+
+def _round_plan(index: int, candidates: int, blocks: int, estimate_s: float, new: int, left_s: float) -> str:
+    """What a round runs and about how long it takes. ``new`` candidates, not measured yet, are
+    costed at the baseline's speed (or a slow starter's prior): a guess that a slower technique
+    (amp emulated on a CPU, ten times the baseline's step) overruns, so the line says so; the
+    budget's deadline holds either way."""
+    plan = f"round {index + 1}: {candidates} candidate{'s' * (candidates != 1)} x {blocks} block{'s' * (blocks != 1)}"
+    if left_s <= 0:  # resuming a search whose budget is spent: what its blocks measured still counts
+        return f"{plan}: the budget is spent; reading back the blocks that finished"
+    guess = f" if its {new} new candidate{'s' * (new != 1)} run as fast as the baseline" if new else ""
+    return f"{plan} (about {estimate_s:.0f} s{guess}; {left_s:.0f} s left)"
 
 
 def _faster(figures: dict) -> bool:
