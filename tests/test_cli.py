@@ -92,8 +92,17 @@ def test_a_plan_that_runs_no_technique_says_so():
             "No technique will run: the baseline against its control only (an A/A check of the noise)."
         ), done.stdout
     assert "No technique will run" not in run("ablate", "-t", "amp", "--dry-run").stdout
-    assert "; no technique will run: the baseline against its control only" in describe_plan(
-        plan_event(treatment_unavailable="needs a CUDA device")
+    # Without a control there is no A/A check to speak of (wb.advise, or --no-control): it said there was.
+    alone = run("ablate", "-t", "cuda_graphs", "--no-control", "--dry-run")
+    assert alone.stdout.rstrip().endswith("No technique will run: the baseline alone."), alone.stdout
+    event = plan_event(treatment_unavailable="needs a CUDA device")
+    assert describe_plan(event).endswith(
+        "; no technique will run: the baseline alone. Results are kept in memory only (out=False)."
+    )
+    event["arms"].append({"role": "control", "unavailable": "", "process": "block"})
+    assert (
+        "; no technique will run: the baseline against its control only (an A/A check of the noise)"
+        in describe_plan(event)
     )
 
 

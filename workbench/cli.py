@@ -346,10 +346,10 @@ def format_plan(table) -> str:
         ]
     if skipped:
         lines += ["", "Unavailable here:", *skipped]
-    from workbench.progress import NO_TECHNIQUE, runs_no_technique
+    from workbench.progress import no_technique
 
-    if runs_no_technique(table.to_dict(orient="records")):
-        lines += ["", NO_TECHNIQUE[0].upper() + NO_TECHNIQUE[1:] + "."]
+    if nothing_applied := no_technique(table.to_dict(orient="records")):
+        lines += ["", nothing_applied[0].upper() + nothing_applied[1:] + "."]
     return "\n".join(line.rstrip() for line in lines)
 
 

@@ -7,14 +7,17 @@ from collections.abc import Iterable, Mapping
 
 from workbench.worker import WINDOW_TARGET_S
 
-# Said where a plan runs no technique: legitimate (an A/A check), or every -t switched off, or
-# unavailable here, by mistake.
-NO_TECHNIQUE = "no technique will run: the baseline against its control only (an A/A check of the noise)"
 
-
-def runs_no_technique(arms: Iterable[Mapping]) -> bool:
-    """Whether no arm of a plan (its arms' records, or wb.plan's rows) applies a technique here."""
-    return not any(arm["role"] == "treatment" and not arm["unavailable"] for arm in arms)
+def no_technique(arms: Iterable[Mapping]) -> str | None:
+    """What a plan that applies no technique here runs (its arms' records, or wb.plan's rows), or
+    None when some arm applies one. Said because it may be meant (an A/A check of the noise, or
+    wb.advise measuring the baseline alone) or a mistake (every -t switched off, or unavailable)."""
+    arms = list(arms)
+    if any(arm["role"] == "treatment" and not arm["unavailable"] for arm in arms):
+        return None
+    if any(arm["role"] == "control" and not arm["unavailable"] for arm in arms):
+        return "no technique will run: the baseline against its control only (an A/A check of the noise)"
+    return "no technique will run: the baseline alone"
 
 
 def describe_plan(event: dict) -> str:
@@ -45,8 +48,8 @@ def describe_plan(event: dict) -> str:
         text += "; each block a Slurm job (one node each)"
     if unavailable:
         text += f"; {unavailable} unavailable"
-    if runs_no_technique(arms):
-        text += f"; {NO_TECHNIQUE}"
+    if nothing_applied := no_technique(arms):
+        text += f"; {nothing_applied}"
     if event.get("oversubscribed"):  # workbench.core_sync.oversubscription
         text += f"; WARNING: {event['oversubscribed']}: threads will wait for cores, and steps measure that"
     if event["remaining"] < event["processes"]:
