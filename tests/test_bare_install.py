@@ -86,9 +86,12 @@ def test_plan_and_a_small_ablation_run_without_the_extras(tmp_path):
         dali = plan.set_index("name").loc["dali", "unavailable"]
         res = wb.ablate(model="mlp", techniques={"amp": True}, steps=10, warmup=2, blocks=1,
                         progress=False, out=False)
+        from workbench import *  # noqa: F403 (it raised ImportError for panel, as did help(wb))
+
+        help(wb)
         try:
-            wb.panel
-            panel = "imported"
+            wb.panel(model="mlp")
+            panel = "opened"
         except ImportError as error:
             panel = str(error)
         print(json.dumps({"dali": dali, "status": list(res.table.status), "panel": panel}))

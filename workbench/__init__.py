@@ -98,12 +98,20 @@ def __getattr__(name: str):
             from workbench import optional
 
             reason = optional.missing("ipywidgets", "pip install 'workbench[notebook]'")
-            if reason:
-                raise ImportError(f"workbench.panel needs ipywidgets: {reason}")
+            if reason:  # named, so that `import *`, help() and hasattr work; calling it says why not
+                return _panel_without_ipywidgets(reason)
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+
+
+def _panel_without_ipywidgets(reason: str):
+    def panel(*args, **kwargs):
+        """The notebook control panel (workbench.widgets), which needs ipywidgets: not installed here."""
+        raise ImportError(f"workbench.panel needs ipywidgets: {reason}")
+
+    return panel
 
 
 def __dir__() -> list[str]:
