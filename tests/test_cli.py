@@ -81,6 +81,38 @@ def test_dry_run_plans_without_running():
     assert done.returncode == 0
     for arm in ("baseline", "amp", "channels_last", "checkpointing", "grad_accum"):
         assert arm in done.stdout
+    # what the preset chose, which the arms' table does not show
+    assert done.stdout.startswith(
+        "resnet-mini on textures, cpu, batch 32: 3 blocks, 20 timed steps per arm after 3 warm-up steps"
+    ), done.stdout
+
+
+@pytest.mark.slow  # one small run first, to hold a folder
+def test_a_dry_run_refuses_a_results_folder_as_the_run_would(tmp_path):
+    """It printed the plan and exited 0 where the same command without --dry-run was refused."""
+    out = tmp_path / "q"
+    common = [
+        "ablate",
+        "--model",
+        "mlp",
+        "-t",
+        "grad_accum",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert run(*common, "--blocks", "2", "--no-progress").returncode == 0
+    common.append("--dry-run")
+    fewer = run(*common, "--blocks", "1")
+    assert fewer.returncode == 2 and "--blocks 1 would leave some of them out" in fewer.stderr, fewer.stderr
+    assert run(*common, "--blocks", "3").returncode == 0  # more blocks add to the run
+    (out / "notes.txt").write_text("mine")
+    over = run(*common, "--blocks", "2", "--overwrite")
+    assert over.returncode == 2 and "did not write there (notes.txt)" in over.stderr, over.stderr
+    assert (out / "notes.txt").read_text() == "mine" and len(list((out / "units").iterdir())) == 2
 
 
 def test_a_plan_that_runs_no_technique_says_so():
@@ -131,7 +163,7 @@ def test_loader_only_sweep_dry_run():
         "--dry-run",
     )
     assert done.returncode == 0, done.stderr
-    rows = done.stdout.split("\n\n")[0].splitlines()[1:]
+    rows = done.stdout.split("\n\n")[1].splitlines()[1:]  # after the settings line
     names = [re.split(r"\s{2,}", row.strip())[0] for row in rows]  # the name column; no name has two spaces
     assert names == [
         "loader: baseline",

@@ -661,7 +661,11 @@ def plan(
         row["unavailable"] = row["unavailable"] or ""
         row["own_process"] = row["own_process"] or ""
     columns = ["name", "role", "process", "techniques", "unavailable", "own_process", "blocks"]
-    return pd.DataFrame(rows)[columns]
+    table = pd.DataFrame(rows)[columns]
+    table.attrs["config"] = (
+        prepared.config
+    )  # the settings as the run would take them (a preset's, the device)
+    return table
 
 
 def _prepare_plan(

@@ -327,11 +327,21 @@ def parse_budget(text: str) -> float:
     return seconds
 
 
+def _plan_settings(config: dict) -> str:
+    """What a preset or the defaults chose, which the table does not show."""
+    return (
+        f"{config['model']} on {config['data']}, {config['device']}, batch {config['batch_size']}: "
+        f"{config['blocks']} block{'s' * (config['blocks'] != 1)}, {config['steps']} timed steps per arm "
+        f"after {config['warmup']} warm-up steps, {config['mode']}"
+    )
+
+
 def format_plan(table) -> str:
-    """The dry run's table: one left-aligned row per arm, then why arms run alone or not at all."""
+    """The dry run's table: what runs, one left-aligned row per arm, then why arms run alone or not at all."""
     shown = table[["name", "role", "process", "blocks", "techniques"]]
     widths = {column: max(len(column), *(len(str(v)) for v in shown[column])) for column in shown}
-    lines = ["  ".join(f"{column:<{widths[column]}}" for column in shown)]
+    lines = [_plan_settings(table.attrs["config"]), ""] if "config" in table.attrs else []
+    lines += ["  ".join(f"{column:<{widths[column]}}" for column in shown)]
     lines += [
         "  ".join(f"{str(v):<{widths[c]}}" for c, v in zip(shown, row, strict=True))
         for row in shown.itertuples(index=False)
@@ -364,8 +374,10 @@ def _run_ablate(args: argparse.Namespace) -> int:
     settings |= run_settings(args)
     settings["techniques"] = _techniques(args, preset)
     if args.dry_run:
-        from workbench.ablation import plan_arguments
+        from workbench.ablation import check_before_run, plan_arguments
 
+        # the folder too: a dry run that passes where the run would be refused tells the user nothing
+        check_before_run({**settings, "out": args.out, "overwrite": args.overwrite})
         print(format_plan(wb.plan(**plan_arguments(settings))))
         return 0
     from workbench.progress import describe_plan
