@@ -89,9 +89,42 @@ def test_a_wide_noise_band_says_what_it_hides_and_about_how_many_blocks_would_na
     # So wide that no sensible count of blocks would do: a quieter machine, or one thread.
     hopeless = " ".join(_with_control_spread(0.6, 1.6, between=20.0, within=5.0).summary().split())
     assert "even blocks=30 would leave it about ±" in hopeless and "threads=1" in hopeless
-    # A band of ±2%, or a single block's (no spread between blocks to go by): nothing to add.
+    # A band of ±2%: nothing to add.
     assert "noise:" not in _with_control_spread(0.98, 1.02, between=1.0, within=0.8).summary(width=200)
-    assert "noise:" not in _with_control_spread(0.8, 1.2, between=math.nan, within=5.0, blocks=1).summary()
+    # A single block's ±24% went unremarked: no spread between blocks to project from, but more blocks measure it.
+    single = " ".join(
+        _with_control_spread(0.79, 1.27, between=math.nan, within=9.0, blocks=1).summary().split()
+    )
+    assert "the control's band is ±23.7% wide" in single
+    assert (
+        "from one block's rounds alone" in single
+        and "blocks=3 or more would measure how processes differ" in single
+    )
+
+
+def test_the_noise_note_on_the_command_line_spells_its_settings_as_flags(tmp_path, capsys):
+    """`workbench show` said "Run it again with blocks=9 and the same out (...)", which a shell user
+    cannot type; the API's keywords stay in the notebook's and the report's."""
+    from workbench.cli import main
+    from workbench.results_folder import ResultsFolder
+
+    run = ResultsFolder(tmp_path / "run")
+    run.lock()
+    run.file("plan.json").write_text("{}")
+    run.unlock()
+    noisy = _with_control_spread(0.914, 1.099, 3.71, 3.0, path=run.path)
+    said = " ".join(noisy.summary(width=200, command_line=True).split())
+    assert (
+        f"--blocks 9 would narrow it to about ±3%. Run it again with --blocks 9 and the same --out {run.path}:"
+        in said
+    )
+    assert "blocks=" not in said
+    hopeless = " ".join(_with_control_spread(0.6, 1.6, 20.0, 5.0).summary(command_line=True).split())
+    assert "even --blocks 30 would leave it" in hopeless and "(--threads 1)" in hopeless
+    noisy.save(tmp_path / "saved")
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "saved")]) == 0
+    assert "--blocks 9 would narrow it" in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_noise_note_says_a_rerun_into_the_same_folder_adds_blocks_where_it_would(tmp_path):

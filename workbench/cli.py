@@ -399,7 +399,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
     from workbench.results_view import terminal_width, use_colour
 
     print()
-    print(results.summary(width=terminal_width(), colour=use_colour()))
+    print(results.summary(width=terminal_width(), colour=use_colour(), command_line=True))
     print(f"\nSaved results.json, table.csv, losses.csv, telemetry.csv and plot.png in {results.path}")
     return exit_code(results.table)
 
@@ -493,7 +493,7 @@ def _run_show(args: argparse.Namespace) -> int:
     saved = load_results(args.path)
     if "tune" in saved.record:  # a search: its last round's table, then what it found
         print("The search's last round:\n")
-    print(saved.summary(width=terminal_width(), colour=use_colour()))
+    print(saved.summary(width=terminal_width(), colour=use_colour(), command_line=True))
     if "tune" in saved.record:
         print(f"\n{_search_text(saved)}")
     return 0

@@ -780,14 +780,15 @@ class Results:
         found += core_sync_states(fitting, self.record.get("units", []), self.record.get("arms"))
         return found
 
-    def summary(self, width: int | None = None, colour: bool = False) -> str:
+    def summary(self, width: int | None = None, colour: bool = False, command_line: bool = False) -> str:
         """The reader's table as text within ``width`` columns (80 unless given): each arm's
         verdict, speedup with its interval, throughput, step time, activations and loss parity;
-        then why an arm did not run, and each arm's notes. ``colour``: ANSI colours for the verdicts."""
+        then why an arm did not run, and each arm's notes. ``colour``: ANSI colours for the verdicts.
+        ``command_line``: settings it suggests spelled as flags (the CLI's ``ablate`` and ``show``)."""
         width = width or TERMINAL_WIDTH
         table = self.table
         text = "".join(textwrap.fill(f"WARNING: {warning}", width) + "\n\n" for warning in self.warnings())
-        text += results_text(table, width, colour, self.path)
+        text += results_text(table, width, colour, self.path, command_line)
         text += "\n" + textwrap.fill(
             "activations: what autograd saved for backward (MiB). Every other column (peak memory, the "
             "step's phases, utilization, communication) is in Results.table and table.csv.",

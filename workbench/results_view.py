@@ -285,48 +285,70 @@ def legend(rows: list[ReaderRow]) -> str:
 
 NOISY_BAND_PCT = 3.0  # a control band wider than this either side gets a note on what would narrow it
 MOST_BLOCKS_SUGGESTED = 30
+# From one block, the fewest blocks worth suggesting: a t-interval's multiplier is 12.7 over 2, 4.3 over 3.
+FEWEST_BLOCKS_FOR_SPREAD = 3
 
 
-def noise_note(table, folder=None) -> str | None:
+def noise_note(table, folder=None, command_line: bool = False) -> str | None:
     """Where the control's band is wider than NOISY_BAND_PCT either side: what it hides, and about
-    how many blocks would narrow it, if the blocks spread as this run's did (stats.blocks_for_half_width).
-    ``folder``: where the run was saved, which a rerun with more blocks adds to."""
-    from workbench.stats import blocks_for_half_width, projected_half_width_pct
+    how many blocks would narrow it, if the blocks spread as this run's did (stats.blocks_for_half_width);
+    from one block, that more blocks would measure the spread between processes at all.
+    ``folder``: where the run was saved, which a rerun with more blocks adds to. ``command_line``:
+    settings spelled as flags (``--blocks 9``), for ``workbench ablate`` and ``show``, not keywords."""
+
+    def setting(name: str, value) -> str:
+        return f"--{name} {value}" if command_line else f"{name}={value}"
 
     control = table[table.arm == "baseline (control)"]
     if control.empty:
         return None
     row = control.iloc[0]
-    blocks, between, within = (
-        row.get("speedup_blocks"),
-        row.get("between_block_pct"),
-        row.get("within_block_pct"),
-    )
-    if not (row.get("speedup_low", 0) > 0 and row.get("speedup_high", 0) > 0 and blocks and blocks >= 2):
+    blocks = row.get("speedup_blocks")
+    if not (row.get("speedup_low", 0) > 0 and row.get("speedup_high", 0) > 0 and blocks and blocks >= 1):
         return None
     half = 50 * math.log(row.speedup_high / row.speedup_low)
-    if half <= NOISY_BAND_PCT or not math.isfinite(between):
+    if half <= NOISY_BAND_PCT:
         return None
     blocks = int(blocks)
+    note = f"noise: the control's band is ±{half:.1f}% wide, so a change smaller than that reads within noise here. "
+    if blocks == 1:
+        needed = FEWEST_BLOCKS_FOR_SPREAD
+        note += (
+            "It comes from one block's rounds alone, with no spread between processes to go by: more steps "
+            f"per block narrow it, and {setting('blocks', needed)} or more would measure how processes differ too."
+        )
+    else:
+        between, within = row.get("between_block_pct"), row.get("within_block_pct")
+        if not math.isfinite(between):
+            return None
+        needed, what = _blocks_that_would_narrow(between, within, blocks, setting)
+        note += (
+            f"Its {blocks} blocks spread by {between:.1f}% (each block's own rounds by {within:.1f}%); if "
+            f"blocks keep spreading so (a rough guess from {blocks} blocks), {what}."
+        )
+    if needed is not None and needed > blocks and folder is not None and _resumable(folder):
+        same = f"--out {folder}" if command_line else f"out ({str(folder)!r})"
+        counted = f"its {blocks} blocks count" if blocks != 1 else "its block counts"
+        note += f" Run it again with {setting('blocks', needed)} and the same {same}: {counted}."
+    return note
+
+
+def _blocks_that_would_narrow(between: float, within: float, blocks: int, setting) -> tuple[int | None, str]:
+    """How many blocks would bring the band to NOISY_BAND_PCT if they spread as these did (None:
+    not even MOST_BLOCKS_SUGGESTED), and what to say of it."""
+    from workbench.stats import blocks_for_half_width, projected_half_width_pct
+
     needed = blocks_for_half_width(between, within, NOISY_BAND_PCT, MOST_BLOCKS_SUGGESTED)
     if needed is None:
-        what = (
-            f"even blocks={MOST_BLOCKS_SUGGESTED} would leave it about "
+        return None, (
+            f"even {setting('blocks', MOST_BLOCKS_SUGGESTED)} would leave it about "
             f"±{projected_half_width_pct(between, within, MOST_BLOCKS_SUGGESTED):.1f}%: "
-            "a quieter machine, or fewer threads than cores (threads=1), would narrow it more"
+            f"a quieter machine, or fewer threads than cores ({setting('threads', 1)}), would narrow it more"
         )
-    elif needed > blocks:
-        what = f"blocks={needed} would narrow it to about ±{NOISY_BAND_PCT:.0f}%"
-    else:  # the rounds' noise set the band, from few rounds (a wide t): longer blocks narrow it
-        what = "more steps per block, rather than more blocks, would narrow it"
-    note = (
-        f"noise: the control's band is ±{half:.1f}% wide, so a change smaller than that reads within noise "
-        f"here. Its {blocks} blocks spread by {between:.1f}% (each block's own rounds by {within:.1f}%); if "
-        f"blocks keep spreading so (a rough guess from {blocks} blocks), {what}."
-    )
-    if needed is not None and needed > blocks and folder is not None and _resumable(folder):
-        note += f" Run it again with blocks={needed} and the same out ({str(folder)!r}): its {blocks} blocks count."
-    return note
+    if needed > blocks:
+        return needed, f"{setting('blocks', needed)} would narrow it to about ±{NOISY_BAND_PCT:.0f}%"
+    # the rounds' noise set the band, from few rounds (a wide t): longer blocks narrow it
+    return needed, "more steps per block, rather than more blocks, would narrow it"
 
 
 def _resumable(folder) -> bool:
@@ -524,9 +546,12 @@ def _columns_that_fit(columns: list[str], rows: list[ReaderRow], width: int) -> 
     return columns, left_out
 
 
-def results_text(table, width: int | None = None, colour: bool = False, folder=None) -> str:
+def results_text(
+    table, width: int | None = None, colour: bool = False, folder=None, command_line: bool = False
+) -> str:
     """The reader's table of ``Results.table`` as aligned text, then its legend. Where it is
-    too wide for ``width``, the columns of GIVES_WAY_FIRST are left out, and a line says so."""
+    too wide for ``width``, the columns of GIVES_WAY_FIRST are left out, and a line says so.
+    ``command_line``: the noise note's settings spelled as flags."""
     width = width or TERMINAL_WIDTH
     columns, rows = reader_rows(table)
     columns, left_out = _columns_that_fit(columns, rows, width)
@@ -547,7 +572,7 @@ def results_text(table, width: int | None = None, colour: bool = False, folder=N
             width,
         )
     text += "\n\n" + textwrap.fill(legend(rows), width)
-    if note := noise_note(table, folder):
+    if note := noise_note(table, folder, command_line):
         text += "\n" + textwrap.fill(note, width)
     return text
 
