@@ -92,11 +92,17 @@ def ensure_built(images_per_class: int = IMAGES_PER_CLASS, size: int = SIZE) -> 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m workbench.datasets.jpeg", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", required=True, help="folder to create (must not exist)")
     parser.add_argument("--images-per-class", type=int, default=IMAGES_PER_CLASS)
     parser.add_argument("--size", type=int, default=SIZE, help="side of each square image, in pixels")
     parser.add_argument("--quality", type=int, default=90, help="JPEG quality")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(build(args.out, args.images_per_class, args.size, args.quality, args.seed))
+    root = build(args.out, args.images_per_class, args.size, args.quality, args.seed)
+    print(
+        f"wrote {len(CLASSES)} classes x {args.images_per_class} JPEG files of {args.size} px in {root}; "
+        f"train on them with --data jpeg-folder:{root} (or data='jpeg-folder:{root}')"
+    )

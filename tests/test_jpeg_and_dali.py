@@ -49,6 +49,24 @@ def copy_of(folder, tmp_path):
 # ----- the folder and its scan -------------------------------------------------------------
 
 
+def test_the_dataset_command_says_what_it_wrote_and_how_to_train_on_it(tmp_path):
+    """`python -m workbench.datasets.jpeg` printed a bare path, and its usage line named jpeg.py."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "photos"
+    command = [sys.executable, "-m", "workbench.datasets.jpeg", "--out", str(out), "--images-per-class", "2"]
+    done = subprocess.run([*command, "--size", "16"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"wrote 6 classes x 2 JPEG files of 16 px in {out}; train on them with --data jpeg-folder:{out} "
+        f"(or data='jpeg-folder:{out}')"
+    )
+    assert len(list(out.glob("*/*.jpg"))) == 12
+    usage = subprocess.run([*command[:3], "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert usage.startswith("usage: python -m workbench.datasets.jpeg")
+
+
 def test_scan_lists_classes_in_sorted_order_with_matching_labels(folder):
     images = scan(JpegFolder(str(folder), size=CROP))
     assert images.classes == sorted(jpeg.CLASSES)
@@ -137,6 +155,35 @@ def test_corrupt_files_are_skipped_and_counted(copy_of):
     assert {str(p) for p in bad}.isdisjoint(images.files)
     assert {Path(f) for f, _ in images.skipped} == set(bad)
     assert images.note().startswith("2 corrupt JPEG file(s) left out")
+
+
+def test_the_command_line_says_corrupt_files_were_skipped_in_one_line(copy_of, capsys):
+    """The warning came out as Python's, with workbench's source file and line and the line of code."""
+    from workbench.cli import main
+
+    root = copy_of()
+    _corrupt(root)
+    argv = [
+        "ablate",
+        "--model",
+        "resnet-mini",
+        "--data",
+        f"jpeg-folder:{root}",
+        "-t",
+        "channels_last",
+        "--dry-run",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    said = capsys.readouterr().err
+    assert said.startswith(
+        f"workbench: warning: jpeg-folder '{root}': skipped 2 corrupt JPEG file(s) of 96"
+    ), said
+    assert "UserWarning" not in said and ".py:" not in said
+    assert (
+        said.count("skipped 2 corrupt") == 1
+    )  # the folder scanned once, though checked twice (plan, then out)
 
 
 def test_corrupt_files_raise_naming_the_file_when_asked(copy_of):

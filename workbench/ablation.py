@@ -435,14 +435,19 @@ def read_record(path: Path, what: str) -> Any:
         ) from None
 
 
-def check_before_run(arguments: Mapping[str, Any]) -> None:
+def check_before_run(arguments: Mapping[str, Any]):
     """Refuse now what ``ablate(**arguments)`` would refuse once started: bad settings, as
     ``plan`` does, and an ``out`` that is a file, a folder of another run (unless
-    ``overwrite``) or of the user's files, or one inside another run's folder. The panel asks
-    before it starts a run, so that the refusal comes at once, not from the run's thread; the
-    job is prepared once for both."""
+    ``overwrite``) or of the user's files, or one inside another run's folder; else return the
+    plan, as ``plan`` gives it. The panel asks before it starts a run, so that the refusal comes
+    at once, not from the run's thread, and the CLI's dry run, so that it passes only what the run
+    would; the job is prepared once (its data scanned once) for both checks."""
     prepared = _prepare_plan(**plan_arguments(arguments))
-    out = arguments.get("out")
+    _check_the_out(prepared, arguments.get("out"), bool(arguments.get("overwrite")))
+    return _plan_table(prepared)
+
+
+def _check_the_out(prepared: Prepared, out: Any, overwrite: bool) -> None:
     if out is None or out is False or out is True:  # a new folder, or none
         return
     folder = ResultsFolder(out)  # "~" expanded, as the run will
@@ -451,7 +456,7 @@ def check_before_run(arguments: Mapping[str, Any]) -> None:
         return
     _refuse_a_file(folder)
     folder.refuse_if_in_use()  # as lock() would: not the other run's half-written files, misread
-    if arguments.get("overwrite"):
+    if overwrite:
         folder.refuse_to_clear_foreign()  # what clear() would refuse, in its words
         return
     _refuse_the_folder(folder, _fingerprint(prepared))
@@ -649,10 +654,14 @@ def plan(
 
     {run_options}
     """
+    # repeats= warned of here, so that the warning names the caller's line (stacklevel)
+    return _plan_table(_prepare_plan(model, data, loss_fn, techniques, **_blocks_from(settings, repeats)))
+
+
+def _plan_table(prepared: Prepared):
+    """``plan``'s table of a prepared ablation, its settings in ``attrs["config"]``."""
     import pandas as pd
 
-    # repeats= warned of here, so that the warning names the caller's line (stacklevel)
-    prepared = _prepare_plan(model, data, loss_fn, techniques, **_blocks_from(settings, repeats))
     blocks = prepared.run.blocks
     rows = [{**arm.record(), "blocks": 0 if arm.unavailable else blocks} for arm in prepared.arms]
     for row in rows:  # a text column with nothing to say holds "", as in Results.table

@@ -6,6 +6,7 @@ Bad input ends with one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -15,6 +16,7 @@ import signal
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -374,11 +376,10 @@ def _run_ablate(args: argparse.Namespace) -> int:
     settings |= run_settings(args)
     settings["techniques"] = _techniques(args, preset)
     if args.dry_run:
-        from workbench.ablation import check_before_run, plan_arguments
+        from workbench.ablation import check_before_run
 
         # the folder too: a dry run that passes where the run would be refused tells the user nothing
-        check_before_run({**settings, "out": args.out, "overwrite": args.overwrite})
-        print(format_plan(wb.plan(**plan_arguments(settings))))
+        print(format_plan(check_before_run({**settings, "out": args.out, "overwrite": args.overwrite})))
         return 0
     from workbench.progress import describe_plan
 
@@ -605,15 +606,36 @@ def _raise_terminated(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _own_warnings_in_one_line():
+    """A warning of workbench's own (a corrupt JPEG skipped) printed as the command prints its
+    errors, "workbench: warning: ...", not with the Python file and line that raised it; other
+    packages' warnings keep Python's format, which says where to look."""
+    import workbench.datasets
+
+    ours = [Path(__file__).resolve().parent, *(Path(p).resolve() for p in workbench.datasets.__path__)]
+    with warnings.catch_warnings():  # the caller's showwarning again afterwards (main from Python)
+        python_format = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not any(Path(filename).resolve().is_relative_to(root) for root in ours):
+                return python_format(message, category, filename, lineno, file, line)
+            print(f"workbench: warning: {message}", file=file or sys.stderr, flush=True)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
-    if threading.current_thread() is not threading.main_thread():  # only it is given signals
-        return _main(argv)
-    _terminated.clear()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        return _main(argv)
-    finally:  # main() called from Python (a test, a script) leaves the caller's handler as it was
-        signal.signal(signal.SIGTERM, previous)
+    with _own_warnings_in_one_line():
+        if threading.current_thread() is not threading.main_thread():  # only it is given signals
+            return _main(argv)
+        _terminated.clear()
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            return _main(argv)
+        finally:  # main() called from Python (a test, a script) leaves the caller's handler as it was
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: list[str] | None) -> int:
