@@ -477,6 +477,9 @@ def test_compare_matches_arms_and_gives_the_ratio_with_its_interval(tmp_path):
     figure = comparison.plot(tmp_path / "compare.png")
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert len(figure.axes[0].get_legend().get_texts()) == 2
+    # The last row had no room below it (its label sat on the x axis), and an absent arm's slot was blank.
+    assert figure.axes[0].get_ylim() == (3.5, -0.5)
+    assert [text.get_text() for text in figure.axes[0].texts] == ["before: absent"]
 
 
 def test_compare_says_when_the_runs_differ_and_refuses_bad_input(tmp_path):

@@ -255,6 +255,7 @@ class Comparison:
 
 def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
     from matplotlib import colormaps
+    from matplotlib.transforms import blended_transform_factory
 
     table, names = comparison.table, comparison.names
     palette = colormaps["tab10"]
@@ -270,13 +271,19 @@ def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
         errors = np.clip([point[shown] - low[shown], high[shown] - point[shown]], 0, None)
         axes.errorbar(point[shown], y[shown], xerr=errors, fmt="o", color=palette(index % 10),
                       capsize=3, label=name)  # fmt: skip
+        # Where it has no point, the run says why in its slot ("absent", "failed"), not a blank.
+        at_the_left = blended_transform_factory(axes.transAxes, axes.transData)
+        for row in np.flatnonzero(~shown):
+            axes.text(0.01, y[row], f"{name}: {table[f'{name} verdict'].iloc[row]}", transform=at_the_left,
+                      fontsize=8, va="center", color=palette(index % 10))  # fmt: skip
         lows += list(low)
         highs += list(high)
     axes.axvline(1.0, color="0.4", linewidth=1)
     axes.set_xscale("log")
     readable_log_ticks(axes, lows, highs)
     axes.set_yticks(np.arange(len(table)), table["arm"])
-    axes.invert_yaxis()
+    # Every row half a row of room each side, first at the top: the last one's label sat on the x axis.
+    axes.set_ylim(len(table) - 0.5, -0.5)
     axes.set_xlabel("speedup vs each run's own baseline (95% interval, log scale)")
     axes.grid(axis="x", alpha=0.3)
     # Above the axes, never over the points.
