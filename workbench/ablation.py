@@ -671,9 +671,8 @@ def _plan_table(prepared: Prepared):
         row["own_process"] = row["own_process"] or ""
     columns = ["name", "role", "process", "techniques", "unavailable", "own_process", "blocks"]
     table = pd.DataFrame(rows)[columns]
-    table.attrs["config"] = (
-        prepared.config
-    )  # the settings as the run would take them (a preset's, the device)
+    # the settings as the run would take them (a preset's, the device), for the CLI's dry run
+    table.attrs["config"] = prepared.config
     return table
 
 

@@ -263,6 +263,7 @@ def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
     axes = figure.add_subplot(1, 1, 1)
     step = 0.8 / len(names)
     lows, highs = [], []
+    at_the_left = blended_transform_factory(axes.transAxes, axes.transData)
     for index, name in enumerate(names):
         y = np.arange(len(table)) + (index - (len(names) - 1) / 2) * step
         point, low, high = (table[f"{name} {part}"].to_numpy(float) for part in ("speedup", "low", "high"))
@@ -272,7 +273,6 @@ def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
         axes.errorbar(point[shown], y[shown], xerr=errors, fmt="o", color=palette(index % 10),
                       capsize=3, label=name)  # fmt: skip
         # Where it has no point, the run says why in its slot ("absent", "failed"), not a blank.
-        at_the_left = blended_transform_factory(axes.transAxes, axes.transData)
         for row in np.flatnonzero(~shown):
             axes.text(0.01, y[row], f"{name}: {table[f'{name} verdict'].iloc[row]}", transform=at_the_left,
                       fontsize=8, va="center", color=palette(index % 10))  # fmt: skip
