@@ -342,8 +342,8 @@ def format_plan(table) -> str:
     """The dry run's table: what runs, one left-aligned row per arm, then why arms run alone or not at all."""
     shown = table[["name", "role", "process", "blocks", "techniques"]]
     widths = {column: max(len(column), *(len(str(v)) for v in shown[column])) for column in shown}
-    lines = [_plan_settings(table.attrs["config"]), ""] if "config" in table.attrs else []
-    lines += ["  ".join(f"{column:<{widths[column]}}" for column in shown)]
+    lines = [_plan_settings(table.attrs["config"]), ""]
+    lines.append("  ".join(f"{column:<{widths[column]}}" for column in shown))
     lines += [
         "  ".join(f"{str(v):<{widths[c]}}" for c, v in zip(shown, row, strict=True))
         for row in shown.itertuples(index=False)
@@ -611,19 +611,27 @@ def _own_warnings_in_one_line():
     """A warning of workbench's own (a corrupt JPEG skipped) printed as the command prints its
     errors, "workbench: warning: ...", not with the Python file and line that raised it; other
     packages' warnings keep Python's format, which says where to look."""
-    import workbench.datasets
-
-    ours = [Path(__file__).resolve().parent, *(Path(p).resolve() for p in workbench.datasets.__path__)]
     with warnings.catch_warnings():  # the caller's showwarning again afterwards (main from Python)
         python_format = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if not any(Path(filename).resolve().is_relative_to(root) for root in ours):
+            if not any(Path(filename).resolve().is_relative_to(root) for root in _workbench_folders()):
                 return python_format(message, category, filename, lineno, file, line)
             print(f"workbench: warning: {message}", file=file or sys.stderr, flush=True)
 
         warnings.showwarning = show
         yield
+
+
+def _workbench_folders() -> list[Path]:
+    """The package's folder and its datasets' (a folder of its own in a source checkout), found
+    without running workbench.datasets, which imports numpy: asked only when a warning is shown,
+    not at every command's start."""
+    import importlib.util
+
+    datasets = importlib.util.find_spec("workbench.datasets")
+    inside = datasets.submodule_search_locations if datasets is not None else []
+    return [Path(__file__).resolve().parent, *(Path(p).resolve() for p in inside or [])]
 
 
 def main(argv: list[str] | None = None) -> int:
