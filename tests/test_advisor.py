@@ -301,3 +301,13 @@ def test_on_cuda_gpt_mini_profiles_its_float32_matmul_kernels_and_amp_is_worth_a
         s.technique: s.at_most for s in suggestions(facts, {"amp": None, "tf32": None}) if s.part == "compute"
     }
     assert ceilings["amp"] >= ceilings["tf32"] > 1.0, ceilings
+
+
+def test_the_advisors_progress_bar_is_named_advise(capsys):
+    """The advisor runs an ablation of the baseline alone; its bar said "ablate", which the user
+    never asked for."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))] * 8
+    wb.advise(_tiny_mlp, batches, steps=10, warmup=2, batch_size=8, device="cpu", profile_steps=1)
+    bar = capsys.readouterr().err
+    assert "advise:" in bar and "ablate" not in bar, bar

@@ -331,10 +331,10 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
 ):
     out = tmp_path / "search"
     budget = SEARCH_BUDGET_S
-    res = wb.tune(
-        PausingNet, batches(), budget_s=budget, techniques=known_techniques, out=out, **RUN, **QUIET
-    )
+    res = wb.tune(PausingNet, batches(), budget_s=budget, techniques=known_techniques, out=out, **RUN)
     assert res.best == {"no_pause": {}}
+    bars = capsys.readouterr().err  # each run's bar names its part of the search, not "ablate"
+    assert "tune: calibrate:" in bars and "tune: round 1:" in bars and "ablate" not in bars, bars
     tune = res.record["tune"]
     assert tune["best"]["speedup_low"] > 1.5  # the pause is most of the step
     by_name = {c["name"]: c for c in tune["candidates"]}

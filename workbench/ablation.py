@@ -546,6 +546,30 @@ def ablate(
     this; each arm then spans all of torchrun's ranks (``world_size`` is theirs), and rank 0
     alone keeps the results and shows progress.
     """
+    return run_ablation(
+        model, data, loss_fn, techniques, settings, out=out, progress=progress, overwrite=overwrite,
+        retry_failed=retry_failed, on_event=on_event, stop=stop, repeats=repeats,
+    )  # fmt: skip
+
+
+def run_ablation(
+    model: Any,
+    data: Any,
+    loss_fn: Callable | None,
+    techniques: Mapping[str, Any] | None,
+    settings: dict[str, Any],
+    *,
+    out: str | Path | None | bool,
+    progress: bool,
+    overwrite: bool,
+    retry_failed: bool,
+    on_event: Callable[[dict], None] | None,
+    stop: threading.Event | None,
+    repeats: int | None = None,
+    bar_label: str = "ablate",
+) -> Results:
+    """``wb.ablate``'s work, with its arguments as it takes them; ``bar_label`` names the
+    progress bar (wb.advise runs an ablation of the baseline alone, under its own name)."""
     if on_event is not None and not callable(on_event):
         raise ValueError(f"ablate: on_event must be a function that takes one event dict; got {on_event!r}")
     if stop is not None and not callable(getattr(stop, "is_set", None)):
@@ -570,7 +594,9 @@ def ablate(
             out, progress, on_event = False, False, None
     run = RunConfig.from_options("ablate", settings, also=ABLATE_ONLY)
     prepared = prepare(model, data, loss_fn, techniques, run)
-    return _run_in_folder(prepared, out, overwrite, retry_failed, progress, on_event, stop, launcher)
+    return _run_in_folder(
+        prepared, out, overwrite, retry_failed, progress, on_event, stop, launcher, bar_label
+    )
 
 
 def _run_in_folder(
@@ -582,8 +608,10 @@ def _run_in_folder(
     on_event: Callable[[dict], None] | None,
     stop: threading.Event | None,
     launcher: Torchrun | None,
+    bar_label: str = "ablate",
 ) -> Results:
-    """Run a prepared ablation into ``out`` (False: a temporary folder, removed afterwards)."""
+    """Run a prepared ablation into ``out`` (False: a temporary folder, removed afterwards).
+    ``bar_label``: the progress bar's name for what runs (wb.advise's and wb.tune's runs say theirs)."""
     temporary = None
     if out is False:
         temporary = tempfile.TemporaryDirectory(prefix="workbench-")
@@ -606,7 +634,7 @@ def _run_in_folder(
             kept=temporary is None,
             launcher=launcher,
         )
-        results = runner.run(progress)
+        results = runner.run(progress, bar_label)
     finally:
         if folder is not None:
             folder.unlock()
@@ -815,7 +843,7 @@ class _Runner:
 
     # --- running ----------------------------------------------------------------------------
 
-    def run(self, progress: bool) -> Results:
+    def run(self, progress: bool, bar_label: str = "ablate") -> Results:
         run = self.run_config
         planned = max(self._planned(), len(self.done))
         plan_event = {
@@ -839,10 +867,10 @@ class _Runner:
             print(describe_plan(plan_event), flush=True)
         here = not self._on_slurm()
         if here:
-            bar = Progress(progress, total=planned, already=len(self.done))
+            bar = Progress(progress, total=planned, already=len(self.done), label=bar_label)
         else:  # the bar counts blocks (a Slurm job is one block)
             done = run.blocks - len(self._blocks_not_done())
-            bar = Progress(progress, total=run.blocks, already=done, unit="block")
+            bar = Progress(progress, total=run.blocks, already=done, unit="block", label=bar_label)
         stopped = False
         try:
             if here:

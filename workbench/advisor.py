@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from workbench.ablation import ablate
+from workbench.ablation import run_ablation
 from workbench.config import ADVISOR_FIXES, MEMORY_LIMIT, NothingMeasured, RunConfig, takes_run_options
 from workbench.data import resolve_data
 from workbench.devices import cpu_lacks_native
@@ -564,17 +564,10 @@ def advise(
         if name in settings and settings[name] != value:
             raise ValueError(f"advise: {name} is fixed at {value!r} (one block of the baseline alone)")
     settings = {**settings, **ADVISOR_FIXES, "profile_steps": settings.get("profile_steps") or PROFILE_STEPS}
-    results = ablate(
-        model,
-        data,
-        loss_fn,
-        techniques={},
-        out=False,
-        progress=progress,
-        on_event=on_event,
-        stop=stop,
-        **settings,
-    )
+    results = run_ablation(
+        model, data, loss_fn, {}, settings, out=False, progress=progress, overwrite=False,
+        retry_failed=False, on_event=on_event, stop=stop, bar_label="advise",
+    )  # fmt: skip
     if not results.complete:
         raise NothingMeasured(
             "advise: the baseline's run was stopped before it finished; nothing to advise on"

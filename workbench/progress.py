@@ -60,14 +60,15 @@ def describe_plan(event: dict) -> str:
 
 
 class Progress:
-    """A tqdm.auto bar over the processes to run, with the block, arm and phase in flight."""
+    """A tqdm.auto bar over the processes to run, with the block, arm and phase in flight.
+    ``label``: what runs, as the bar's first word (``ablate``, ``advise``, a tuner's round)."""
 
-    def __init__(self, enabled: bool, total: int, already: int, unit: str = "process"):
+    def __init__(self, enabled: bool, total: int, already: int, unit: str = "process", label: str = "ablate"):
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=already, desc="ablate", unit=unit, dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=already, desc=label, unit=unit, dynamic_ncols=True)
 
     def show(self, text: str) -> None:
         if self.bar is not None:

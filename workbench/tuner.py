@@ -528,7 +528,7 @@ class _Search:
                 **{**self.run_config.to_json(), "blocks": 1, "control": False, "isolate": False}
             )
             calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False, False,
-                                         False, self.progress, None, None, None)  # fmt: skip
+                                         False, self.progress, None, None, None, "tune: calibrate")  # fmt: skip
         self._learn_calibration(calibration, time.monotonic() - began, list(costly))
         self._price_candidates()
 
@@ -724,7 +724,10 @@ class _Search:
         where = self.folder.nest(sub)  # an ablation's folder of its own, inside the search's
         self.state["rounds"][index]["folder"] = sub
         try:
-            results = _run_in_folder(prepared, where, False, False, self.progress, watch, deadline, None)
+            round_label = f"tune: round {index + 1}"  # the progress bar's name
+            results = _run_in_folder(
+                prepared, where, False, False, self.progress, watch, deadline, None, round_label
+            )
         finally:
             timer.cancel()
             deadline.set()  # ends the relay thread
