@@ -57,6 +57,26 @@ def test_recommendations_are_ranked_by_their_ceiling_and_each_says_why():
     assert "On a CPU" in advice.caveats[0]
 
 
+def test_the_advice_as_text_wraps_its_reasons_and_speaks_the_command_lines_flags():
+    """`workbench advise` printed each reason and caveat as one line of several hundred
+    characters, with the API's keywords ("threads=1") where the user had typed flags."""
+    from workbench.cli import _parser, in_cli_terms
+
+    advice = build_advice(_facts(data_ms=0.5, overhead_ms=7.6, matmul_ms=1.5), EVERYTHING)
+    advice.caveats.append("other processes ran; compare at one thread (threads=1)")
+    advice.caveats.append("a flag or a path is never cut at its hyphen: " + "--data jpeg-folder:PATH " * 9)
+    args = _parser().parse_args(["advise"])
+    text = advice.summary(80, spell=lambda message: in_cli_terms(message, args))
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert not any(line.endswith("-") for line in text.splitlines()), text
+    assert "(--threads 1)" in text and "threads=1" not in text
+    said = " ".join(text.split())  # every reason is still there, whatever its line breaks
+    for why in [*advice.recommendations.why, *advice.not_recommended.why]:
+        assert " ".join(why.split()) in said
+    unwrapped = advice.summary()  # the notebook's <pre>: as it always was
+    assert "(threads=1)" in unwrapped and any(len(line) > 80 for line in unwrapped.splitlines())
+
+
 def test_dataloader_workers_fit_the_cores_this_job_may_use(monkeypatch):
     facts = _facts(data_ms=7.0)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)  # taskset to 2 cores

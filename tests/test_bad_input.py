@@ -242,8 +242,10 @@ def test_cli_errors_name_the_flag_not_the_keyword():
         "out='/tmp/x' holds a different ablation; choose another out, or pass overwrite=True to discard it"
     )
     assert in_cli_terms(message, args) == (
-        "--out '/tmp/x' holds a different ablation; choose another out, or pass --overwrite to discard it"
+        "--out /tmp/x holds a different ablation; choose another out, or pass --overwrite to discard it"
     )
+    # A string's value as a shell takes it: quoted only where it has to be.
+    assert in_cli_terms("out='/tmp/my runs' holds", args) == "--out '/tmp/my runs' holds"
     # A technique's own option keeps its name: grad_accum's steps is not the run's --steps.
     message = "grad_accum: steps=1000 exceeds batch_size=32; every micro-batch needs at least one sample"
     assert in_cli_terms(message, args).startswith("grad_accum: steps=1000 exceeds --batch-size 32;")

@@ -102,10 +102,12 @@ def test_a_wide_noise_band_says_what_it_hides_and_about_how_many_blocks_would_na
     )
 
 
-def test_the_noise_note_on_the_command_line_spells_its_settings_as_flags(tmp_path, capsys):
-    """`workbench show` said "Run it again with blocks=9 and the same out (...)", which a shell user
-    cannot type; the API's keywords stay in the notebook's and the report's."""
-    from workbench.cli import main
+def test_the_command_line_spells_the_summarys_settings_as_flags(tmp_path, capsys):
+    """`workbench show` said "Run it again with blocks=9 and the same out (...)", and its warnings
+    "compare at one thread (threads=1)", which a shell user cannot type; the API's keywords stay
+    in the notebook's and the report's. The wording is changed before the text is wrapped, so
+    the lines still fit."""
+    from workbench.cli import _parser, ablate_spelling, main
     from workbench.results_folder import ResultsFolder
 
     run = ResultsFolder(tmp_path / "run")
@@ -113,18 +115,24 @@ def test_the_noise_note_on_the_command_line_spells_its_settings_as_flags(tmp_pat
     run.file("plan.json").write_text("{}")
     run.unlock()
     noisy = _with_control_spread(0.914, 1.099, 3.71, 3.0, path=run.path)
-    said = " ".join(noisy.summary(width=200, command_line=True).split())
-    assert (
-        f"--blocks 9 would narrow it to about ±3%. Run it again with --blocks 9 and the same --out {run.path}:"
-        in said
-    )
-    assert "blocks=" not in said
-    hopeless = " ".join(_with_control_spread(0.6, 1.6, 20.0, 5.0).summary(command_line=True).split())
-    assert "even --blocks 30 would leave it" in hopeless and "(--threads 1)" in hopeless
+    noisy.record["load"] = {"warning": "other processes ran; compare at one thread (threads=1)"}
     noisy.save(tmp_path / "saved")
     capsys.readouterr()
     assert main(["show", str(tmp_path / "saved")]) == 0
-    assert "--blocks 9 would narrow it" in " ".join(capsys.readouterr().out.split())
+    shown = capsys.readouterr().out
+    assert "--blocks" in shown and max(len(line) for line in shown.splitlines()) <= 80
+    said = " ".join(shown.split())
+    assert "(--threads 1)" in said and "threads=1" not in said and "blocks=" not in said
+    assert "--blocks 9 would narrow it to about ±3%" in said
+    # In the folder a rerun resumes (a run's own, as `workbench ablate` prints it): its --out.
+    spelling = ablate_spelling(_parser().parse_args(["show", str(run.path)]))
+    said = " ".join(noisy.summary(width=200, spell=spelling).split())
+    assert (
+        f"Run it again with --blocks 9 and the same --out {shlex.quote(str(run.path))}: its 3 blocks count."
+        in said
+    )
+    hopeless = _with_control_spread(0.6, 1.6, 20.0, 5.0)
+    assert "blocks=30" in hopeless.summary() and "(threads=1)" in hopeless.summary()
 
 
 def test_the_noise_note_says_a_rerun_into_the_same_folder_adds_blocks_where_it_would(tmp_path):
@@ -136,7 +144,7 @@ def test_the_noise_note_says_a_rerun_into_the_same_folder_adds_blocks_where_it_w
     run.unlock()
     copy = tmp_path / "copy"  # its results saved elsewhere: no plan to resume
     copy.mkdir()
-    rerun = f"Run it again with blocks=9 and the same out ({str(tmp_path / 'run')!r}): its 3 blocks count."
+    rerun = f"Run it again with blocks=9 and the same out={str(tmp_path / 'run')!r}: its 3 blocks count."
     said = " ".join(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=run.path).summary(width=200).split())
     assert rerun in said
     said = " ".join(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=copy).summary(width=200).split())

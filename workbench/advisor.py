@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -332,19 +333,42 @@ class Advice:
             mapping.setdefault(row.technique, row.settings)
         return mapping
 
-    def summary(self) -> str:
+    def summary(self, width: int | None = None, spell: Callable[[str], str] | None = None) -> str:
+        """The bottleneck, its evidence, what is recommended and not, and the caveats. ``width``:
+        wrap the reasons and caveats at that many columns (unwrapped unless given). ``spell``:
+        rewords each reason and caveat first (the CLI names its flags for the API's keywords)."""
+        spell = spell or (lambda text: text)
+
+        def wrapped(text: str, indent: str = "") -> list[str]:
+            text = spell(text)
+            if width is None:
+                return [indent + text]
+            return textwrap.wrap(
+                text, width, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False
+            )
+
         lines = [f"bottleneck: {self.bottleneck}", ""]
+        named = max((len(figure) for figure in self.evidence.figure), default=0)
         for row in self.evidence.itertuples():
             value = f"{row.value:,.1f}" if math.isfinite(row.value) else "-"
-            lines.append(f"  {row.figure:34s} {value:>10s} {row.unit:10s} {row.meaning}")
+            figure = f"  {row.figure:{named}s} {value:>10s} {row.unit:10s} "
+            if width is None:
+                lines.append(figure + row.meaning)
+            else:  # the meaning wraps in its own column
+                meaning = textwrap.wrap(
+                    row.meaning, max(width - len(figure), 20), break_on_hyphens=False
+                ) or [""]
+                lines += [figure + meaning[0], *(" " * len(figure) + more for more in meaning[1:])]
         lines += ["", "recommended (best first; 'at most' is Amdahl's ceiling from the shares above):"]
         for row in self.recommendations.itertuples():
-            lines.append(f"  {row.technique} {row.settings}: {_gain(row)}; {row.why}")
+            lines += wrapped(f"{row.technique} {row.settings}: {_gain(row)}; {row.why}", "  ")
         if self.recommendations.empty:
             lines.append("  nothing available here attacks this bottleneck")
         lines += ["", "not recommended:"]
-        lines += [f"  {row.technique}: {row.why}" for row in self.not_recommended.itertuples()]
-        lines += ["", *self.caveats]
+        for row in self.not_recommended.itertuples():
+            lines += wrapped(f"{row.technique}: {row.why}", "  ")
+        for caveat in self.caveats:  # each after a blank line: several run together otherwise
+            lines += ["", *wrapped(caveat)]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -6,17 +6,20 @@ Bad input ends with one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import difflib
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import textwrap
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -400,7 +403,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
     from workbench.results_view import terminal_width, use_colour
 
     print()
-    print(results.summary(width=terminal_width(), colour=use_colour(), command_line=True))
+    print(results.summary(width=terminal_width(), colour=use_colour(), spell=ablate_spelling(args)))
     print(f"\nSaved results.json, table.csv, losses.csv, telemetry.csv and plot.png in {results.path}")
     return exit_code(results.table)
 
@@ -451,8 +454,10 @@ def _run_advise(args: argparse.Namespace) -> int:
         raise ValueError(f"advise: --plot writes a PNG image; name a .png file (got {args.plot})")
     plot_file = _check_output_file("--plot", args.plot, _advice_png) if args.plot else None
     advice = wb.advise(args.model, args.data, progress=not args.no_progress, **settings)
+    from workbench.results_view import terminal_width
+
     print()
-    print(advice.summary())
+    print(advice.summary(terminal_width(), spell=lambda message: in_cli_terms(message, args)))
     if json_file is not None:
         record = {"generator": ADVICE_GENERATOR, **advice.to_json()}
         from workbench.results_folder import write_text_atomic
@@ -478,8 +483,11 @@ def _run_tune(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print()
     # The last round's own warnings (a control off its A/A band, a busy machine) bear on its verdict.
+    from workbench.results_view import terminal_width
+
     for warning in results.warnings():
-        print(textwrap.fill(f"WARNING: {warning}", 100), end="\n\n")
+        said = in_cli_terms(warning, args)
+        print(textwrap.fill(f"WARNING: {said}", terminal_width(), break_on_hyphens=False), end="\n\n")
     print(_search_text(results))
     if results.best:
         print(f"\nResults.best: {json.dumps(results.best)}")
@@ -494,7 +502,7 @@ def _run_show(args: argparse.Namespace) -> int:
     saved = load_results(args.path)
     if "tune" in saved.record:  # a search: its last round's table, then what it found
         print("The search's last round:\n")
-    print(saved.summary(width=terminal_width(), colour=use_colour(), command_line=True))
+    print(saved.summary(width=terminal_width(), colour=use_colour(), spell=ablate_spelling(args)))
     if "tune" in saved.record:
         print(f"\n{_search_text(saved)}")
     return 0
@@ -549,10 +557,24 @@ def in_cli_terms(message: str, args: argparse.Namespace) -> str:
     message = re.sub(
         r"(?<![\w:.,-])(\w+)=True\b", lambda m: flags[m[1]] if m[1] in switches else m[0], message
     )
+    # keyword='a string' (a repr, "out='results/x'"): the flag, then the string as a shell takes it
+    message = re.sub(
+        r"(?<![\w:.,-])(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")",
+        lambda m: f"{flags[m[1]]} {shlex.quote(ast.literal_eval(m[2]))}" if m[1] in flags else m[0],
+        message,
+    )
     message = re.sub(
         r"(?<![\w:.,-])(\w+)=(?=\S)", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message
     )
     return re.sub(r"(?<![\w:.,=-])([a-z]+_\w+)\b(?!=)", lambda m: flags.get(m[1], m[1]), message)
+
+
+def ablate_spelling(args: argparse.Namespace) -> Callable[[str], str]:
+    """How a run's warnings and notes read on the command line, whichever command shows the run:
+    the API's keywords as ablate's flags (``blocks=9`` as ``--blocks 9``, ``threads=1`` as
+    ``--threads 1``), the flags a rerun would take."""
+    as_ablate = argparse.Namespace(command="ablate", command_parsers=args.command_parsers)
+    return lambda message: in_cli_terms(message, as_ablate)
 
 
 def exit_code(table) -> int:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -780,15 +781,24 @@ class Results:
         found += core_sync_states(fitting, self.record.get("units", []), self.record.get("arms"))
         return found
 
-    def summary(self, width: int | None = None, colour: bool = False, command_line: bool = False) -> str:
+    def summary(
+        self, width: int | None = None, colour: bool = False, spell: Callable[[str], str] | None = None
+    ) -> str:
         """The reader's table as text within ``width`` columns (80 unless given): each arm's
         verdict, speedup with its interval, throughput, step time, activations and loss parity;
         then why an arm did not run, and each arm's notes. ``colour``: ANSI colours for the verdicts.
-        ``command_line``: settings it suggests spelled as flags (the CLI's ``ablate`` and ``show``)."""
+        ``spell``: rewords the warnings and the noise note before they are wrapped; the CLI's
+        ``ablate`` and ``show`` pass one that names its flags (``--blocks 9``) for the API's
+        keywords (``blocks=9``)."""
         width = width or TERMINAL_WIDTH
+        spell = spell or (lambda text: text)
         table = self.table
-        text = "".join(textwrap.fill(f"WARNING: {warning}", width) + "\n\n" for warning in self.warnings())
-        text += results_text(table, width, colour, self.path, command_line)
+        text = "".join(
+            # not broken at hyphens: a flag ("--batch-size") or a path would be cut in two
+            textwrap.fill(f"WARNING: {spell(warning)}", width, break_on_hyphens=False) + "\n\n"
+            for warning in self.warnings()
+        )
+        text += results_text(table, width, colour, self.path, spell)
         text += "\n" + textwrap.fill(
             "activations: what autograd saved for backward (MiB). Every other column (peak memory, the "
             "step's phases, utilization, communication) is in Results.table and table.csv.",

@@ -16,6 +16,7 @@ import re
 import shutil
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -289,16 +290,12 @@ MOST_BLOCKS_SUGGESTED = 30
 FEWEST_BLOCKS_FOR_SPREAD = 3
 
 
-def noise_note(table, folder=None, command_line: bool = False) -> str | None:
+def noise_note(table, folder=None) -> str | None:
     """Where the control's band is wider than NOISY_BAND_PCT either side: what it hides, and about
     how many blocks would narrow it, if the blocks spread as this run's did (stats.blocks_for_half_width);
     from one block, that more blocks would measure the spread between processes at all.
-    ``folder``: where the run was saved, which a rerun with more blocks adds to. ``command_line``:
-    settings spelled as flags (``--blocks 9``), for ``workbench ablate`` and ``show``, not keywords."""
-
-    def setting(name: str, value) -> str:
-        return f"--{name} {value}" if command_line else f"{name}={value}"
-
+    ``folder``: where the run was saved, which a rerun with more blocks adds to. Settings are
+    named as the API's keywords (``blocks=9``); the CLI respells them as flags (cli.in_cli_terms)."""
     control = table[table.arm == "baseline (control)"]
     if control.empty:
         return None
@@ -315,25 +312,24 @@ def noise_note(table, folder=None, command_line: bool = False) -> str | None:
         needed = FEWEST_BLOCKS_FOR_SPREAD
         note += (
             "It comes from one block's rounds alone, with no spread between processes to go by: more steps "
-            f"per block narrow it, and {setting('blocks', needed)} or more would measure how processes differ too."
+            f"per block narrow it, and blocks={needed} or more would measure how processes differ too."
         )
     else:
         between, within = row.get("between_block_pct"), row.get("within_block_pct")
         if not math.isfinite(between):
             return None
-        needed, what = _blocks_that_would_narrow(between, within, blocks, setting)
+        needed, what = _blocks_that_would_narrow(between, within, blocks)
         note += (
             f"Its {blocks} blocks spread by {between:.1f}% (each block's own rounds by {within:.1f}%); if "
             f"blocks keep spreading so (a rough guess from {blocks} blocks), {what}."
         )
     if needed is not None and needed > blocks and folder is not None and _resumable(folder):
-        same = f"--out {folder}" if command_line else f"out ({str(folder)!r})"
         counted = f"its {blocks} blocks count" if blocks != 1 else "its block counts"
-        note += f" Run it again with {setting('blocks', needed)} and the same {same}: {counted}."
+        note += f" Run it again with blocks={needed} and the same out={str(folder)!r}: {counted}."
     return note
 
 
-def _blocks_that_would_narrow(between: float, within: float, blocks: int, setting) -> tuple[int | None, str]:
+def _blocks_that_would_narrow(between: float, within: float, blocks: int) -> tuple[int | None, str]:
     """How many blocks would bring the band to NOISY_BAND_PCT if they spread as these did (None:
     not even MOST_BLOCKS_SUGGESTED), and what to say of it."""
     from workbench.stats import blocks_for_half_width, projected_half_width_pct
@@ -341,12 +337,12 @@ def _blocks_that_would_narrow(between: float, within: float, blocks: int, settin
     needed = blocks_for_half_width(between, within, NOISY_BAND_PCT, MOST_BLOCKS_SUGGESTED)
     if needed is None:
         return None, (
-            f"even {setting('blocks', MOST_BLOCKS_SUGGESTED)} would leave it about "
+            f"even blocks={MOST_BLOCKS_SUGGESTED} would leave it about "
             f"±{projected_half_width_pct(between, within, MOST_BLOCKS_SUGGESTED):.1f}%: "
-            f"a quieter machine, or fewer threads than cores ({setting('threads', 1)}), would narrow it more"
+            f"a quieter machine, or fewer threads than cores (threads=1), would narrow it more"
         )
     if needed > blocks:
-        return needed, f"{setting('blocks', needed)} would narrow it to about ±{NOISY_BAND_PCT:.0f}%"
+        return needed, f"blocks={needed} would narrow it to about ±{NOISY_BAND_PCT:.0f}%"
     # the rounds' noise set the band, from few rounds (a wide t): longer blocks narrow it
     return needed, "more steps per block, rather than more blocks, would narrow it"
 
@@ -547,11 +543,15 @@ def _columns_that_fit(columns: list[str], rows: list[ReaderRow], width: int) -> 
 
 
 def results_text(
-    table, width: int | None = None, colour: bool = False, folder=None, command_line: bool = False
+    table,
+    width: int | None = None,
+    colour: bool = False,
+    folder=None,
+    spell: Callable[[str], str] | None = None,
 ) -> str:
     """The reader's table of ``Results.table`` as aligned text, then its legend. Where it is
     too wide for ``width``, the columns of GIVES_WAY_FIRST are left out, and a line says so.
-    ``command_line``: the noise note's settings spelled as flags."""
+    ``spell``: rewords the noise note before it is wrapped (the CLI's flags for the API's keywords)."""
     width = width or TERMINAL_WIDTH
     columns, rows = reader_rows(table)
     columns, left_out = _columns_that_fit(columns, rows, width)
@@ -572,8 +572,8 @@ def results_text(
             width,
         )
     text += "\n\n" + textwrap.fill(legend(rows), width)
-    if note := noise_note(table, folder, command_line):
-        text += "\n" + textwrap.fill(note, width)
+    if note := noise_note(table, folder):
+        text += "\n" + textwrap.fill(spell(note) if spell else note, width, break_on_hyphens=False)
     return text
 
 
