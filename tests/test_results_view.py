@@ -270,6 +270,12 @@ def test_a_table_too_wide_for_the_terminal_leaves_out_columns_rather_than_cut_na
     assert any(line.startswith("amp[dtype=") for line in lines)  # broken only between settings
     assert "MFU %" not in lines[0] and "step" not in lines[0] and "activ." in lines[0]
     assert "Left out to fit 80 characters: step ms, MFU %" in " ".join(text.split())
+    from workbench.cli import _parser, ablate_spelling  # a terminal has no summary(width=120)
+
+    said = " ".join(
+        results.summary(width=80, spell=ablate_spelling(_parser().parse_args(["show", "x"]))).split()
+    )
+    assert "step ms, MFU %; table.csv and `workbench report` show them." in said
     wide = results.summary(width=120)
     assert all(heading in wide.splitlines()[0] for heading in ("step", "MFU", "activ."))
     assert "Left out" not in wide

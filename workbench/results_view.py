@@ -542,6 +542,10 @@ def _columns_that_fit(columns: list[str], rows: list[ReaderRow], width: int) -> 
     return columns, left_out
 
 
+# Where the columns a narrow table leaves out can be read (the CLI names its own: cli.ablate_spelling).
+WHERE_ALL_COLUMNS_ARE = "table.csv, Results.table and summary(width=120) show them"
+
+
 def results_text(
     table,
     width: int | None = None,
@@ -551,7 +555,8 @@ def results_text(
 ) -> str:
     """The reader's table of ``Results.table`` as aligned text, then its legend. Where it is
     too wide for ``width``, the columns of GIVES_WAY_FIRST are left out, and a line says so.
-    ``spell``: rewords the noise note before it is wrapped (the CLI's flags for the API's keywords)."""
+    ``spell``: rewords the notes under the table before they are wrapped (the CLI's flags for the
+    API's keywords)."""
     width = width or TERMINAL_WIDTH
     columns, rows = reader_rows(table)
     columns, left_out = _columns_that_fit(columns, rows, width)
@@ -566,11 +571,8 @@ def results_text(
         ]
     text = text_table(headings, cells, numeric, width, paint=paint)
     if left_out:
-        text += "\n" + textwrap.fill(
-            f"Left out to fit {width} characters: {', '.join(left_out)}; table.csv, Results.table and "
-            "summary(width=120) show them.",
-            width,
-        )
+        said = f"Left out to fit {width} characters: {', '.join(left_out)}; {WHERE_ALL_COLUMNS_ARE}."
+        text += "\n" + textwrap.fill(spell(said) if spell else said, width, break_on_hyphens=False)
     text += "\n\n" + textwrap.fill(legend(rows), width)
     if note := noise_note(table, folder):
         text += "\n" + textwrap.fill(spell(note) if spell else note, width, break_on_hyphens=False)
