@@ -787,7 +787,7 @@ class Results:
         """The reader's table as text within ``width`` columns (80 unless given): each arm's
         verdict, speedup with its interval, throughput, step time, activations and loss parity;
         then why an arm did not run, and each arm's notes. ``colour``: ANSI colours for the verdicts.
-        ``spell``: rewords the warnings and the noise note before they are wrapped; the CLI's
+        ``spell``: rewords the warnings and the notes under the table before they are wrapped; the CLI's
         ``ablate`` and ``show`` pass one that names its flags (``--blocks 9``) for the API's
         keywords (``blocks=9``)."""
         width = width or TERMINAL_WIDTH
