@@ -445,3 +445,42 @@ def test_quickstart_panel_runs_live_in_a_real_browser(jupyter_lab):
         finally:
             page.screenshot(path=str(ARTIFACTS / "99-final.png"), full_page=True)
             browser.close()
+
+
+def test_the_report_fits_a_narrow_window_and_its_full_table_reads(tmp_path):
+    """In an 800 px window the report's results table spilled past the page (the loss column cut
+    off, its ! marks lost); opened, the full table squeezed an arm's note into its last column,
+    which made that row some 500 px tall, and its right-aligned headings sat off their columns."""
+    from helpers import result_row, synthetic_results
+
+    note = "samples/s, which counts every timed step, came out lower than its speedup says; " * 6
+    figures = dict(samples_per_s=77.7, step_ms=412.0, activation_mb=33.6, loss_vs_baseline=1.18)
+    rows = [
+        result_row("baseline", speedup=1.0, low=1.0, high=1.0, **figures),
+        result_row("baseline (control)", speedup=1.06, low=0.94, high=1.19, **figures),
+        result_row("grad_accum[steps=4]", speedup=0.67, low=0.30, high=1.49, **{**figures, "notes": note}),
+    ]
+    roles = {"baseline": "baseline", "baseline (control)": "control"}
+    report = synthetic_results(rows, roles).to_html(tmp_path / "report.html")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 800, "height": 1000})
+            page.goto(report.as_uri())
+            assert page.evaluate("document.documentElement.scrollWidth") <= 800  # no sideways page
+            page.click("details summary")
+            page.screenshot(path=str(ARTIFACTS / "report-800px.png"), full_page=True)
+            heights = page.evaluate(
+                "[...document.querySelectorAll('details tbody tr')].map(r => r.getBoundingClientRect().height)"
+            )
+            assert max(heights) < 1.5 * min(heights), heights  # one line per arm, the note's too
+            assert page.get_attribute("details td.wb-long", "title") == note  # whole on hover
+            offsets = page.evaluate(
+                """[...document.querySelectorAll('details thead th')].map((th, i) => Math.abs(
+                    th.getBoundingClientRect().left
+                    - document.querySelector(`details tbody tr td:nth-child(${i + 1})`).getBoundingClientRect().left))"""
+            )
+            assert max(offsets) < 2, offsets  # each heading starts where its column does
+        finally:
+            browser.close()

@@ -21,7 +21,7 @@ from workbench.config import Link, RunConfig, cli_flag, run_options
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
 from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours, write_text_atomic
-from workbench.results_view import results_html, search_html
+from workbench.results_view import results_html, resumable, search_html
 from workbench.techniques import get_technique, settings_of
 
 GENERATOR = "workbench report"  # in every report's <meta name="generator">: how we know one we wrote
@@ -75,7 +75,7 @@ def report_html(results) -> str:
         ),  # fmt: skip
         _section("Plots", _figure_img(results.plot(), "speedups, step-time breakdown and memory per arm")),
         _section("Notes per arm", _notes_html(results.table)),
-        _section("Reproduce", _reproduce_html(record)),
+        _section("Reproduce", _reproduce_html(record, results.path)),
         _section("Environment", _environment_html(record)),
     ]
     return (
@@ -94,6 +94,7 @@ h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28
   border-bottom: 1px solid #ddd; padding-bottom: 3px; }
 .wb-meta { color: #666; margin-top: 0; }
 img { max-width: 100%; height: auto; border: 1px solid #eee; }
+.wb-figure { overflow-x: auto; }
 pre { background: #f6f6f6; padding: 8px 10px; overflow-x: auto; white-space: pre-wrap;
   word-break: break-word; font-size: 12.5px; }
 table.wb-plain { border-collapse: collapse; font-size: 13px; }
@@ -122,6 +123,9 @@ def _when_and_state(record: dict) -> str:
     return f"created {record.get('created', '?')}; {state}; workers: {workers}"
 
 
+FIGURE_MIN_PX = 1000
+
+
 def _figure_img(figure, alt: str) -> str:
     """A matplotlib figure as an <img> whose PNG is inside the page (a data: URL)."""
     import matplotlib.pyplot as plt
@@ -130,7 +134,13 @@ def _figure_img(figure, alt: str) -> str:
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(figure)
     data = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+    # Never shrunk below FIGURE_MIN_PX (or its own width): in a narrow window its box scrolls
+    # instead, for at 800 px the results plot's legend and labels came out 5 px tall.
+    from PIL import Image
+
+    least = min(FIGURE_MIN_PX, Image.open(buffer).size[0])
+    image = f'<img alt="{html.escape(alt)}" style="min-width: {least}px" src="data:image/png;base64,{data}">'
+    return f'<div class="wb-figure">{image}</div>'
 
 
 def _notes_html(table) -> str:
@@ -180,12 +190,20 @@ def _environment_html(record: dict) -> str:
     return f'<table class="wb-plain">{rows}</table>'
 
 
-def _reproduce_html(record: dict) -> str:
+def _reproduce_html(record: dict, folder) -> str:
+    """The same ablation again, measured afresh (into a new folder); and, for a run in its own
+    folder, how to add blocks to it instead (the noise note may ask for that)."""
     command, python = reproduce(record)
-    parts = []
+    parts = ["<p>Each runs the same ablation again, afresh, into a new results folder.</p>"]
     if command is not None:
         parts.append(f"<p>From a shell:</p><pre>{html.escape(command)}</pre>")
     parts.append(f"<p>From Python:</p><pre>{html.escape(python)}</pre>")
+    if folder is not None and resumable(folder):
+        parts.append(
+            "<p>To add blocks to this run instead, run it with more blocks and this folder: "
+            f"<code>--blocks N --out {html.escape(shlex.quote(str(folder)))}</code> "
+            f"(<code>blocks=N, out={html.escape(repr(str(folder)))}</code>); the blocks it holds count.</p>"
+        )
     return "".join(parts)
 
 

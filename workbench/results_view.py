@@ -228,7 +228,8 @@ READER_CSS = """
   font-variant-numeric: tabular-nums; }
 .wb-results .wb-reader th, .wb-results .wb-reader td { padding: 3px 8px; text-align: right;
   white-space: nowrap; border-bottom: 1px solid #e2e2e2; }
-.wb-results .wb-reader th { border-bottom: 2px solid #999; vertical-align: bottom; }
+.wb-results .wb-reader th { border-bottom: 2px solid #999; vertical-align: bottom; white-space: normal; }
+.wb-results .wb-scroll { overflow-x: auto; max-width: 100%; }
 .wb-results .wb-reader .wb-text { text-align: left; }
 .wb-results .wb-reader td.wb-why-plain { white-space: normal; max-width: 32em; }
 .wb-results .wb-reader td.wb-why { white-space: normal; text-align: left; font-style: italic;
@@ -237,8 +238,11 @@ READER_CSS = """
 .wb-results .wb-warning { background: #fff4e0; border-left: 4px solid #e69500; padding: 4px 8px;
   margin: 4px 0; max-width: 60em; }
 .wb-results .wb-legend { color: #555; font-size: 12px; max-width: 60em; margin: 4px 0; }
-.wb-results details .wb-scroll { overflow-x: auto; max-width: 100%; }
-.wb-results details table { font-size: 12px; }
+.wb-results details table { font-size: 12px; border-collapse: collapse; }
+.wb-results details th { text-align: left; vertical-align: bottom; padding: 2px 6px; }
+.wb-results details td { vertical-align: top; padding: 2px 6px; white-space: nowrap; }
+.wb-results details td.wb-long { max-width: 36em; overflow: hidden; text-overflow: ellipsis; }
+.wb-results details td.wb-long:hover { white-space: normal; }
 """
 
 
@@ -265,13 +269,30 @@ def reader_table_html(columns: list[str], rows: list[ReaderRow]) -> str:
     return f'<table class="wb-reader"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
+LONG_CELL = 40  # characters: text longer than this (notes, reasons) is cut to one line, whole on hover
+
+
 def full_table_html(table) -> str:
-    """Every column of ``Results.table``, numbers written out in full, in a scrolling box."""
-    shown = table.copy()
-    for column in shown.columns:
-        if shown[column].dtype.kind == "f":
-            shown[column] = [plain_number(v) for v in shown[column]]
-    return f'<div class="wb-scroll">{shown.to_html(index=False, na_rep="-", border=0)}</div>'
+    """Every column of ``Results.table``, numbers written out in full, in a scrolling box, one
+    line per arm. Long text (an arm's notes, its reason) is cut to one line and shown whole under
+    the pointer: squeezed into the last of 45 columns, one note made its row 500 px tall. The
+    report lists the notes whole, and Results.table holds them."""
+    head = "".join(f"<th>{html.escape(str(column))}</th>" for column in table.columns)
+    body = "".join(
+        "<tr>" + "".join(map(_full_table_cell, row)) + "</tr>" for row in table.itertuples(index=False)
+    )
+    return f'<div class="wb-scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _full_table_cell(value) -> str:
+    import pandas as pd
+
+    if value is None or value is pd.NA or isinstance(value, (float, np.floating)):
+        return f"<td>{'-' if value is None or value is pd.NA else plain_number(float(value))}</td>"
+    text = html.escape(str(value))
+    if len(text) <= LONG_CELL:
+        return f"<td>{text}</td>"
+    return f'<td class="wb-long" title="{text}">{text}</td>'  # one line, cut; whole under the pointer
 
 
 def legend(rows: list[ReaderRow]) -> str:
@@ -323,7 +344,7 @@ def noise_note(table, folder=None) -> str | None:
             f"Its {blocks} blocks spread by {between:.1f}% (each block's own rounds by {within:.1f}%); if "
             f"blocks keep spreading so (a rough guess from {blocks} blocks), {what}."
         )
-    if needed is not None and needed > blocks and folder is not None and _resumable(folder):
+    if needed is not None and needed > blocks and folder is not None and resumable(folder):
         counted = f"its {blocks} blocks count" if blocks != 1 else "its block counts"
         note += f" Run it again with blocks={needed} and the same out={str(folder)!r}: {counted}."
     return note
@@ -347,7 +368,7 @@ def _blocks_that_would_narrow(between: float, within: float, blocks: int) -> tup
     return needed, "more steps per block, rather than more blocks, would narrow it"
 
 
-def _resumable(folder) -> bool:
+def resumable(folder) -> bool:
     """Whether ``folder`` holds an ablation that a rerun resumes (its manifest lists its plan), not a
     saved copy of its results or a search."""
     from workbench.results_folder import ResultsFolder
@@ -364,7 +385,9 @@ def results_html(table, warnings: list[str], folder=None) -> str:
     columns, rows = reader_rows(table)
     parts = [f"<style>{READER_CSS}</style>"]
     parts += [f'<p class="wb-warning">{html.escape(warning)}</p>' for warning in warnings]
-    parts.append(reader_table_html(columns, rows))
+    parts.append(
+        f'<div class="wb-scroll">{reader_table_html(columns, rows)}</div>'
+    )  # never wider than the page
     parts.append(f'<p class="wb-legend">{html.escape(legend(rows))}</p>')
     if note := noise_note(table, folder):
         parts.append(f'<p class="wb-legend">{html.escape(note)}</p>')
