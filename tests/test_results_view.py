@@ -149,6 +149,12 @@ def test_the_noise_note_says_a_rerun_into_the_same_folder_adds_blocks_where_it_w
     assert rerun in said
     said = " ".join(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=copy).summary(width=200).split())
     assert "blocks=9 would narrow it" in said and "Run it again" not in said
+    # The report's Reproduce starts afresh; for a run in its own folder, it says how to add blocks.
+    from workbench.report import report_html
+
+    own = report_html(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=run.path))
+    assert f"--blocks N --out {run.path}" in own and "afresh, into a new results folder" in own
+    assert "To add blocks" not in report_html(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=copy))
 
 
 def test_the_blocks_projection_follows_the_intervals_own_rule():

@@ -390,8 +390,9 @@ def _wall_clock_notes(speedup: float, paired: list[tuple[dict, dict]]) -> list[s
     if not (wall > 0 and speedup > 0) or abs(math.log(wall / speedup)) <= math.log1p(WALL_CLOCK_GAP):
         return []
     return [
-        f"samples/s, which counts every timed step, came out at {wall:.2f}x the baseline's against a speedup of "
-        f"{speedup:.2f}x from typical steps: steps stalled by something outside the job (another process, the "
+        f"samples/s, which counts every timed step, came out at {wall:.2f}x the baseline's inside the blocks "
+        "(the median of each block's ratio; the table's samples/s are each arm's median over blocks) against a "
+        f"speedup of {speedup:.2f}x from typical steps: steps stalled by something outside the job (another process, the "
         "host) cost this arm or the baseline more time by chance, and the speedup does not let such stalls move "
         "it (workbench.stats)"
     ]
