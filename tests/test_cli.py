@@ -66,7 +66,11 @@ def test_ablate_prints_the_table_and_writes_results_and_plot(tmp_path):
         "--no-progress",
     )
     assert done.returncode == 0, done.stderr
-    assert "Plan: 2 blocks; 3 arms side by side in one process per block; 2 processes" in done.stdout
+    plan = done.stdout.split("\n\n")[0]  # the plan's line, wrapped to the terminal's 80 columns
+    assert "Plan: 2 blocks; 3 arms side by side in one process per block; 2 processes" in " ".join(
+        plan.split()
+    )
+    assert max(len(line) for line in plan.splitlines()) <= 80, plan
     # The control's row: its name may wrap onto two lines in 80 columns; its verdict is "control".
     assert re.search(r"^baseline\s+control\s", done.stdout, re.MULTILINE), done.stdout
     assert "tf32: unavailable" in done.stdout
@@ -130,6 +134,10 @@ def test_a_plan_that_runs_no_technique_says_so():
     event = plan_event(treatment_unavailable="needs a CUDA device")
     assert describe_plan(event).endswith(
         "; no technique will run: the baseline alone. Results are kept in memory only (out=False)."
+    )
+    # wb.advise (and a search, which keeps its rounds itself) asked for no out: nothing to say of it.
+    assert describe_plan({**event, "label": "advise"}).endswith(
+        "; no technique will run: the baseline alone."
     )
     event["arms"].append({"role": "control", "unavailable": "", "process": "block"})
     assert (

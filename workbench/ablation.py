@@ -74,7 +74,7 @@ from workbench.environment import environment
 from workbench.loop import check_the_loss
 from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
-from workbench.progress import Progress, describe_plan
+from workbench.progress import Progress, print_plan
 from workbench.results import DID_NOT_RUN, SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
 from workbench.slurm import SlurmBlocks, attempt_folder, check_cluster, job_gpus
@@ -855,6 +855,7 @@ class _Runner:
             "processes": planned,
             "remaining": planned - len(self.done),
             "out": str(self.folder) if self.kept else None,
+            "label": bar_label,  # what runs: ablate, advise, or a part of a search
         }
         if self._on_slurm():
             plan_event["executor"] = "slurm"
@@ -864,7 +865,7 @@ class _Runner:
             plan_event["oversubscribed"] = oversubscription(run.threads, usable_cores(), ranks)
         self.on_event(plan_event)
         if progress:  # before the bar exists, so that the two never share a line
-            print(describe_plan(plan_event), flush=True)
+            print_plan(plan_event)
         here = not self._on_slurm()
         if here:
             bar = Progress(progress, total=planned, already=len(self.done), label=bar_label)

@@ -384,11 +384,11 @@ def _run_ablate(args: argparse.Namespace) -> int:
         # the folder too: a dry run that passes where the run would be refused tells the user nothing
         print(format_plan(check_before_run({**settings, "out": args.out, "overwrite": args.overwrite})))
         return 0
-    from workbench.progress import describe_plan
+    from workbench.progress import print_plan
 
-    def print_plan(event: dict) -> None:
+    def plan_without_the_bar(event: dict) -> None:
         if args.no_progress and event["type"] == "plan":  # with the bar on, ablate prints it itself
-            print(describe_plan(event), flush=True)
+            print_plan(event)
 
     results = wb.ablate(
         **settings,
@@ -396,7 +396,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         overwrite=args.overwrite,
         retry_failed=args.retry_failed,
-        on_event=print_plan,
+        on_event=plan_without_the_bar,
     )
     if results.path is None:  # under torchrun, ranks other than 0 keep nothing: rank 0 reports
         return 0

@@ -3,6 +3,7 @@ processes with the block, arm and phase in flight."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable, Mapping
 
 from workbench.worker import WINDOW_TARGET_S
@@ -54,9 +55,18 @@ def describe_plan(event: dict) -> str:
         text += f"; WARNING: {event['oversubscribed']}: threads will wait for cores, and steps measure that"
     if event["remaining"] < event["processes"]:
         text += f"; resuming: {event['processes'] - event['remaining']} processes already done"
-    return text + (
-        f". Results: {event['out']}" if event["out"] else ". Results are kept in memory only (out=False)."
-    )
+    if event["out"]:
+        return text + f". Results: {event['out']}"
+    if event.get("label", "ablate") == "ablate":  # wb.advise and wb.tune keep what they need themselves
+        return text + ". Results are kept in memory only (out=False)."
+    return text + "."
+
+
+def print_plan(event: dict) -> None:
+    """The plan's line, wrapped to the terminal's width: one line of 150 columns broke mid-word."""
+    from workbench.results_view import terminal_width
+
+    print(textwrap.fill(describe_plan(event), terminal_width(), break_on_hyphens=False), flush=True)
 
 
 class Progress:
