@@ -2,6 +2,7 @@
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -271,3 +272,40 @@ def test_advise_recognises_the_files_it_wrote(tmp_path):
     figure.savefig(tmp_path / "theirs.png")
     assert _advice_png(tmp_path / "ours.png") and not _advice_png(tmp_path / "theirs.png")
     assert not _advice_png(theirs)  # not an image at all
+
+
+def test_advise_ends_with_the_ablate_command_that_measures_its_advice(tmp_path, capsys):
+    """It recommended "compile {'mode': 'default'}", Python's words, which a shell user has to
+    translate into -t flags; and it wrote --json without saying so."""
+    from workbench.cli import _parser, main
+
+    advice_file = tmp_path / "advice.json"
+    job = ["--model", "mlp", "--steps", "20", "--warmup", "2", "--batch-size", "64"]
+    assert main(["advise", *job, "--no-progress", "--json", str(advice_file)]) == 0
+    out = capsys.readouterr().out
+    assert f"Wrote {advice_file}" in out
+    recommended = json.loads(advice_file.read_text())["recommended"]
+    if not recommended:  # nothing to measure: no command
+        assert "To measure" not in out
+        return
+    command = out.split("To measure what is recommended:\n")[1].split("\nWrote")[0]
+    assert all(len(line) <= 80 for line in command.splitlines()), command
+    words = shlex.split(command.replace("\\\n", " "))
+    assert words[:2] == ["workbench", "ablate"] and words[2:10] == job
+    parsed = _parser().parse_args(words[1:])  # the shell's words, as workbench reads them
+    from workbench.techniques import get_technique
+
+    flagged = dict(parse_technique_flag(flag) for flag in parsed.technique)
+    assert list(flagged) == list(recommended)
+    for name, settings in recommended.items():  # the same settings, once the flag's text is read
+        technique = get_technique(name)
+        assert technique.configure(flagged[name]) == technique.configure(settings or True)
+
+
+def test_the_version_is_one_flag_away(capsys):
+    import workbench as wb
+    from workbench.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"workbench {wb.__version__}"

@@ -221,7 +221,7 @@ def _for_data(facts: Facts) -> Iterator[Suggestion]:
     wait = f"the step waits for its next batch {_pct(share)} of the time"
     workers = max(1, min(4, usable_cores() - 1))  # the cores this job may use (taskset, cgroups, Slurm)
     yield Suggestion("dataloader", {"num_workers": workers, "pin_memory": facts.device == "cuda"}, "data",
-                     bound(share), f"{wait}; {workers} worker processes prepare batches during the step")  # fmt: skip
+                     bound(share), f"{wait}; {workers} worker process{'es' * (workers != 1)} prepare{'s' * (workers == 1)} batches during the step")  # fmt: skip
     yield Suggestion(
         "dali", {}, "data", bound(share), f"{wait}; DALI decodes and augments in its own threads"
     )

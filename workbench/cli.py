@@ -221,6 +221,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Honest, controlled ablations of PyTorch training-acceleration techniques.",
         allow_abbrev=False,
     )
+    from workbench import __version__
+
+    parser.add_argument("--version", action="version", version=f"workbench {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parser.set_defaults(command_parsers=commands.choices)  # for in_cli_terms
 
@@ -458,18 +461,55 @@ def _run_advise(args: argparse.Namespace) -> int:
 
     print()
     print(advice.summary(terminal_width(), spell=lambda message: in_cli_terms(message, args)))
+    if advice.recommended:  # the advice's ceilings are not measurements: this measures them
+        print(f"\nTo measure what is recommended:\n  {_ablate_command(args, advice.recommended)}")
     if json_file is not None:
         record = {"generator": ADVICE_GENERATOR, **advice.to_json()}
         from workbench.results_folder import write_text_atomic
 
         write_text_atomic(json_file, json.dumps(record, indent=1, default=str, allow_nan=False))
+        print(f"Wrote {json_file}")
     if plot_file is not None:
         advice.plot().savefig(plot_file, dpi=110, metadata={"Software": ADVICE_GENERATOR})
+        print(f"Wrote {plot_file}")
     if args.trace_dir:
         print(
             f"\nProfiler traces in {args.trace_dir} (open them in https://ui.perfetto.dev or chrome://tracing)"
         )
     return 0
+
+
+def _ablate_command(args: argparse.Namespace, techniques: dict[str, Any]) -> str:
+    """The ``workbench ablate`` command for this job (its model, data and run flags) with a -t per
+    technique, as a shell takes it: advise's mapping (``{'mode': 'default'}``) is Python's."""
+    from workbench.report import run_flag, technique_flag
+
+    words = ["workbench", "ablate"]
+    for flag, value in (("--model", args.model), ("--data", args.data)):
+        words += [flag, value] if value is not None else []
+    for name, value in run_settings(args).items():
+        words += run_flag(name, value)
+    for name, settings in techniques.items():
+        words += ["-t", technique_flag(name, settings or True)]
+    return shell_lines([shlex.quote(word) for word in words])
+
+
+def shell_lines(words: list[str], width: int = 78) -> str:
+    """A command's words in lines of at most ``width`` (a word longer stays whole), continued with
+    a backslash as a shell reads them, a flag kept on the line of its value."""
+    units: list[str] = []
+    for word in words:
+        if units and units[-1].startswith("-") and " " not in units[-1] and not word.startswith("-"):
+            units[-1] += f" {word}"
+        else:
+            units.append(word)
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(lines[-1]) + 1 + len(unit) + 2 <= width:
+            lines[-1] += f" {unit}"
+        else:
+            lines.append(f"    {unit}")
+    return " \\\n".join(lines)
 
 
 def _run_tune(args: argparse.Namespace) -> int:

@@ -256,13 +256,13 @@ def reproduce(record: dict) -> tuple[str | None, str]:
         return None, python
     words = ["workbench", "ablate", "--model", config["model"], "--data", config["data"]]
     for name, value in techniques.items():
-        words += ["-t", _technique_flag(name, value)]
+        words += ["-t", technique_flag(name, value)]
     for name, value in settings.items():
-        words += _run_flag(name, value)
+        words += run_flag(name, value)
     return " ".join(shlex.quote(word) for word in words), python
 
 
-def _technique_flag(name: str, value: Any) -> str:
+def technique_flag(name: str, value: Any) -> str:
     if value is True:
         return name
     items = []
@@ -276,7 +276,7 @@ def _flag_word(value: Any) -> str:
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _run_flag(name: str, value: Any) -> list[str]:
+def run_flag(name: str, value: Any) -> list[str]:
     rules = run_options()[name]
     flag = cli_flag(name)
     if rules.kind is bool and rules.choices is None:
