@@ -149,6 +149,18 @@ def test_out_that_cannot_be_written_is_bad_input(tmp_path):
         locked.chmod(0o700)
 
 
+def test_a_trace_folder_that_cannot_be_made_is_refused_before_anything_runs(tmp_path):
+    """A --trace-dir under /proc ran the whole block, then failed every arm with FileNotFoundError."""
+    job = dict(model="mlp", techniques={}, progress=False, profile_steps=1, out=tmp_path / "run")
+    with pytest.raises(ValueError, match=r"trace_dir='/proc/no-such/traces' cannot be made: No such file"):
+        wb.ablate(**job, trace_dir="/proc/no-such/traces")
+    note = tmp_path / "note.txt"
+    note.write_text("the user's")
+    with pytest.raises(ValueError, match="cannot be made: .*note.txt' is a file"):
+        wb.plan(model="mlp", profile_steps=1, trace_dir=str(note / "traces"))  # a dry run too
+    assert not (tmp_path / "run").exists() and note.read_text() == "the user's"
+
+
 def test_a_model_factory_that_returns_no_module():
     with pytest.raises(ValueError, match="returned int, not an nn.Module"):
         wb.ablate(model=lambda: 3, data=[(torch.zeros(2, 2), torch.zeros(2))], techniques={}, **QUIET)

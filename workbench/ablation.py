@@ -594,6 +594,15 @@ def run_ablation(
             out, progress, on_event = False, False, None
     run = RunConfig.from_options("ablate", settings, also=ABLATE_ONLY)
     prepared = prepare(model, data, loss_fn, techniques, run)
+    if (
+        run.trace_dir is not None
+    ):  # made now: a folder that cannot be made would fail every arm, after its block ran
+        try:
+            Path(run.trace_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"ablate: trace_dir={run.trace_dir!r} cannot be made: {error.strerror}"
+            ) from None
     return _run_in_folder(
         prepared, out, overwrite, retry_failed, progress, on_event, stop, launcher, bar_label
     )

@@ -616,8 +616,8 @@ class RunConfig:
             )
         if self.trace_dir is not None and not self.profile_steps:
             raise ValueError("ablate: trace_dir writes the profiler's trace, so it needs profile_steps >= 1")
-        if self.trace_dir is not None and Path(self.trace_dir).expanduser().is_file():
-            raise ValueError(f"ablate: trace_dir={self.trace_dir!r} is a file; name a folder for the traces")
+        if self.trace_dir is not None:
+            _check_trace_dir(self.trace_dir)
         if self.slurm is not None and self.executor != "slurm":
             raise ValueError("ablate: slurm options describe Slurm jobs, so they need executor='slurm'")
         if self.link is not None and self.world_size < 2:
@@ -642,6 +642,20 @@ class RunConfig:
 
 
 # The run settings wb.tune decides round by round (the CLI's tune command has no flag for them).
+def _check_trace_dir(trace_dir: str) -> None:
+    """Before anything is measured: a trace folder that cannot be made failed every arm after its block ran."""
+    path = Path(trace_dir).expanduser()
+    if path.is_file():
+        raise ValueError(f"ablate: trace_dir={trace_dir!r} is a file; name a folder for the traces")
+    existing = next(folder for folder in [path, *path.parents] if folder.exists())
+    if not existing.is_dir():
+        raise ValueError(f"ablate: trace_dir={trace_dir!r} cannot be made: {str(existing)!r} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"ablate: trace_dir={trace_dir!r} cannot be made: {str(existing)!r} cannot be written"
+        )
+
+
 TUNER_DECIDES = ("blocks", "mode", "loader_arms", "profile_steps", "trace_dir")
 # advise measures the baseline alone, once: these settings are its own, and the command line has
 # no flags for them (nor for mode: with no techniques there is nothing to combine).
