@@ -309,3 +309,20 @@ def test_the_version_is_one_flag_away(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"workbench {wb.__version__}"
+
+
+def test_list_and_env_speak_the_flags_and_never_cut_a_package_name(capsys):
+    """`workbench list` said "pass world_size=2 or more to ablate" and "for executor='slurm'", and
+    cut "cupy-cuda13x" at its hyphen, which copied as shown names no package."""
+    from workbench.cli import main
+
+    for command in (["list"], ["env"]):
+        assert main(command) == 0
+        out = capsys.readouterr().out
+        said = " ".join(out.split())
+        assert "--executor slurm" in said and "executor=" not in said, out
+        packages = out.split("optional packages:")[1]
+        assert not any(line.rstrip().endswith("-") for line in packages.splitlines()), packages
+    assert main(["list"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "world_size=" not in said and "--world-size 2 or more" in said

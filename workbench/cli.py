@@ -733,18 +733,20 @@ def _main(argv: list[str] | None) -> int:
                 print(format_table(wb.list_datasets()))
             else:
                 table = wb.list_techniques(device=args.device, model=args.model)
+                spell = ablate_spelling(args)  # "pass world_size=2" is "--world-size 2" here
                 shown = table[["name", "available", "summary", "reason"]].assign(
-                    available=table.available.map({True: "yes", False: "no"})
+                    available=table.available.map({True: "yes", False: "no"}),
+                    reason=[spell(reason) if reason else reason for reason in table.reason],
                 )
                 print(format_table(shown.rename(columns={"name": "technique", "reason": "why not"})))
                 print()
-                print(format_optional_packages(optional.report()))
+                print(format_optional_packages(optional.report(), spell))
             return 0
         if args.command == "env":
             from workbench.environment import environment, format_environment
 
             env = environment()
-            print(json.dumps(env, indent=1) if args.json else format_environment(env))
+            print(json.dumps(env, indent=1) if args.json else format_environment(env, ablate_spelling(args)))
             return 0
         if args.command == "show":
             return _run_show(args)

@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -137,7 +138,8 @@ def gpu_line(env: dict) -> str:
     return f"gpu       {count}{name} (compute capability {env['capability']}{memory}; {peak_text})"
 
 
-def format_environment(env: dict) -> str:
+def format_environment(env: dict, spell: Callable[[str], str] | None = None) -> str:
+    """The environment as aligned lines; ``spell`` rewords the optional packages' (the CLI's flags)."""
     lines = [
         f"workbench {env['workbench']}"
         + (f" (git {env['git_revision']})" if env.get("git_revision") else ""),
@@ -154,15 +156,20 @@ def format_environment(env: dict) -> str:
         lines.append(gpu_line(env))
     else:
         lines.append("cuda      no CUDA device visible (GPU-only techniques show as unavailable)")
-    lines.append(format_optional_packages(env.get("optional_packages") or optional.report()))
+    lines.append(format_optional_packages(env.get("optional_packages") or optional.report(), spell))
     return "\n".join(lines)
 
 
-def format_optional_packages(report: list[dict]) -> str:
-    """One line per optional package: installed, or why not and how to install it."""
+def format_optional_packages(report: list[dict], spell: Callable[[str], str] | None = None) -> str:
+    """One line per optional package: installed, or why not and how to install it. ``spell``:
+    rewords each line before it is wrapped (the CLI's flags for the API's keywords)."""
     lines = ["optional packages:"]
     for entry in report:
         state = "installed" if entry["unavailable"] is None else f"unavailable. {entry['unavailable']}"
         line = f"{entry['package']:<13} for {entry['for']}: {state}"
-        lines.append(textwrap.fill(line, 80, initial_indent="  ", subsequent_indent=" " * 16))
+        line = spell(line) if spell else line
+        # not at hyphens: a package name cut there ("cupy-" / "cuda13x") cannot be copied
+        lines.append(
+            textwrap.fill(line, 80, initial_indent="  ", subsequent_indent=" " * 16, break_on_hyphens=False)
+        )
     return "\n".join(lines)
