@@ -326,3 +326,14 @@ def test_list_and_env_speak_the_flags_and_never_cut_a_package_name(capsys):
     assert main(["list"]) == 0
     said = " ".join(capsys.readouterr().out.split())
     assert "world_size=" not in said and "--world-size 2 or more" in said
+
+
+def test_a_report_path_that_cannot_be_made_is_one_line_naming_it(tmp_path, capsys):
+    from helpers import result_row, synthetic_results
+
+    from workbench.cli import main
+
+    synthetic_results([result_row("baseline", speedup=1.0, low=1.0, high=1.0)]).save(tmp_path / "run")
+    assert main(["report", str(tmp_path / "run"), "--out", "/proc/no-such/report.html"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("workbench: error: the report cannot be written to /proc/no-such/report.html"), err

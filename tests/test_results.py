@@ -318,6 +318,19 @@ def test_loading_rejects_what_is_not_ours(tmp_path):
         load_results(tmp_path / "missing")
 
 
+def test_a_file_that_is_not_json_is_not_called_a_results_file_cut_short(tmp_path):
+    """`workbench show notes.txt` said "is not valid JSON ...; it may be cut short"."""
+    (tmp_path / "notes.txt").write_text("the user's notes")
+    with pytest.raises(ValueError, match=r"notes.txt is not a workbench results file: not JSON"):
+        load_results(tmp_path / "notes.txt")
+    (tmp_path / "cut.json").write_text('{"schema": "workbench-results/2", "table": [')
+    with pytest.raises(ValueError, match="it may be cut short"):
+        load_results(tmp_path / "cut.json")
+    (tmp_path / "other.json").write_text('{"name": "a package.json"}')
+    with pytest.raises(ValueError, match="a JSON object without its schema"):
+        load_results(tmp_path / "other.json")
+
+
 @pytest.mark.timing
 def test_plot_has_speedup_breakdown_and_memory(small_results, tmp_path):
     figure = small_results.plot()

@@ -52,7 +52,10 @@ def write_report(results, path: str | os.PathLike | None = None) -> Path:
         raise ValueError(
             f"{writable} cannot be written; write the report elsewhere (to_html(path), report --out FILE)"
         )
-    write_text_atomic(target, report_html(results))  # a reader never sees half a report
+    try:
+        write_text_atomic(target, report_html(results))  # a reader never sees half a report
+    except OSError as error:  # a folder that cannot be made (under /proc, say): said with its path
+        raise ValueError(f"the report cannot be written to {target}: {error.strerror}") from None
     return target
 
 

@@ -1050,10 +1050,11 @@ def load_results(path: str | os.PathLike) -> Results:
         with open(file) as handle:
             record = json.load(handle)
     except json.JSONDecodeError as error:
-        raise ValueError(
-            _in_a_run_folder(file)
-            or f"{file} is not valid JSON ({error.msg} at line {error.lineno}); it may be cut short"
-        ) from None
+        # Not JSON from its first character (a text file, a CSV) is another kind of file; JSON
+        # that breaks off later is most likely a results file cut short.
+        other = f"{file} is not a workbench results file: not JSON (a results folder's results.json is)"
+        cut = f"{file} is not valid JSON ({error.msg} at line {error.lineno}); it may be cut short"
+        raise ValueError(_in_a_run_folder(file) or (other if error.pos == 0 else cut)) from None
     except (UnicodeDecodeError, IsADirectoryError) as error:
         raise ValueError(f"{file} is not a workbench results file ({error})") from None
     if not isinstance(record, dict):
@@ -1063,7 +1064,11 @@ def load_results(path: str | os.PathLike) -> Results:
     if record.get("schema") not in READABLE_SCHEMAS:
         raise ValueError(
             _in_a_run_folder(file)
-            or f"{file} is not a workbench results file (schema {record.get('schema')!r}, expected {SCHEMA!r})"
+            or (
+                f"{file} is not a workbench results file (schema {record['schema']!r}, expected {SCHEMA!r})"
+                if "schema" in record
+                else f"{file} is not a workbench results file: a JSON object without its schema ({SCHEMA!r})"
+            )
         )
     problem = _malformed(record)
     if problem:
