@@ -337,3 +337,25 @@ def test_a_report_path_that_cannot_be_made_is_one_line_naming_it(tmp_path, capsy
     assert main(["report", str(tmp_path / "run"), "--out", "/proc/no-such/report.html"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("workbench: error: the report cannot be written to /proc/no-such/report.html"), err
+
+
+def test_progress_into_a_log_is_a_line_per_finished_process(capsys, monkeypatch):
+    """Redirected to a file, the bar's redrawn frames piled up on one line joined by carriage
+    returns, the last one still showing a phase long finished."""
+    from workbench.progress import Progress
+
+    bar = Progress(True, total=2, already=0, label="advise")
+    bar.show("block 1/2: baseline: warmup")
+    bar.advance()
+    bar.advance()
+    bar.close()
+    err = capsys.readouterr().err
+    assert err == "advise: 1/2 processes done\nadvise: 2/2 processes done\n", repr(err)
+    assert "\r" not in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: tqdm's bar, redrawn in place
+    bar = Progress(True, total=1, already=0, unit="block", label="ablate")
+    assert bar.bar is not None
+    bar.advance()
+    bar.close()
+    drawn = capsys.readouterr().err
+    assert "ablate: 100%" in drawn and "done" in drawn  # its last frame says done, not the last phase

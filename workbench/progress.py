@@ -3,6 +3,7 @@ processes with the block, arm and phase in flight."""
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from collections.abc import Iterable, Mapping
 
@@ -71,29 +72,52 @@ def print_plan(event: dict) -> None:
 
 class Progress:
     """A tqdm.auto bar over the processes to run, with the block, arm and phase in flight.
-    ``label``: what runs, as the bar's first word (``ablate``, ``advise``, a tuner's round)."""
+    ``label``: what runs, as the bar's first word (``ablate``, ``advise``, a tuner's round).
+
+    Where stderr is no terminal and no notebook shows the bar (a log file, a Slurm job's output,
+    a pipe), a bar's redrawn frames would pile up on one line: there, each finished process is
+    one line instead."""
 
     def __init__(self, enabled: bool, total: int, already: int, unit: str = "process", label: str = "ablate"):
         self.bar = None
-        if enabled:
+        self.lines = enabled and not _bar_can_redraw()
+        self.label, self.unit, self.total, self.done, self.doing = label, unit, total, already, ""
+        if enabled and not self.lines:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=already, desc=label, unit=unit, dynamic_ncols=True)
 
     def show(self, text: str) -> None:
+        self.doing = text
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)  # tqdm redraws at most 10 times a second
 
     def at_least(self, total: int) -> None:
         """Raise the total (an arm moved to a process of its own adds processes)."""
+        self.total = max(self.total, total)
         if self.bar is not None and total > self.bar.total:
             self.bar.total = total
             self.bar.refresh()
 
     def advance(self) -> None:
+        self.done += 1
         if self.bar is not None:
             self.bar.update(1)
+        elif self.lines:
+            units = self.unit + ("es" if self.unit.endswith("s") else "s") * (self.total != 1)
+            print(f"{self.label}: {self.done}/{self.total} {units} done", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
+            if self.done >= self.total:  # not the last phase seen, as if it were still running
+                self.bar.set_postfix_str("done", refresh=False)
             self.bar.close()
+
+
+def _bar_can_redraw() -> bool:
+    """Whether a progress bar redraws in place: stderr is a terminal, or a notebook shows it as a widget."""
+    if getattr(sys.stderr, "isatty", lambda: False)():
+        return True
+    shell = sys.modules.get("IPython")
+    get_ipython = getattr(shell, "get_ipython", None)
+    return get_ipython is not None and type(get_ipython()).__name__ == "ZMQInteractiveShell"
