@@ -746,3 +746,36 @@ def test_a_searchs_plot_shades_the_noise_band_its_verdict_was_judged_against(tmp
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
     assert sorted(legend) == ["noise band in round 2", "round 1: 1 block", "round 2: 3 blocks"]
     assert (tmp_path / "tune.png").stat().st_size > 0
+
+
+def test_the_plot_colours_each_bar_by_its_verdict_and_names_only_visible_phases():
+    """An interval ending at the noise band's edge looked clear of it while its verdict was
+    "within noise"; and a data phase of 2.5 ms in a 750 ms step had a legend entry but no bar."""
+    from matplotlib.colors import to_hex
+
+    from workbench.plots import VERDICT_COLORS
+
+    figures = dict(activation_mb=3.0, peak_mem_mb=10.0, step_ms=400.0, forward_ms=150.0, backward_ms=247.0,
+                   optimizer_ms=0.5, data_ms=1.0)  # fmt: skip
+    rows = [
+        _row("baseline", speedup=1.0, low=1.0, high=1.0, **figures),
+        _row("baseline (control)", speedup=1.01, low=0.98, high=1.03, **figures),
+        _row("amp", speedup=1.5, low=1.4, high=1.6, **figures),
+        _row("slow", speedup=0.7, low=0.6, high=0.8, **figures),
+        _row("noise", speedup=1.02, low=0.9, high=1.1, **figures),
+    ]
+    results = _results(rows, ROLES)
+    assert list(results.table.verdict[2:]) == ["faster", "slower", "within noise"]
+    figure = results.plot()
+    speed, phases, _ = figure.axes
+    bar_colour = {}  # each arm's speedup bar: the one starting at 1 on its row
+    for patch in speed.patches:
+        if patch.get_x() == 1 and patch.get_width() != 0:
+            bar_colour[round(patch.get_y() + patch.get_height() / 2)] = to_hex(patch.get_facecolor())
+    # rows are drawn bottom-up: noise 0, slow 1, amp 2
+    assert bar_colour[2] == VERDICT_COLORS["faster"] and bar_colour[1] == VERDICT_COLORS["slower"]
+    assert bar_colour[0] not in VERDICT_COLORS.values()
+    shown = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert "faster (the verdict)" in shown and "slower (the verdict)" in shown
+    assert "data" not in shown and "optimizer" not in shown  # under a pixel: no bar, no entry
+    assert {"forward", "backward"} <= set(shown)

@@ -38,6 +38,7 @@ EXPOSED_COMM_COLOR = "#c44e52"
 # looked like the breakdown's light grey "other").
 MEMORY_COLOR = "#1a9e9e"
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
+VERDICT_COLORS = {"faster": "#2e8b57", "slower": "#c44e52"}  # any other verdict keeps its status's colour
 
 
 def _percent(value: float) -> str:
@@ -96,6 +97,10 @@ def _plot_speedups(axes, table, y) -> None:
     1x); rows that did not run say why."""
     measured = table.speedup.notna()
     colors = [STATUS_COLORS.get(s, "#c44e52") for s in table.status]
+    # The verdict in the bar's colour: an interval that ends at the band's edge reads alike
+    # either side of it, and the table's verdict is what the plot should not contradict.
+    verdicts = table.verdict if "verdict" in table else [None] * len(table)
+    colors = [VERDICT_COLORS.get(verdict, color) for verdict, color in zip(verdicts, colors, strict=True)]
     _shade_noise_band(axes, table, measured)
     axes.barh(
         y[measured],
@@ -105,6 +110,16 @@ def _plot_speedups(axes, table, y) -> None:
         alpha=0.35,
         height=0.6,
     )
+    for verdict in ("faster", "slower"):
+        if verdict in set(verdicts):  # a legend entry (a bar of no width: an empty one has no colour)
+            axes.barh(
+                y[:1],
+                [0],
+                left=1,
+                color=VERDICT_COLORS[verdict],
+                alpha=0.35,
+                label=f"{verdict} (the verdict)",
+            )
     axes.errorbar(
         table.speedup[measured],
         y[measured],
@@ -167,12 +182,15 @@ def _plot_step_breakdown(axes, table, y) -> None:
     Only the phases that occurred get a bar and a legend entry ("replay" only with cuda_graphs).
     """
     left = np.zeros(len(table))
+    largest_step = (
+        max(float(table.step_ms.max(skipna=True) or 0.0), 1e-9) if table.step_ms.notna().any() else 1e-9
+    )
     exposed, hidden = _communication_ms(table)
     for phase, color in PHASE_COLORS.items():
         values = table[f"{phase}_ms"].fillna(0).to_numpy() if f"{phase}_ms" in table else np.zeros(len(table))
         if phase == "backward" and exposed.any():
             values = np.clip(values - exposed, 0, None)  # backward() returns after the wait
-        if values.any():
+        if (values > VISIBLE_SHARE * largest_step).any():  # a phase no bar shows gets no legend entry either
             axes.barh(y, values, left=left, color=color, label=phase, height=0.6)
             if phase == "backward" and hidden.any():
                 axes.barh(y, np.minimum(hidden, values), left=left, height=0.6, fill=False, hatch="///",
@@ -184,10 +202,13 @@ def _plot_step_breakdown(axes, table, y) -> None:
             )
             left += exposed
     other = np.clip(table.step_ms.fillna(0).to_numpy() - left, 0, None)
-    if (other > 0.005 * np.maximum(table.step_ms.fillna(0).to_numpy(), 1e-9)).any():  # more than rounding
+    if (other > VISIBLE_SHARE * largest_step).any():  # more than rounding, and a bar would show it
         axes.barh(y, other, left=left, color="#e0e0e0", label="other", height=0.6)
     axes.set_xlabel("ms per optimizer step")
     axes.set_title("Step breakdown")
+
+
+VISIBLE_SHARE = 0.005  # of the longest step: a part shorter than this is under a pixel wide
 
 
 def _communication_ms(table) -> tuple[np.ndarray, np.ndarray]:

@@ -1054,7 +1054,8 @@ def load_results(path: str | os.PathLike) -> Results:
         # that breaks off later is most likely a results file cut short.
         other = f"{file} is not a workbench results file: not JSON (a results folder's results.json is)"
         cut = f"{file} is not valid JSON ({error.msg} at line {error.lineno}); it may be cut short"
-        raise ValueError(_in_a_run_folder(file) or (other if error.pos == 0 else cut)) from None
+        not_json = error.pos == 0 and error.doc.strip()  # an empty file is one cut short
+        raise ValueError(_in_a_run_folder(file) or (other if not_json else cut)) from None
     except (UnicodeDecodeError, IsADirectoryError) as error:
         raise ValueError(f"{file} is not a workbench results file ({error})") from None
     if not isinstance(record, dict):
