@@ -779,3 +779,29 @@ def test_the_plot_colours_each_bar_by_its_verdict_and_names_only_visible_phases(
     assert "faster (the verdict)" in shown and "slower (the verdict)" in shown
     assert "data" not in shown and "optimizer" not in shown  # under a pixel: no bar, no entry
     assert {"forward", "backward"} <= set(shown)
+
+
+@pytest.mark.parametrize("width", [6.0, 7.0, 10.0, 13.0])
+def test_the_plot_at_any_width_keeps_its_legend_inside_and_its_tick_labels_apart(width):
+    """plot(width=7) cut its legend at both sides and ran tick labels together ("0.250.33")."""
+    figures = dict(activation_mb=3.0, peak_mem_mb=10.0, step_ms=400.0, forward_ms=150.0, backward_ms=247.0)
+    rows = [
+        _row("baseline", speedup=1.0, low=1.0, high=1.0, **figures),
+        _row("baseline (control)", speedup=1.01, low=0.98, high=1.03, **figures),
+        _row("grad_accum[steps=4]", speedup=0.67, low=0.3, high=1.9, **figures),
+        _row("amp", speedup=1.5, low=1.4, high=1.6, **figures),
+    ]
+    figure = _results(rows, ROLES).plot(width=width)
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)
+    page = figure.bbox
+    for text in figure.legends[0].get_texts():
+        box = text.get_window_extent(renderer)
+        assert box.x0 >= page.x0 - 1 and box.x1 <= page.x1 + 1, (width, text.get_text())
+    for axes in figure.axes:
+        boxes = [label.get_window_extent(renderer) for label in axes.get_xticklabels() if label.get_text()]
+        boxes.sort(key=lambda box: box.x0)
+        for left, right in zip(boxes, boxes[1:]):
+            assert left.x1 <= right.x0 + 0.5, (width, axes.get_title())
+        label = axes.xaxis.label.get_window_extent(renderer)
+        assert label.x0 >= page.x0 - 1 and label.x1 <= page.x1 + 1, (width, axes.xaxis.label.get_text())

@@ -56,6 +56,9 @@ def _mib(value: float) -> str:
     return plain_number(value, digits=2, smallest=0.001) if value < 10 else f"{value:,.0f}"
 
 
+SIDE_BY_SIDE_INCHES = 10.0  # the narrowest figure that holds the three panels side by side
+
+
 def plot_results(results, width: float = 13.0) -> ResultsFigure:
     """Speedups, step breakdown and memory per arm, side by side, ``width`` inches wide."""
     from workbench.results_view import with_roles
@@ -65,8 +68,15 @@ def plot_results(results, width: float = 13.0) -> ResultsFigure:
     arms = getattr(results, "record", {}).get("arms")
     table = (with_roles(results.table, arms) if arms else results.table).iloc[::-1].reset_index(drop=True)
     y = np.arange(len(table))
-    figure = ResultsFigure(figsize=(width, 1.6 + 0.42 * max(len(table), 3)), layout="constrained")
-    speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
+    rows_tall = 0.42 * max(len(table), 3)
+    if width >= SIDE_BY_SIDE_INCHES:
+        figure = ResultsFigure(figsize=(width, 1.6 + rows_tall), layout="constrained")
+        speed_ax, phase_ax, memory_ax = figure.subplots(1, 3, sharey=True, width_ratios=[1.2, 1.2, 0.8])
+    else:  # too narrow for three panels' ticks and labels side by side: one above the other
+        figure = ResultsFigure(figsize=(width, 2.2 + 3 * (0.9 + rows_tall)), layout="constrained")
+        speed_ax, phase_ax, memory_ax = figure.subplots(3, 1)
+        for axes in (phase_ax, memory_ax):
+            axes.set_yticks(y, list(table.arm))
     _plot_speedups(speed_ax, table, y)
     _plot_step_breakdown(phase_ax, table, y)
     _plot_memory(memory_ax, table, y)
@@ -269,9 +279,8 @@ def _add_figure_legend(figure, panels) -> None:
         more_handles, more_labels = axes.get_legend_handles_labels()
         handles += more_handles
         labels += more_labels
-    figure.legend(
-        handles, labels, loc="outside lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False
-    )
+    columns = max(1, min(len(labels), 5, int(figure.get_figwidth() / 2.4)))  # an entry is about 2.4 inches
+    figure.legend(handles, labels, loc="outside lower center", ncol=columns, fontsize=8, frameon=False)
 
 
 def _results_title(results, line_chars: int) -> tuple[str, bool]:

@@ -679,7 +679,8 @@ class Results:
 
     def plot(self, width: float = 13.0):
         """Speedups with their intervals, the step breakdown and memory, one row per arm;
-        ``width`` in inches (the panel draws at 10, to keep its text legible in a notebook)."""
+        ``width`` in inches (the panel draws at 10, to keep its text legible in a notebook);
+        narrower than 10, the three panels stand one above the other."""
         return plot_results(self, width)
 
     def plot_tuning(self, path=None):
