@@ -2,6 +2,7 @@
 and saved runs side by side. Built from synthetic records, so each figure is known."""
 
 import html
+import itertools
 import json
 import math
 import re
@@ -801,7 +802,7 @@ def test_the_plot_at_any_width_keeps_its_legend_inside_and_its_tick_labels_apart
     for axes in figure.axes:
         boxes = [label.get_window_extent(renderer) for label in axes.get_xticklabels() if label.get_text()]
         boxes.sort(key=lambda box: box.x0)
-        for left, right in zip(boxes, boxes[1:]):
+        for left, right in itertools.pairwise(boxes):
             assert left.x1 <= right.x0 + 0.5, (width, axes.get_title())
         label = axes.xaxis.label.get_window_extent(renderer)
         assert label.x0 >= page.x0 - 1 and label.x1 <= page.x1 + 1, (width, axes.xaxis.label.get_text())
