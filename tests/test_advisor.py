@@ -331,3 +331,15 @@ def test_the_advisors_progress_bar_is_named_advise(capsys):
     wb.advise(_tiny_mlp, batches, steps=10, warmup=2, batch_size=8, device="cpu", profile_steps=1)
     bar = capsys.readouterr().err
     assert "advise:" in bar and "ablate" not in bar, bar
+
+
+def test_a_small_peak_is_named_on_the_plot_and_in_figures_that_do_not_round_it_away():
+    """A 4.8 MiB peak of 24,106 MiB of RAM drew no visible bar, and the text said "0.0 %" where
+    the plot's title said 0.02%; a count read "466.0" operations."""
+    advice = build_advice(_facts(peak_mib=4.8, capacity_mib=24106.0), EVERYTHING)
+    memory_axes = advice.plot().axes[1]
+    assert any("peak 4.8 MiB" in text.get_text() for text in memory_axes.texts)
+    lines = {
+        line.split("  ")[1].strip(): line for line in advice.summary().splitlines() if line.startswith("  ")
+    }
+    assert " 0.02 % " in lines["peak / capacity"] and " 200 " in lines["operations per step"]

@@ -350,7 +350,7 @@ class Advice:
         lines = [f"bottleneck: {self.bottleneck}", ""]
         named = max((len(figure) for figure in self.evidence.figure), default=0)
         for row in self.evidence.itertuples():
-            value = f"{row.value:,.1f}" if math.isfinite(row.value) else "-"
+            value = _evidence_value(row.value, row.unit)
             figure = f"  {row.figure:{named}s} {value:>10s} {row.unit:10s} "
             if width is None:
                 lines.append(figure + row.meaning)
@@ -456,6 +456,18 @@ def build_advice(facts: Facts, available: dict[str, str | None], results: Result
         facts=facts,
         results=results,
     )
+
+
+def _evidence_value(value: float, unit: str) -> str:
+    """A count whole ("466" operations), a measure to one decimal ("6.3" ms), and a small share
+    to two significant digits ("0.02" %, not "0.0")."""
+    from workbench.results_view import plain_number
+
+    if not math.isfinite(value):
+        return "-"
+    if unit == "" and float(value).is_integer():
+        return f"{value:,.0f}"
+    return plain_number(value, digits=2) if 0 < abs(value) < 0.1 else f"{value:,.1f}"
 
 
 def _why_not(suggestion: Suggestion, facts: Facts, verdict: str) -> str:

@@ -621,6 +621,10 @@ def _plot_memory_limit(axes, facts, limited: bool) -> None:
               hatch="//" if limited else None)  # fmt: skip
     from workbench.config import MEMORY_LIMIT
 
+    # The peak named at its bar's end: a few MiB of a machine's RAM is a bar too thin to see.
+    inside = facts.peak_mib > 0.6 * facts.capacity_mib
+    axes.text(facts.peak_mib, 0, f" peak {_mib(facts.peak_mib)} MiB " if inside else f" ◂ peak {_mib(facts.peak_mib)} MiB",
+              va="center", ha="right" if inside else "left", fontsize=8, color="white" if inside else "black")  # fmt: skip
     limit = MEMORY_LIMIT * facts.capacity_mib
     axes.axvline(limit, color="#c44e52", linestyle="--", linewidth=1)
     axes.text(limit, 0.3, f" limit ({100 * MEMORY_LIMIT:.0f}%)", color="#c44e52", fontsize=8, ha="right")
