@@ -359,3 +359,14 @@ def test_progress_into_a_log_is_a_line_per_finished_process(capsys, monkeypatch)
     bar.close()
     drawn = capsys.readouterr().err
     assert "ablate: 100%" in drawn and "done" in drawn  # its last frame says done, not the last phase
+
+
+def test_the_help_names_flags_where_the_api_names_keywords(capsys):
+    """--help said "with profile_steps" and "batch_size samples per step": the API's words."""
+    from workbench.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["ablate", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "with --profile-steps," in said and "--batch-size samples per step" in said
+    assert "profile_steps" not in said and "batch_size" not in said

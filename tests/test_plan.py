@@ -11,7 +11,7 @@ from helpers import RUN_SETTINGS
 import workbench as wb
 from workbench.ablation import plan_arguments
 from workbench.arms import add_own_baseline, jobs_for_block, plan_arms
-from workbench.cli import _parser, run_settings
+from workbench.cli import _parser, in_cli_terms, run_settings
 from workbench.config import RunConfig
 from workbench.techniques import Technique, parse_techniques, register_technique, unregister_technique
 
@@ -190,6 +190,7 @@ def test_every_run_setting_reaches_ablate_plan_the_cli_and_the_panel():
             assert name in function.__doc__, f"{function.__name__}'s docstring lacks {name}"
     (commands,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
     flags = {action.dest: action for action in commands.choices["ablate"]._actions}
+    spelled = argparse.Namespace(command="ablate", command_parsers=commands.choices)
     for name, field in fields.items():
         rules = field.metadata["option"]
         if rules.parts is not None:  # one flag per part: --slurm-partition, ...
@@ -199,7 +200,10 @@ def test_every_run_setting_reaches_ablate_plan_the_cli_and_the_panel():
                 )
             continue
         assert name in flags, f"workbench ablate has no flag for {name}"
-        assert rules.help.replace("%", "%%") in flags[name].help
+        # the same help, naming flags where it names settings (in_cli_terms)
+        assert (
+            in_cli_terms(rules.help.replace("%", "%%"), spelled, technique_speaks=False) in flags[name].help
+        )
     panel = pytest.importorskip("workbench.widgets").panel()
     assert list(panel.settings) == list(fields), "the panel lacks a control"
 

@@ -273,8 +273,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_tune_command(commands)
 
     _add_saved_results_commands(commands)
-    for command in commands.choices.values():  # --mode must not be read as a prefix of --model
-        command.allow_abbrev = False
+    for name, command in commands.choices.items():
+        command.allow_abbrev = False  # --mode must not be read as a prefix of --model
+        # The help is shared with the API's docstrings: here it names the flags ("with
+        # --profile-steps", not "with profile_steps").
+        spelled = argparse.Namespace(command=name, command_parsers=commands.choices)
+        for action in command._actions:
+            if action.help and action.help != argparse.SUPPRESS:
+                action.help = in_cli_terms(action.help, spelled, technique_speaks=False)
     return parser
 
 
@@ -559,7 +565,7 @@ def _search_text(results) -> str:
 FLAG_FOR_KEYWORD = {"tune": {"budget_s": "--budget"}}
 
 
-def in_cli_terms(message: str, args: argparse.Namespace) -> str:
+def in_cli_terms(message: str, args: argparse.Namespace, technique_speaks: bool = True) -> str:
     """An error from the Python API, reworded for the command line that called it.
 
     The checks are shared with ``wb.ablate`` and name its keywords (``ablate: batch_size must
@@ -576,7 +582,7 @@ def in_cli_terms(message: str, args: argparse.Namespace) -> str:
             if action.nargs == 0:
                 switches.add(action.dest)
     flags |= FLAG_FOR_KEYWORD.get(command, {})
-    speaker = re.match(r"(\w+): ", message)
+    speaker = re.match(r"(\w+): ", message) if technique_speaks else None  # help text: no technique speaks
     if speaker:  # a technique's message: its own options keep their names ("grad_accum: steps=1000")
         from workbench.techniques import all_techniques
 
@@ -606,6 +612,7 @@ def in_cli_terms(message: str, args: argparse.Namespace) -> str:
     message = re.sub(
         r"(?<![\w:.,-])(\w+)=(?=\S)", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message
     )
+    message = re.sub(r"`(\w+)`", lambda m: f"`{flags[m[1]]}`" if m[1] in flags else m[0], message)  # `rounds`
     return re.sub(r"(?<![\w:.,=-])([a-z]+_\w+)\b(?!=)", lambda m: flags.get(m[1], m[1]), message)
 
 
