@@ -228,7 +228,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.set_defaults(command_parsers=commands.choices)  # for in_cli_terms
 
     listing = commands.add_parser("list", help="list the techniques and whether they can run here")
-    listing.add_argument("--device", default="auto")
+    listing.add_argument(
+        "--device",
+        default="auto",
+        help="say what can run on this device: auto, cpu, cuda or cuda:N (default auto)",
+    )
     listing.add_argument("--model", default=None, help="also check model-specific conditions")
     listing.add_argument(
         "--models", action="store_true", help="list the built-in models and datasets instead"
