@@ -258,6 +258,18 @@ def test_cli_errors_name_the_flag_not_the_keyword():
     )
     # A string's value as a shell takes it: quoted only where it has to be.
     assert in_cli_terms("out='/tmp/my runs' holds", args) == "--out '/tmp/my runs' holds"
+    # A value keeps its text, whatever it holds: a path, a URL, a string that is no repr.
+    assert in_cli_terms("the same out='runs/steps=30'", args) == "the same --out runs/steps=30"
+    assert in_cli_terms("traces in /tmp/trace_dir, see http://x?threads=2", args) == (
+        "traces in /tmp/trace_dir, see http://x?threads=2"
+    )
+    assert (
+        in_cli_terms("ablate: out='C:\\x1' is odd", args) == "ablate: --out 'C:\\x1' is odd"
+    )  # no traceback
+    assert (
+        in_cli_terms("the control's band; blocks=9 (threads=1)", args)
+        == "the control's band; --blocks 9 (--threads 1)"
+    )
     # A technique's own option keeps its name: grad_accum's steps is not the run's --steps.
     message = "grad_accum: steps=1000 exceeds batch_size=32; every micro-batch needs at least one sample"
     assert in_cli_terms(message, args).startswith("grad_accum: steps=1000 exceeds --batch-size 32;")

@@ -370,3 +370,30 @@ def test_the_help_names_flags_where_the_api_names_keywords(capsys):
     said = " ".join(capsys.readouterr().out.split())
     assert "with --profile-steps," in said and "--batch-size samples per step" in said
     assert "profile_steps" not in said and "batch_size" not in said
+
+
+def test_the_measuring_command_leaves_out_advises_profiling():
+    """advise profiles by itself; its --trace-dir copied into the ablate command, without
+    --profile-steps, made a command that ablate refuses."""
+    from workbench.cli import _ablate_command, _parser
+
+    args = _parser().parse_args(["advise", "--model", "mlp", "--trace-dir", "my traces", "--steps", "30"])
+    command = _ablate_command(args, {"compile": {"mode": "default"}})
+    assert "trace" not in command and "--steps 30" in command
+    words = shlex.split(command.replace("\\\n", " "))
+    _parser().parse_args(words[1:])  # a command ablate takes
+
+
+def test_a_notebook_kernel_gets_the_bar_whatever_its_shell_class(monkeypatch):
+    """Colab's shell is a subclass of Jupyter's; the bar is kept wherever a kernel shows it."""
+    import types
+
+    from workbench.progress import _bar_can_redraw
+
+    class ColabShell:
+        config = {"IPKernelApp": {}}
+
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=ColabShell))
+    assert _bar_can_redraw()
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
+    assert not _bar_can_redraw()  # a plain script that imported IPython, into a pipe

@@ -323,6 +323,9 @@ def test_a_file_that_is_not_json_is_not_called_a_results_file_cut_short(tmp_path
     (tmp_path / "notes.txt").write_text("the user's notes")
     with pytest.raises(ValueError, match=r"notes.txt is not a workbench results file: not JSON"):
         load_results(tmp_path / "notes.txt")
+    (tmp_path / "spaced.txt").write_text("\n  the user's notes")  # white space first: still not JSON
+    with pytest.raises(ValueError, match=r"spaced.txt is not a workbench results file: not JSON"):
+        load_results(tmp_path / "spaced.txt")
     (tmp_path / "cut.json").write_text('{"schema": "workbench-results/2", "table": [')
     with pytest.raises(ValueError, match="it may be cut short"):
         load_results(tmp_path / "cut.json")

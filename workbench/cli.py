@@ -498,7 +498,8 @@ def _ablate_command(args: argparse.Namespace, techniques: dict[str, Any]) -> str
     for flag, value in (("--model", args.model), ("--data", args.data)):
         words += [flag, value] if value is not None else []
     for name, value in run_settings(args).items():
-        words += run_flag(name, value)
+        if name not in ("trace_dir", "profile_steps"):  # advise's profiling: measuring needs neither
+            words += run_flag(name, value)
     for name, settings in techniques.items():
         words += ["-t", technique_flag(name, settings or True)]
     return shell_lines([shlex.quote(word) for word in words])
@@ -605,23 +606,47 @@ def in_cli_terms(message: str, args: argparse.Namespace, technique_speaks: bool 
     # underscore in prose ("a smaller batch_size"), which cannot be ordinary words; not a
     # technique's option inside -t text ("grad_accum:steps=4")
     message = re.sub(
-        r"(?<![\w:.,-])(\w+)=True\b", lambda m: flags[m[1]] if m[1] in switches else m[0], message
+        r"(?<![\w:.,/?&-])(\w+)=True\b", lambda m: flags[m[1]] if m[1] in switches else m[0], message
     )
-    # keyword='a string' (a repr, "out='results/x'"): the flag, then the string as a shell takes it
+    # A quoted string (a repr: out='results/x', data 'jpeg-folder:PATH') is a value, never prose:
+    # set aside while the rules below run, so that a path such as 'runs/steps=30' keeps its
+    # text; after keyword= (a flag's), the flag, then the string as a shell takes it.
+    values: list[str] = []
+
+    def set_aside(m: re.Match) -> str:
+        keyword, quoted = m[1], m[2]
+        if keyword and keyword[:-1] in flags:
+            shown = f"{flags[keyword[:-1]]} {shlex.quote(_unquoted(quoted))}"
+        else:
+            shown = m[0]
+        values.append(shown)
+        return f"\0{len(values) - 1}\0"
+
     message = re.sub(
-        r"(?<![\w:.,-])(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")",
-        lambda m: f"{flags[m[1]]} {shlex.quote(ast.literal_eval(m[2]))}" if m[1] in flags else m[0],
-        message,
+        r"(?<![\w:.,/-])(\w+=)?(?<!\w)('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")(?!\w)", set_aside, message
     )
+    # Not inside a path or a URL either (/tmp/trace_dir, ?threads=2): hence / ? & in the lookbehinds.
     message = re.sub(
-        r"(?<![\w:.,-])(\w+)=(?=\S)", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message
+        r"(?<![\w:.,/?&=-])(\w+)=(?=\S)", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message
     )
     message = re.sub(r"`(\w+)`", lambda m: f"`{flags[m[1]]}`" if m[1] in flags else m[0], message)  # `rounds`
-    return re.sub(r"(?<![\w:.,=-])([a-z]+_\w+)\b(?!=)", lambda m: flags.get(m[1], m[1]), message)
+    message = re.sub(r"(?<![\w:.,=/?&-])([a-z]+_\w+)\b(?!=)", lambda m: flags.get(m[1], m[1]), message)
+    return re.sub(r"\0(\d+)\0", lambda m: values[int(m[1])], message)
+
+
+def _unquoted(quoted: str) -> str:
+    """A Python string's repr read back ('a b' -> a b); one that is not a repr, as it stands."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an invalid escape ('C:\d') warns before it fails
+            value = ast.literal_eval(quoted)
+    except (SyntaxError, ValueError):
+        return quoted[1:-1]
+    return value if isinstance(value, str) else quoted[1:-1]
 
 
 def ablate_spelling(args: argparse.Namespace) -> Callable[[str], str]:
-    """How a run's warnings and notes read on the command line, whichever command shows the run:
+    """How a run's warnings and the notes under its table read on the command line, whichever command shows it:
     the API's keywords as ablate's flags (``blocks=9`` as ``--blocks 9``, ``threads=1`` as
     ``--threads 1``), the flags a rerun would take."""
     from workbench.results_view import WHERE_ALL_COLUMNS_ARE

@@ -641,13 +641,14 @@ class RunConfig:
         return asdict(self)
 
 
-# The run settings wb.tune decides round by round (the CLI's tune command has no flag for them).
 def _check_trace_dir(trace_dir: str) -> None:
     """Before anything is measured: a trace folder that cannot be made failed every arm after its block ran."""
     path = Path(trace_dir).expanduser()
     if path.is_file():
         raise ValueError(f"ablate: trace_dir={trace_dir!r} is a file; name a folder for the traces")
-    existing = next(folder for folder in [path, *path.parents] if folder.exists())
+    existing = next((folder for folder in [path, *path.parents] if folder.exists()), None)
+    if existing is None:  # not even its root exists (a missing drive)
+        raise ValueError(f"ablate: trace_dir={trace_dir!r} cannot be made: no folder of it exists")
     if not existing.is_dir():
         raise ValueError(f"ablate: trace_dir={trace_dir!r} cannot be made: {str(existing)!r} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -656,6 +657,7 @@ def _check_trace_dir(trace_dir: str) -> None:
         )
 
 
+# The run settings wb.tune decides round by round (the CLI's tune command has no flag for them).
 TUNER_DECIDES = ("blocks", "mode", "loader_arms", "profile_steps", "trace_dir")
 # advise measures the baseline alone, once: these settings are its own, and the command line has
 # no flags for them (nor for mode: with no techniques there is nothing to combine).

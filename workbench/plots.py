@@ -37,7 +37,8 @@ EXPOSED_COMM_COLOR = "#c44e52"
 # Teal: unlike every colour of the step breakdown, also when faded for the peak (a faded brown
 # looked like the breakdown's light grey "other").
 MEMORY_COLOR = "#1a9e9e"
-STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#c44e52", "interrupted": "#b0b0b0"}
+# Not the red of a "slower" verdict: a diverged arm is not a slower one.
+STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#dd8452", "interrupted": "#b0b0b0"}
 VERDICT_COLORS = {"faster": "#2e8b57", "slower": "#c44e52"}  # any other verdict keeps its status's colour
 
 
@@ -106,7 +107,7 @@ def _plot_speedups(axes, table, y) -> None:
     """Speedup: point and 95% interval per arm, on a log axis (0.5x and 2x are equally far from
     1x); rows that did not run say why."""
     measured = table.speedup.notna()
-    colors = [STATUS_COLORS.get(s, "#c44e52") for s in table.status]
+    colors = [STATUS_COLORS.get(s, "#dd8452") for s in table.status]
     # The verdict in the bar's colour: an interval that ends at the band's edge reads alike
     # either side of it, and the table's verdict is what the plot should not contradict.
     verdicts = table.verdict if "verdict" in table else [None] * len(table)
@@ -189,7 +190,8 @@ def _shade_noise_band(axes, table, measured) -> None:
 def _plot_step_breakdown(axes, table, y) -> None:
     """Step breakdown: where the time of one optimizer step goes.
 
-    Only the phases that occurred get a bar and a legend entry ("replay" only with cuda_graphs).
+    Only the phases a bar can show (VISIBLE_SHARE of the longest step) get one, and a legend
+    entry ("replay" only with cuda_graphs); a phase too short to draw is counted in "other".
     """
     left = np.zeros(len(table))
     largest_step = (
@@ -200,7 +202,7 @@ def _plot_step_breakdown(axes, table, y) -> None:
         values = table[f"{phase}_ms"].fillna(0).to_numpy() if f"{phase}_ms" in table else np.zeros(len(table))
         if phase == "backward" and exposed.any():
             values = np.clip(values - exposed, 0, None)  # backward() returns after the wait
-        if (values > VISIBLE_SHARE * largest_step).any():  # a phase no bar shows gets no legend entry either
+        if (values > VISIBLE_SHARE * largest_step).any():  # else no bar, no legend entry: "other" holds it
             axes.barh(y, values, left=left, color=color, label=phase, height=0.6)
             if phase == "backward" and hidden.any():
                 axes.barh(y, np.minimum(hidden, values), left=left, height=0.6, fill=False, hatch="///",

@@ -118,6 +118,6 @@ def _bar_can_redraw() -> bool:
     """Whether a progress bar redraws in place: stderr is a terminal, or a notebook shows it as a widget."""
     if getattr(sys.stderr, "isatty", lambda: False)():
         return True
-    shell = sys.modules.get("IPython")
-    get_ipython = getattr(shell, "get_ipython", None)
-    return get_ipython is not None and type(get_ipython()).__name__ == "ZMQInteractiveShell"
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    shell = get_ipython() if get_ipython is not None else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})  # tqdm.auto's own test

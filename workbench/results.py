@@ -789,7 +789,8 @@ class Results:
         """The reader's table as text within ``width`` columns (80 unless given): each arm's
         verdict, speedup with its interval, throughput, step time, activations and loss parity;
         then why an arm did not run, and each arm's notes. ``colour``: ANSI colours for the verdicts.
-        ``spell``: rewords the warnings and the notes under the table before they are wrapped; the CLI's
+        ``spell``: rewords the warnings and the notes under the table (not an arm's own reasons and
+        notes, which may name its technique's options) before they are wrapped; the CLI's
         ``ablate`` and ``show`` pass one that names its flags (``--blocks 9``) for the API's
         keywords (``blocks=9``)."""
         width = width or TERMINAL_WIDTH
@@ -811,7 +812,13 @@ class Results:
         for heading, entries in (("Not run or not ok", problems), ("Notes", flagged)):
             if entries:
                 text += f"\n\n{heading}:\n" + "\n".join(
-                    textwrap.fill(f"{arm}: {words}", width, initial_indent="  ", subsequent_indent="    ")
+                    textwrap.fill(
+                        f"{arm}: {words}",
+                        width,
+                        initial_indent="  ",
+                        subsequent_indent="    ",
+                        break_on_hyphens=False,
+                    )  # fmt: skip
                     for arm, words in entries
                 )
         return text
@@ -1055,7 +1062,8 @@ def load_results(path: str | os.PathLike) -> Results:
         # that breaks off later is most likely a results file cut short.
         other = f"{file} is not a workbench results file: not JSON (a results folder's results.json is)"
         cut = f"{file} is not valid JSON ({error.msg} at line {error.lineno}); it may be cut short"
-        not_json = error.pos == 0 and error.doc.strip()  # an empty file is one cut short
+        # nothing before the error but white space, in a file that is not empty (empty: cut short)
+        not_json = not error.doc[: error.pos].strip() and error.doc.strip()
         raise ValueError(_in_a_run_folder(file) or (other if not_json else cut)) from None
     except (UnicodeDecodeError, IsADirectoryError) as error:
         raise ValueError(f"{file} is not a workbench results file ({error})") from None
