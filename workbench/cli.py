@@ -227,20 +227,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parser.set_defaults(command_parsers=commands.choices)  # for in_cli_terms
 
-    listing = commands.add_parser("list", help="list the techniques and whether they can run here")
-    listing.add_argument(
-        "--device",
-        default="auto",
-        help="say what can run on this device: auto, cpu, cuda or cuda:N (default auto)",
-    )
-    listing.add_argument("--model", default=None, help="also check model-specific conditions")
-    listing.add_argument(
-        "--models", action="store_true", help="list the built-in models and datasets instead"
-    )
-
-    env = commands.add_parser("env", help="versions, device and cores")
-    env.add_argument("--json", action="store_true", help="print JSON instead of text")
-
+    _add_what_is_here_commands(commands)
     ablate = commands.add_parser("ablate", help="run an ablation (flags mirror workbench.ablate)")
     ablate.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
     ablate.add_argument("--model", help="mlp | resnet-mini | gpt-mini")
@@ -279,13 +266,32 @@ def _parser() -> argparse.ArgumentParser:
     _add_saved_results_commands(commands)
     for name, command in commands.choices.items():
         command.allow_abbrev = False  # --mode must not be read as a prefix of --model
-        # The help is shared with the API's docstrings: here it names the flags ("with
-        # --profile-steps", not "with profile_steps").
-        spelled = argparse.Namespace(command=name, command_parsers=commands.choices)
-        for action in command._actions:
-            if action.help and action.help != argparse.SUPPRESS:
-                action.help = in_cli_terms(action.help, spelled, technique_speaks=False)
+        _help_in_cli_terms(name, command, commands.choices)
     return parser
+
+
+def _add_what_is_here_commands(commands) -> None:
+    listing = commands.add_parser("list", help="list the techniques and whether they can run here")
+    listing.add_argument(
+        "--device",
+        default="auto",
+        help="say what can run on this device: auto, cpu, cuda or cuda:N (default auto)",
+    )
+    listing.add_argument("--model", default=None, help="also check model-specific conditions")
+    listing.add_argument(
+        "--models", action="store_true", help="list the built-in models and datasets instead"
+    )
+    env = commands.add_parser("env", help="versions, device and cores")
+    env.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _help_in_cli_terms(name: str, command: argparse.ArgumentParser, parsers: dict) -> None:
+    """The help is shared with the API's docstrings: here it names the flags ("with
+    --profile-steps", not "with profile_steps")."""
+    spelled = argparse.Namespace(command=name, command_parsers=parsers)
+    for action in command._actions:
+        if action.help and action.help != argparse.SUPPRESS:
+            action.help = in_cli_terms(action.help, spelled, technique_speaks=False)
 
 
 def _add_saved_results_commands(commands) -> None:
@@ -546,6 +552,28 @@ def _run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_list(args: argparse.Namespace) -> int:
+    import workbench as wb
+    from workbench import optional
+    from workbench.environment import format_optional_packages
+
+    if args.models:
+        print(format_table(wb.list_models()))
+        print()
+        print(format_table(wb.list_datasets()))
+        return 0
+    table = wb.list_techniques(device=args.device, model=args.model)
+    spell = ablate_spelling(args)  # "pass world_size=2" is "--world-size 2" here
+    shown = table[["name", "available", "summary", "reason"]].assign(
+        available=table.available.map({True: "yes", False: "no"}),
+        reason=[spell(reason) if reason else reason for reason in table.reason],
+    )
+    print(format_table(shown.rename(columns={"name": "technique", "reason": "why not"})))
+    print()
+    print(format_optional_packages(optional.report(), spell))
+    return 0
+
+
 def _run_show(args: argparse.Namespace) -> int:
     from workbench.results import load_results
     from workbench.results_view import terminal_width, use_colour
@@ -759,25 +787,7 @@ def _main(argv: list[str] | None) -> int:
     _prewarm_template(args)
     try:
         if args.command == "list":
-            import workbench as wb
-            from workbench import optional
-            from workbench.environment import format_optional_packages
-
-            if args.models:
-                print(format_table(wb.list_models()))
-                print()
-                print(format_table(wb.list_datasets()))
-            else:
-                table = wb.list_techniques(device=args.device, model=args.model)
-                spell = ablate_spelling(args)  # "pass world_size=2" is "--world-size 2" here
-                shown = table[["name", "available", "summary", "reason"]].assign(
-                    available=table.available.map({True: "yes", False: "no"}),
-                    reason=[spell(reason) if reason else reason for reason in table.reason],
-                )
-                print(format_table(shown.rename(columns={"name": "technique", "reason": "why not"})))
-                print()
-                print(format_optional_packages(optional.report(), spell))
-            return 0
+            return _run_list(args)
         if args.command == "env":
             from workbench.environment import environment, format_environment
 
