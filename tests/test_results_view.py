@@ -806,3 +806,25 @@ def test_the_plot_at_any_width_keeps_its_legend_inside_and_its_tick_labels_apart
             assert left.x1 <= right.x0 + 0.5, (width, axes.get_title())
         label = axes.xaxis.label.get_window_extent(renderer)
         assert label.x0 >= page.x0 - 1 and label.x1 <= page.x1 + 1, (width, axes.xaxis.label.get_text())
+
+
+def test_the_speedup_ticks_on_the_panels_narrow_axis_stay_apart():
+    """In the panel (a 10-inch figure, a 2.7-inch throughput axis), an amp arm at 0.23x [0.16,
+    0.33] and a control up to 1.27 gave ticks 0.25 and 0.33 that ran together ("0.250.33")."""
+    figures = dict(activation_mb=0.4, peak_mem_mb=4.8, step_ms=7.0, forward_ms=2.0, backward_ms=3.0)
+    rows = [
+        _row("baseline", speedup=1.0, low=1.0, high=1.0, **figures),
+        _row("baseline (control)", speedup=0.99, low=0.76, high=1.27, **figures),
+        _row("amp", speedup=0.23, low=0.16, high=0.33, **figures),
+        _row("grad_accum", speedup=0.69, low=0.59, high=0.81, **figures),
+    ]
+    figure = _results(rows, ROLES).plot(width=10)
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)
+    speed = figure.axes[0]
+    boxes = sorted(
+        (label.get_window_extent(renderer) for label in speed.get_xticklabels() if label.get_text()),
+        key=lambda box: box.x0,
+    )
+    for left, right in itertools.pairwise(boxes):
+        assert right.x0 - left.x1 >= 4, [label.get_text() for label in speed.get_xticklabels()]

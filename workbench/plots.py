@@ -303,6 +303,9 @@ def _results_title(results, line_chars: int) -> tuple[str, bool]:
     return title, bool(warnings)
 
 
+TICK_LABEL_INCHES = 0.45  # a speedup tick's label ("0.67") and the space it needs beside the next
+
+
 def readable_log_ticks(axis, lows, highs) -> None:
     """Plain speedup ticks (0.5, 0.8, 1, 1.25, 2...) on the log axis, not powers of ten."""
     from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
@@ -318,7 +321,13 @@ def readable_log_ticks(axis, lows, highs) -> None:
     # the nearest at least a ninth of the axis (in log terms; a fifth beyond 3 decades) from 1; then, nearest to 1 first,
     # the ticks inside at least that far from every tick kept.
     span = math.log(max(high, 1.0) * 1.08 / (min(low, 1.0) / 1.08))
-    gap = span / (9 if span < math.log(1000) else 5)  # beyond three decades the labels grow long
+    # At most 9 ticks across, and fewer on a narrow axis: a label such as "0.33" needs about
+    # TICK_LABEL_INCHES (in the panel's 2.7-inch axis, 0.25 and 0.33 ran together).
+    inches = axis.figure.get_figwidth() * axis.get_position().width
+    across = min(9.0, max(3.0, inches / TICK_LABEL_INCHES))
+    gap = span / (
+        across if span < math.log(1000) else min(5.0, across)
+    )  # beyond three decades labels grow long
     kept = [1.0]
     if high > 1.0:
         kept += [t for t in candidates if t >= high and math.log(t) >= gap][:1]
