@@ -599,7 +599,8 @@ FLAG_FOR_KEYWORD = {"tune": {"budget_s": "--budget"}}
 
 
 def in_cli_terms(message: str, args: argparse.Namespace, technique_speaks: bool = True) -> str:
-    """An error from the Python API, reworded for the command line that called it.
+    """A message from the Python API (an error, a warning, a note, help text), reworded for the
+    command line that shows it.
 
     The checks are shared with ``wb.ablate`` and name its keywords (``ablate: batch_size must
     be >= 1``); on the command line the same message names the flag the user typed
