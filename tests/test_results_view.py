@@ -782,6 +782,19 @@ def test_the_plot_colours_each_bar_by_its_verdict_and_names_only_visible_phases(
     assert {"forward", "backward", "optimizer"} <= set(shown)  # 0.3%: a thin bar, named
 
 
+def _drawn(figure):
+    """The figure laid out and drawn, with the renderer that measures its text."""
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)
+    return figure, renderer
+
+
+def _tick_label_boxes(axes, renderer) -> list:
+    """The x tick labels' boxes on the page, left to right."""
+    boxes = [label.get_window_extent(renderer) for label in axes.get_xticklabels() if label.get_text()]
+    return sorted(boxes, key=lambda box: box.x0)
+
+
 @pytest.mark.parametrize("width", [6.0, 7.0, 10.0, 13.0])
 def test_the_plot_at_any_width_keeps_its_legend_inside_and_its_tick_labels_apart(width):
     """plot(width=7) cut its legend at both sides and ran tick labels together ("0.250.33")."""
@@ -792,17 +805,13 @@ def test_the_plot_at_any_width_keeps_its_legend_inside_and_its_tick_labels_apart
         _row("grad_accum[steps=4]", speedup=0.67, low=0.3, high=1.9, **figures),
         _row("amp", speedup=1.5, low=1.4, high=1.6, **figures),
     ]
-    figure = _results(rows, ROLES).plot(width=width)
-    renderer = FigureCanvasAgg(figure).get_renderer()
-    figure.draw(renderer)
+    figure, renderer = _drawn(_results(rows, ROLES).plot(width=width))
     page = figure.bbox
     for text in figure.legends[0].get_texts():
         box = text.get_window_extent(renderer)
         assert box.x0 >= page.x0 - 1 and box.x1 <= page.x1 + 1, (width, text.get_text())
     for axes in figure.axes:
-        boxes = [label.get_window_extent(renderer) for label in axes.get_xticklabels() if label.get_text()]
-        boxes.sort(key=lambda box: box.x0)
-        for left, right in itertools.pairwise(boxes):
+        for left, right in itertools.pairwise(_tick_label_boxes(axes, renderer)):
             assert left.x1 <= right.x0 + 0.5, (width, axes.get_title())
         label = axes.xaxis.label.get_window_extent(renderer)
         assert label.x0 >= page.x0 - 1 and label.x1 <= page.x1 + 1, (width, axes.xaxis.label.get_text())
@@ -818,13 +827,7 @@ def test_the_speedup_ticks_on_the_panels_narrow_axis_stay_apart():
         _row("amp", speedup=0.23, low=0.16, high=0.33, **figures),
         _row("grad_accum", speedup=0.69, low=0.59, high=0.81, **figures),
     ]
-    figure = _results(rows, ROLES).plot(width=10)
-    renderer = FigureCanvasAgg(figure).get_renderer()
-    figure.draw(renderer)
+    figure, renderer = _drawn(_results(rows, ROLES).plot(width=10))
     speed = figure.axes[0]
-    boxes = sorted(
-        (label.get_window_extent(renderer) for label in speed.get_xticklabels() if label.get_text()),
-        key=lambda box: box.x0,
-    )
-    for left, right in itertools.pairwise(boxes):
+    for left, right in itertools.pairwise(_tick_label_boxes(speed, renderer)):
         assert right.x0 - left.x1 >= 4, [label.get_text() for label in speed.get_xticklabels()]

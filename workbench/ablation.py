@@ -594,9 +594,8 @@ def run_ablation(
             out, progress, on_event = False, False, None
     run = RunConfig.from_options("ablate", settings, also=ABLATE_ONLY)
     prepared = prepare(model, data, loss_fn, techniques, run)
-    if (
-        run.trace_dir is not None
-    ):  # made now: a folder that cannot be made would fail every arm, after its block ran
+    # The trace folder is made now: one that cannot be made would fail every arm, after its block ran.
+    if run.trace_dir is not None:
         try:
             Path(run.trace_dir).expanduser().mkdir(parents=True, exist_ok=True)
         except OSError as error:

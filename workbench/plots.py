@@ -194,9 +194,7 @@ def _plot_step_breakdown(axes, table, y) -> None:
     entry ("replay" only with cuda_graphs); a phase too short to draw is counted in "other".
     """
     left = np.zeros(len(table))
-    largest_step = (
-        max(float(table.step_ms.max(skipna=True) or 0.0), 1e-9) if table.step_ms.notna().any() else 1e-9
-    )
+    largest_step = max(np.nan_to_num(table.step_ms.to_numpy(dtype=float)).max(initial=0.0), 1e-9)
     exposed, hidden = _communication_ms(table)
     for phase, color in PHASE_COLORS.items():
         values = table[f"{phase}_ms"].fillna(0).to_numpy() if f"{phase}_ms" in table else np.zeros(len(table))
@@ -220,9 +218,8 @@ def _plot_step_breakdown(axes, table, y) -> None:
     axes.set_title("Step breakdown")
 
 
-VISIBLE_SHARE = (
-    0.002  # of the longest step: about a pixel of a 500-pixel axis (the optimizer, 3 ms of 860, shows)
-)
+# Of the longest step: about a pixel of a 500-pixel axis (the optimizer, 3 ms of 860, shows).
+VISIBLE_SHARE = 0.002
 
 
 def _communication_ms(table) -> tuple[np.ndarray, np.ndarray]:
@@ -327,9 +324,8 @@ def readable_log_ticks(axis, lows, highs) -> None:
     # TICK_LABEL_INCHES (in the panel's 2.7-inch axis, 0.25 and 0.33 ran together).
     inches = axis.figure.get_figwidth() * axis.get_position().width
     across = min(9.0, max(3.0, inches / TICK_LABEL_INCHES))
-    gap = span / (
-        across if span < math.log(1000) else min(5.0, across)
-    )  # beyond three decades labels grow long
+    # beyond three decades the labels grow long
+    gap = span / (across if span < math.log(1000) else min(5.0, across))
     kept = [1.0]
     if high > 1.0:
         kept += [t for t in candidates if t >= high and math.log(t) >= gap][:1]

@@ -81,14 +81,13 @@ class Progress:
     def __init__(self, enabled: bool, total: int, already: int, unit: str = "process", label: str = "ablate"):
         self.bar = None
         self.lines = enabled and not _bar_can_redraw()
-        self.label, self.unit, self.total, self.done, self.doing = label, unit, total, already, ""
+        self.label, self.unit, self.total, self.done = label, unit, total, already
         if enabled and not self.lines:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=already, desc=label, unit=unit, dynamic_ncols=True)
 
     def show(self, text: str) -> None:
-        self.doing = text
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)  # tqdm redraws at most 10 times a second
 

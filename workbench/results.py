@@ -818,7 +818,7 @@ class Results:
                         initial_indent="  ",
                         subsequent_indent="    ",
                         break_on_hyphens=False,
-                    )  # fmt: skip
+                    )
                     for arm, words in entries
                 )
         return text
