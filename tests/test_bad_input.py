@@ -250,11 +250,9 @@ def test_cli_errors_name_the_flag_not_the_keyword():
         "tune: --budget 5 is too small to tune this job ... Pass --budget 14 or more, or fewer steps"
     )
     args = _parser().parse_args(["ablate"])  # a flag that takes no value is suggested without one
-    message = (
-        "out='/tmp/x' holds a different ablation; choose another out, or pass overwrite=True to discard it"
-    )
+    message = "out='/tmp/x' holds a different ablation; choose another results folder, or pass overwrite=True to discard it"
     assert in_cli_terms(message, args) == (
-        "--out /tmp/x holds a different ablation; choose another out, or pass --overwrite to discard it"
+        "--out /tmp/x holds a different ablation; choose another results folder, or pass --overwrite to discard it"
     )
     # A string's value as a shell takes it: quoted only where it has to be.
     assert in_cli_terms("out='/tmp/my runs' holds", args) == "--out '/tmp/my runs' holds"

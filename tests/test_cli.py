@@ -147,6 +147,45 @@ def test_a_plan_that_runs_no_technique_says_so():
     )
 
 
+def test_a_dry_run_says_why_arms_cannot_run_in_the_flags_of_the_command_line(capsys):
+    """The dry run's "Unavailable here" said "pass world_size=2 or more", the API's keyword."""
+    from workbench.cli import main
+
+    assert main(["ablate", "--dry-run", "--device", "cpu"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "ddp_compression: needs several ranks to communicate: pass --world-size 2 or more" in said
+    assert "world_size=" not in said and "data='jpeg'" not in said
+
+
+def test_a_value_that_starts_with_a_dash_meets_its_own_check(capsys):
+    """argparse took "-5m" for a flag and said only "expected one argument"."""
+    from workbench.cli import main
+
+    for command, said in (
+        (["tune", "mlp", "--budget", "-5m"], "--budget: a positive time like 600, 90s, 10m or 1h; got '-5m'"),
+        (["ablate", "--dry-run", "--steps", "-5x"], "--steps must be an integer >= 1; got '-5x'"),
+    ):
+        try:
+            code = main(command)
+        except SystemExit as exit_:  # argparse's own checks exit; the API's return 2
+            code = exit_.code
+        assert code == 2 and said in capsys.readouterr().err, command
+
+
+def test_listing_the_models_refuses_flags_that_would_change_nothing(capsys):
+    """`list --models --device cuda` listed the same models and datasets, and took --device silently."""
+    from workbench.cli import main
+
+    for flags, named in (
+        (["--device", "cuda"], "--device does"),
+        (["--device", "cpu", "--model", "mlp"], "--device and --model do"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["list", "--models", *flags])
+        assert exit_.value.code == 2 and f"which {named} not change" in capsys.readouterr().err
+    assert main(["list", "--models"]) == 0 and "gpt-mini" in capsys.readouterr().out
+
+
 def test_technique_flag_parsing():
     assert parse_technique_flag("compile") == ("compile", True)
     assert parse_technique_flag("amp:off") == ("amp", False)
@@ -284,6 +323,7 @@ def test_advise_ends_with_the_ablate_command_that_measures_its_advice(tmp_path, 
     assert main(["advise", *job, "--no-progress", "--json", str(advice_file)]) == 0
     out = capsys.readouterr().out
     assert f"Wrote {advice_file}" in out
+    assert out.startswith("Plan: 1 block; 1 arm"), out  # --no-progress drops the bar, not what will run
     recommended = json.loads(advice_file.read_text())["recommended"]
     if not recommended:  # nothing to measure: no command
         assert "To measure" not in out

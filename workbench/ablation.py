@@ -414,7 +414,7 @@ def _refuse_fewer_blocks(folder: ResultsFolder, jobs: list[dict], blocks: int) -
         raise ValueError(
             f"out={str(folder.path)!r} holds this ablation's blocks up to block {max(finished) + 1}; "
             f"blocks={blocks} would leave some of them out. Pass blocks={max(finished) + 1} or more to resume "
-            "(more add to them), or choose another out"
+            "(more add to them), or choose another results folder"
         )
 
 
@@ -472,7 +472,7 @@ def refuse_a_different_run(
         differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in addable)
         raise ValueError(
             f"out={str(path)!r} holds a different {what} (differs in: {', '.join(differing)}); "
-            "choose another out, or pass overwrite=True to discard it"
+            "choose another results folder, or pass overwrite=True to discard it"
         )
 
 

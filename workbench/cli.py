@@ -274,7 +274,6 @@ def _add_what_is_here_commands(commands) -> None:
     listing = commands.add_parser("list", help="list the techniques and whether they can run here")
     listing.add_argument(
         "--device",
-        default="auto",
         help="say what can run on this device: auto, cpu, cuda or cuda:N (default auto)",
     )
     listing.add_argument("--model", default=None, help="also check model-specific conditions")
@@ -360,8 +359,9 @@ def _plan_settings(config: dict) -> str:
     )
 
 
-def format_plan(table) -> str:
-    """The dry run's table: what runs, one left-aligned row per arm, then why arms run alone or not at all."""
+def format_plan(table, spell: Callable[[str], str] = str) -> str:
+    """The dry run's table: what runs, one left-aligned row per arm, then why arms run alone or not
+    at all, those reasons reworded by ``spell`` (the CLI's flags: "pass --world-size 2")."""
     shown = table[["name", "role", "process", "blocks", "techniques"]]
     widths = {column: max(len(column), *(len(str(v)) for v in shown[column])) for column in shown}
     lines = [_plan_settings(table.attrs["config"]), ""]
@@ -370,8 +370,8 @@ def format_plan(table) -> str:
         "  ".join(f"{str(v):<{widths[c]}}" for c, v in zip(shown, row, strict=True))
         for row in shown.itertuples(index=False)
     ]
-    alone = [f"  {row.name}: {row.own_process}" for row in table.itertuples() if row.process == "own"]
-    skipped = [f"  {row.name}: {row.unavailable}" for row in table.itertuples() if row.unavailable]
+    alone = [f"  {row.name}: {spell(row.own_process)}" for row in table.itertuples() if row.process == "own"]
+    skipped = [f"  {row.name}: {spell(row.unavailable)}" for row in table.itertuples() if row.unavailable]
     if alone:
         lines += [
             "",
@@ -383,8 +383,21 @@ def format_plan(table) -> str:
     from workbench.progress import no_technique
 
     if nothing_applied := no_technique(table.to_dict(orient="records")):
+        nothing_applied = spell(nothing_applied)
         lines += ["", nothing_applied[0].upper() + nothing_applied[1:] + "."]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _plan_without_the_bar(args: argparse.Namespace) -> Callable[[dict], None]:
+    """With --no-progress, the plan's line still: what will run, and where the results go. With the
+    bar on, the run prints it itself."""
+    from workbench.progress import print_plan
+
+    def on_event(event: dict) -> None:
+        if args.no_progress and event["type"] == "plan":
+            print_plan(event)
+
+    return on_event
 
 
 def _run_ablate(args: argparse.Namespace) -> int:
@@ -401,21 +414,16 @@ def _run_ablate(args: argparse.Namespace) -> int:
         from workbench.ablation import check_before_run
 
         # the folder too: a dry run that passes where the run would be refused tells the user nothing
-        print(format_plan(check_before_run({**settings, "out": args.out, "overwrite": args.overwrite})))
+        plan = check_before_run({**settings, "out": args.out, "overwrite": args.overwrite})
+        print(format_plan(plan, ablate_spelling(args)))
         return 0
-    from workbench.progress import print_plan
-
-    def plan_without_the_bar(event: dict) -> None:
-        if args.no_progress and event["type"] == "plan":  # with the bar on, ablate prints it itself
-            print_plan(event)
-
     results = wb.ablate(
         **settings,
         out=args.out,
         progress=not args.no_progress,
         overwrite=args.overwrite,
         retry_failed=args.retry_failed,
-        on_event=plan_without_the_bar,
+        on_event=_plan_without_the_bar(args),
     )
     if results.path is None:  # under torchrun, ranks other than 0 keep nothing: rank 0 reports
         return 0
@@ -472,7 +480,9 @@ def _run_advise(args: argparse.Namespace) -> int:
     if args.plot and Path(args.plot).suffix.lower() != ".png":
         raise ValueError(f"advise: --plot writes a PNG image; name a .png file (got {args.plot})")
     plot_file = _check_output_file("--plot", args.plot, _advice_png) if args.plot else None
-    advice = wb.advise(args.model, args.data, progress=not args.no_progress, **settings)
+    advice = wb.advise(
+        args.model, args.data, progress=not args.no_progress, on_event=_plan_without_the_bar(args), **settings
+    )
     from workbench.results_view import terminal_width
 
     print()
@@ -536,7 +546,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     limit = {} if args.max_candidates is None else {"max_candidates": args.max_candidates}
     results = wb.tune(
         args.model, args.data, budget_s=args.budget, techniques=techniques, out=args.out,
-        overwrite=args.overwrite, progress=not args.no_progress, **limit, **run_settings(args),
+        overwrite=args.overwrite, progress=not args.no_progress, on_event=_plan_without_the_bar(args),
+        **limit, **run_settings(args),
     )  # fmt: skip
     print()
     # The last round's own warnings (a control off its A/A band, a busy machine) bear on its verdict.
@@ -558,11 +569,20 @@ def _run_list(args: argparse.Namespace) -> int:
     from workbench.environment import format_optional_packages
 
     if args.models:
+        if args.device or args.model:  # what it lists is the same everywhere: the flag would do nothing
+            flags = " and ".join(
+                flag for flag, given in (("--device", args.device), ("--model", args.model)) if given
+            )
+            args.command_parsers["list"].error(
+                f"--models lists the built-in models and datasets, which {flags} "
+                f"{'do' if ' and ' in flags else 'does'} not change: leave out {flags}, or --models to "
+                "see which techniques can run there"
+            )
         print(format_table(wb.list_models()))
         print()
         print(format_table(wb.list_datasets()))
         return 0
-    table = wb.list_techniques(device=args.device, model=args.model)
+    table = wb.list_techniques(device=args.device or "auto", model=args.model)
     spell = ablate_spelling(args)  # "pass world_size=2" is "--world-size 2" here
     shown = table[["name", "available", "summary", "reason"]].assign(
         available=table.available.map({True: "yes", False: "no"}),
@@ -768,6 +788,27 @@ def _workbench_folders() -> list[Path]:
     return [Path(__file__).resolve().parent, *(Path(p).resolve() for p in inside or [])]
 
 
+def _dashed_values_joined(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--budget -5m`` as ``--budget=-5m``. argparse takes a value that starts with a dash for the
+    next flag unless it is a plain number, and says only "expected one argument"; joined to its
+    flag, the value reaches the flag's own check, which says what is valid."""
+    takes_a_value = {
+        flag
+        for command in parser.get_default("command_parsers").values()
+        for action in command._actions
+        if action.nargs != 0
+        for flag in action.option_strings
+        if flag.startswith("--")
+    }
+    joined: list[str] = []
+    for token in argv:
+        if joined and joined[-1] in takes_a_value and re.match(r"-\.?\d", token):
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def main(argv: list[str] | None = None) -> int:
     with _own_warnings_in_one_line():
         if threading.current_thread() is not threading.main_thread():  # only it is given signals
@@ -782,7 +823,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(
+        _dashed_values_joined(parser, sys.argv[1:] if argv is None else argv)
+    )
     if extra:
         args.command_parsers[args.command].error(_unrecognized(args, extra))
     _prewarm_template(args)

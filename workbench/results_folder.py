@@ -104,12 +104,12 @@ class ResultsFolder:
             raise FolderInUse(
                 f"out={str(self.path)!r} is locked by a workbench run on another host "
                 f"({_describe_holder(left)}), which this machine cannot check. If that run has ended, remove "
-                f"{self.path / LOCK}; otherwise wait for it, or choose another out"
+                f"{self.path / LOCK}; otherwise wait for it, or choose another results folder"
             )
         if left and _is_alive(left):
             raise FolderInUse(
                 f"out={str(self.path)!r} is in use by another workbench run ({_describe_holder(left)}); wait "
-                "for it to finish, or choose another out"
+                "for it to finish, or choose another results folder"
             )
 
     def unlock(self) -> None:
@@ -231,7 +231,7 @@ class ResultsFolder:
         if own:
             raise ValueError(
                 f"out={str(self.path)!r} holds other workbench results ({', '.join(own[:4])}"
-                f"{', ...' if len(own) > 4 else ''}), not {what}'s; choose another out, or pass "
+                f"{', ...' if len(own) > 4 else ''}), not {what}'s; choose another results folder, or pass "
                 "overwrite=True to discard them"
             )
 
@@ -328,7 +328,7 @@ class ResultsFolder:
         if foreign:
             raise ValueError(
                 f"overwrite: out={str(self.path)!r} holds {self._describe_not_ours(foreign, 10)}; workbench "
-                "deletes only what this run wrote, so nothing there. Move them away, or choose another out"
+                "deletes only what this run wrote, so nothing there. Move them away, or choose another results folder"
             )
 
     def clear(self) -> None:
