@@ -65,3 +65,24 @@ def test_the_reading_quotes_the_recorded_speedups(recorded):
     assert f"[{control['speedup_low']:.2f}, {control['speedup_high']:.2f}]" in reading
     wall = json.loads(RECORD.read_text())["wall_s"][-1]
     assert f"The whole run took {wall:.0f} s" in reading
+
+
+def test_the_plots_paragraph_quotes_the_run_it_shows():
+    """docs/quick-preset.png is drawn from docs/quick-preset-results.json; the paragraph above it
+    quotes that record, and the record loads as any results file does."""
+    import workbench as wb
+
+    shown = wb.load_results(ROOT / "docs" / "quick-preset-results.json")
+    text = (ROOT / "README.md").read_text()
+    paragraph = text.split("The plot below is that", 1)[1].split("![quick preset plot]", 1)[0]
+    rows = shown.table.set_index("arm")
+    channels_last, control, amp = rows.loc["channels_last"], rows.loc["baseline (control)"], rows.loc["amp"]
+    assert (
+        f"{channels_last.speedup:.2f}x [{channels_last.speedup_low:.2f}, {channels_last.speedup_high:.2f}]"
+        in paragraph
+    )
+    assert f"{control.speedup:.2f} [{control.speedup_low:.2f}, {control.speedup_high:.2f}]" in paragraph
+    assert f"amp at {amp.speedup:.2f}x, its {amp.step_ms:.0f} ms step" in paragraph
+    verdicts = dict(zip(rows.index, rows.verdict, strict=True))
+    assert verdicts["channels_last"] == "faster"
+    assert {verdicts[arm] for arm in ("checkpointing", "grad_accum", "amp")} == {"slower"}
