@@ -765,7 +765,7 @@ def test_the_plot_colours_each_bar_by_its_verdict_and_names_only_visible_phases(
         _row("slow", speedup=0.7, low=0.6, high=0.8, **figures),
         _row("noise", speedup=1.02, low=0.9, high=1.1, **figures),
     ]
-    results = _results(rows, ROLES)
+    results = _results(rows, ROLES, config={"blocks": 1})
     assert list(results.table.verdict[2:]) == ["faster", "slower", "within noise"]
     figure = results.plot()
     speed, phases, _ = figure.axes
@@ -776,8 +776,13 @@ def test_the_plot_colours_each_bar_by_its_verdict_and_names_only_visible_phases(
     # rows are drawn bottom-up: noise 0, slow 1, amp 2
     assert bar_colour[2] == VERDICT_COLORS["faster"] and bar_colour[1] == VERDICT_COLORS["slower"]
     assert bar_colour[0] not in VERDICT_COLORS.values()
-    shown = [text.get_text() for text in figure.legends[0].get_texts()]
-    assert "faster (the verdict)" in shown and "slower (the verdict)" in shown
+    legend = figure.legends[0]
+    shown = [text.get_text() for text in legend.get_texts()]
+    verdicts = [label for label in shown if label.endswith("(the verdict)")]
+    assert verdicts == ["faster (the verdict)", "within noise (the verdict)", "slower (the verdict)"]
+    within = legend.legend_handles[shown.index("within noise (the verdict)")]
+    assert to_hex(within.get_facecolor()) == bar_colour[0]  # the key says what the blue bar means
+    assert "x 1 block, batch" in figure.get_suptitle()  # not "1 blocks"
     assert "data" not in shown  # 0.15% of the step, under a pixel: no bar, no entry
     assert {"forward", "backward", "optimizer"} <= set(shown)  # 0.3%: a thin bar, named
 

@@ -40,6 +40,7 @@ MEMORY_COLOR = "#1a9e9e"
 # Not the red of a "slower" verdict: a diverged arm is not a slower one.
 STATUS_COLORS = {"ok": "#4c72b0", "diverged": "#dd8452", "interrupted": "#b0b0b0"}
 VERDICT_COLORS = {"faster": "#2e8b57", "slower": "#c44e52"}  # any other verdict keeps its status's colour
+VERDICT_ORDER = ("faster", "within noise", "slower")  # the verdicts a treatment's bar can show
 
 
 def _percent(value: float) -> str:
@@ -121,16 +122,11 @@ def _plot_speedups(axes, table, y) -> None:
         alpha=0.35,
         height=0.6,
     )
-    for verdict in ("faster", "slower"):
-        if verdict in set(verdicts):  # a legend entry (a bar of no width: an empty one has no colour)
-            axes.barh(
-                y[:1],
-                [0],
-                left=1,
-                color=VERDICT_COLORS[verdict],
-                alpha=0.35,
-                label=f"{verdict} (the verdict)",
-            )
+    # A legend entry per verdict that a bar shows, in that bar's colour ("within noise" keeps the
+    # status's): a bar of no width, since an empty one has no colour.
+    shown = {v: c for v, c, m in zip(verdicts, colors, measured, strict=True) if m and v in VERDICT_ORDER}
+    for verdict in sorted(shown, key=VERDICT_ORDER.index):
+        axes.barh(y[:1], [0], left=1, color=shown[verdict], alpha=0.35, label=f"{verdict} (the verdict)")
     axes.errorbar(
         table.speedup[measured],
         y[measured],
@@ -284,6 +280,10 @@ def _add_figure_legend(figure, panels) -> None:
     figure.legend(handles, labels, loc="outside lower center", ncol=columns, fontsize=8, frameon=False)
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' * (number != 1)}"
+
+
 def _results_title(results, line_chars: int) -> tuple[str, bool]:
     """The figure's title (run settings and the machine) and whether it carries warnings; each
     warning shortened to its first clause, the whole wrapped at ``line_chars``."""
@@ -293,7 +293,8 @@ def _results_title(results, line_chars: int) -> tuple[str, bool]:
     where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")
     title = (
         f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps per arm x "
-        f"{config.get('blocks', config.get('repeats'))} blocks, batch {config['batch_size']}, {device} ({where})"
+        f"{_count(config.get('blocks', config.get('repeats')), 'block')}, batch {config['batch_size']}, "
+        f"{device} ({where})"
     )
     warnings = results.warnings()
     if warnings:  # said on the figure itself: a plot travels without its table
