@@ -184,6 +184,20 @@ def test_cpu_seconds_of_a_busy_loop():
     assert process_cpu_seconds() - before > 0.1  # most of 0.3 s on one core, even on a shared machine
 
 
+def test_cpu_seconds_resolve_a_window_of_a_few_milliseconds():
+    """Read in clock ticks (10 ms), a 5-ms window's CPU time was 0 or 10 ms, and an arm's
+    utilization, summed over such windows, came out above 100% of the cores."""
+    deltas = []
+    for _ in range(20):
+        before = process_cpu_seconds()
+        end = time.perf_counter() + 0.002
+        while time.perf_counter() < end:
+            pass
+        deltas.append(process_cpu_seconds() - before)
+    off_the_ticks = [d for d in deltas if abs(d * 100 - round(d * 100)) > 1e-6]
+    assert off_the_ticks, deltas
+
+
 def test_sampler_collects_samples_in_the_background():
     sampler = Sampler(interval_s=0.05).start()
     time.sleep(0.4)

@@ -414,13 +414,17 @@ def usable_cores() -> int:
 def process_cpu_seconds(children: list | None = None, reaped: bool = False) -> float:
     """CPU seconds (user + system) of this process, plus those of ``children`` (psutil.Process list).
 
-    The process's own time is one system call. Listing children scans /proc (about a
-    millisecond), so an arm with DataLoader workers lists them once (``worker_processes``)
-    and passes them here. ``reaped`` adds the time of the children each of these processes
-    has already waited for, so that a child that exited still counts (CompetingLoad).
+    The process's own time is one system call, to the nanosecond: os.times() counts in clock ticks
+    (10 ms), and a window of a few milliseconds, read that coarsely, put utilization above 100%.
+    Listing children scans /proc (about a millisecond), so an arm with DataLoader workers lists
+    them once (``worker_processes``) and passes them here (their time, from /proc, is in ticks).
+    ``reaped`` adds the time of the children each of these processes has already waited for, so
+    that a child that exited still counts (CompetingLoad).
     """
-    times = os.times()
-    total = times.user + times.system + (times.children_user + times.children_system if reaped else 0.0)
+    total = time.process_time()
+    if reaped:
+        times = os.times()
+        total += times.children_user + times.children_system
     for child in children or ():
         try:
             child_times = child.cpu_times()
