@@ -2,6 +2,8 @@
 
 import itertools
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -198,6 +200,28 @@ def test_cpu_seconds_resolve_a_window_of_a_few_milliseconds():
     assert off_the_ticks, deltas
 
 
+def test_a_workers_cpu_seconds_resolve_a_window_of_a_few_milliseconds():
+    """A DataLoader worker's time, read from /proc in ticks, put a loader arm at 104% of the cores."""
+    import psutil
+
+    from workbench.telemetry import _cpu_clock_seconds
+
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
+    )
+    try:
+        worker = psutil.Process(busy.pid)
+        readings = []
+        for _ in range(10):
+            readings.append(_cpu_clock_seconds(worker))
+            time.sleep(0.003)
+        assert readings == sorted(readings) and readings[-1] > 0
+        assert [r for r in readings if abs(r * 100 - round(r * 100)) > 1e-6], readings
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def test_sampler_collects_samples_in_the_background():
     sampler = Sampler(interval_s=0.05).start()
     time.sleep(0.4)
@@ -215,7 +239,9 @@ def test_the_sampler_keeps_its_cadence_however_long_a_reading_takes(monkeypatch)
     import workbench.telemetry as telemetry
 
     now = [100.0]
-    fake = types.SimpleNamespace(monotonic=lambda: now[0], time=lambda: now[0], perf_counter=lambda: now[0])
+    wall = {"monotonic": lambda: now[0], "time": lambda: now[0], "perf_counter": lambda: now[0]}
+    # the CPU clocks stay real: the cadence is the wall clock's
+    fake = types.SimpleNamespace(**wall, process_time=time.process_time, clock_gettime=time.clock_gettime)
     monkeypatch.setattr(telemetry, "time", fake)
     waits = []
 

@@ -414,12 +414,12 @@ def usable_cores() -> int:
 def process_cpu_seconds(children: list | None = None, reaped: bool = False) -> float:
     """CPU seconds (user + system) of this process, plus those of ``children`` (psutil.Process list).
 
-    The process's own time is one system call, to the nanosecond: os.times() counts in clock ticks
-    (10 ms), and a window of a few milliseconds, read that coarsely, put utilization above 100%.
-    Listing children scans /proc (about a millisecond), so an arm with DataLoader workers lists
-    them once (``worker_processes``) and passes them here (their time, from /proc, is in ticks).
+    Each process's time is read to the nanosecond (its CPU clock): os.times() and /proc count in
+    clock ticks (10 ms), and windows of a few milliseconds, read that coarsely, put an arm's
+    utilization above 100% of the cores. Listing children scans /proc (about a millisecond), so an
+    arm with DataLoader workers lists them once (``worker_processes``) and passes them here.
     ``reaped`` adds the time of the children each of these processes has already waited for, so
-    that a child that exited still counts (CompetingLoad).
+    that a child that exited still counts (CompetingLoad); that time is known only in ticks.
     """
     total = time.process_time()
     if reaped:
@@ -427,13 +427,24 @@ def process_cpu_seconds(children: list | None = None, reaped: bool = False) -> f
         total += times.children_user + times.children_system
     for child in children or ():
         try:
-            child_times = child.cpu_times()
-            total += child_times.user + child_times.system
+            total += _cpu_clock_seconds(child)
             if reaped:
+                child_times = child.cpu_times()
                 total += child_times.children_user + child_times.children_system
         except Exception:  # a worker may exit between listing and reading
             continue
     return total
+
+
+def _cpu_clock_seconds(process) -> float:
+    """The CPU seconds of another process (psutil.Process), from its CPU clock on Linux (the clock
+    id clock_getcpuclockid(3) gives: the pid, inverted, shifted past the clock's type), in ticks
+    elsewhere."""
+    try:
+        return time.clock_gettime(((~process.pid) << 3) | 2)  # 2: CPUCLOCK_SCHED, the whole process
+    except (AttributeError, OSError):  # no clock_gettime (Windows), or not Linux's clock ids
+        times = process.cpu_times()
+        return times.user + times.system
 
 
 def worker_processes() -> list:
