@@ -324,3 +324,14 @@ def test_a_graphed_step_counts_the_pool_its_graph_holds_once():
     assert eager_peak == pytest.approx(8, abs=0.1)  # weights and gradients
     assert graphed_peak == pytest.approx(4 + 20, abs=0.1)  # weights, and the pool with the gradients
     assert math.isnan(activations)
+
+
+def test_utilization_is_a_share_of_the_usable_cores_and_at_most_all_of_them():
+    """With every core busy, the kernel's lagging clocks of running threads summed to 101-104%."""
+    from workbench.telemetry import cpu_utilization_pct, usable_cores
+
+    cores = usable_cores()
+    assert cpu_utilization_pct(0.5 * cores, 1.0) == pytest.approx(50.0)
+    assert cpu_utilization_pct(1.04 * cores, 1.0) == 100.0
+    assert cpu_utilization_pct(0.0, 0.0) == 0.0  # no window timed: nothing used, no division by zero
+

@@ -36,7 +36,13 @@ from workbench.mfu import compute_dtype, count_flops
 from workbench.models import NoOpModel, build_model, noop_loss
 from workbench.process_state import ArmRandomState
 from workbench.profiling import profile_steps
-from workbench.telemetry import ArmMemory, StepClock, process_cpu_seconds, usable_cores, worker_processes
+from workbench.telemetry import (
+    ArmMemory,
+    StepClock,
+    cpu_utilization_pct,
+    process_cpu_seconds,
+    worker_processes,
+)
 
 
 @dataclass
@@ -255,12 +261,14 @@ class BlockArm:
                 self.timed.append(False)
             samples_before = self.trainer.samples_seen  # after the re-warm: its samples are not timed
             self.memory.window_start()
+            # The wall clock around the CPU clocks, so that the wall span holds the CPU span: the
+            # other way round, threads busy throughout (DALI's) read above 100% of the cores.
+            started = time.time()  # epoch seconds: the sampler's telemetry is on the same clock
             cpu_before = process_cpu_seconds(self._workers)
-            started = time.time()
             wall_s = timed_window(self.trainer, self.clock, steps, self.losses, emit, interval_s)
             self.timed += [True] * steps
-            ended = time.time()
             self.cpu_seconds += process_cpu_seconds(self._workers) - cpu_before
+            ended = time.time()
             self.cpu_wall_s += ended - started
             self.memory.window_end()
         self.clock.resolve()
@@ -318,7 +326,7 @@ class BlockArm:
             "peak_mem_mib": peak_mib,
             "memory_method": self.memory.method,
             "activation_mib": activation_mib,
-            "cpu_util_pct": 100.0 * self.cpu_seconds / max(self.cpu_wall_s, 1e-9) / usable_cores(),
+            "cpu_util_pct": cpu_utilization_pct(self.cpu_seconds, self.cpu_wall_s),
             "losses": torch.stack(self.losses).float().cpu().tolist(),
             "timed": self.timed,
             "notes": self.notes + self.memory.notes,

@@ -411,12 +411,24 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_utilization_pct(cpu_seconds: float, wall_s: float) -> float:
+    """CPU time over wall time, as a share of the usable cores (100: every core busy), at most 100.
+
+    The cap is for the kernel's bookkeeping, not a rounding of the measurement: a thread that is
+    running while its process's CPU clock is read has its time since the last scheduler tick (1
+    to 4 ms) left out. Windows of a few milliseconds start and end at such readings, so each
+    window's CPU time errs by up to a tick per running thread, either way, and with every core
+    busy, a run's sum came to 101-104% of the cores. Anything above 100 is that error.
+    """
+    return min(100.0, 100.0 * cpu_seconds / max(wall_s, 1e-9) / usable_cores())
+
+
 def process_cpu_seconds(children: list | None = None, reaped: bool = False) -> float:
     """CPU seconds (user + system) of this process, plus those of ``children`` (psutil.Process list).
 
-    Each process's time is read to the nanosecond (its CPU clock): os.times() and /proc count in
-    clock ticks (10 ms), and windows of a few milliseconds, read that coarsely, put an arm's
-    utilization above 100% of the cores. Listing children scans /proc (about a millisecond), so an
+    Each process's time is read from its CPU clock, in nanoseconds (os.times() and /proc count
+    in 10-ms ticks, coarse beside windows of a few milliseconds); its running threads' latest
+    time still lags by up to a scheduler tick (``cpu_utilization_pct``). Listing children scans /proc (about a millisecond), so an
     arm with DataLoader workers lists them once (``worker_processes``) and passes them here.
     ``reaped`` adds the time of the children each of these processes has already waited for, so
     that a child that exited still counts (CompetingLoad); that time is known only in ticks.
