@@ -261,8 +261,7 @@ class BlockArm:
                 self.timed.append(False)
             samples_before = self.trainer.samples_seen  # after the re-warm: its samples are not timed
             self.memory.window_start()
-            # The wall clock around the CPU clocks, so that the wall span holds the CPU span: the
-            # other way round, threads busy throughout (DALI's) read above 100% of the cores.
+            # The wall clock read around the CPU clocks, so that the wall span holds the CPU span.
             started = time.time()  # epoch seconds: the sampler's telemetry is on the same clock
             cpu_before = process_cpu_seconds(self._workers)
             wall_s = timed_window(self.trainer, self.clock, steps, self.losses, emit, interval_s)
