@@ -255,3 +255,42 @@ def test_memory_bars_look_unlike_every_colour_of_the_breakdown():
     for bar in memory.patches:
         distance = min(np.linalg.norm(_as_seen(bar.get_facecolor()) - other) for other in seen)
         assert distance >= 0.15, f"a memory bar looks like a breakdown colour (RGB distance {distance:.2f})"
+
+
+def test_live_arm_colours_look_unlike_the_verdicts_colours(clock):
+    """The panel shows the live view above the results' plot, whose bars are green for faster and
+    red for slower: amp was drawn green live and red ("slower") below it. No arm's line is of the
+    red family (brown included) or the green one."""
+    import colorsys
+
+    global ARMS
+    live = LiveRun()
+    arms, ARMS = ARMS, [f"arm {index}" for index in range(8)]
+    try:
+        _plan(live, processes=1)
+        _process(live, clock, 0, 0, 4)
+    finally:
+        ARMS = arms
+    axes = _throughput_axes(plot_live(live.snapshot()))
+    lines = [line for line in axes.get_lines() if len(line.get_xdata()) > 1]
+    assert len({line.get_color() for line in lines}) >= 7
+    for line in lines:
+        hue, _, saturation = colorsys.rgb_to_hls(*to_rgba(line.get_color())[:3])
+        if saturation > 0.3:  # a grey has no hue to mistake
+            assert not (hue < 0.05 or hue > 0.95), f"{line.get_label()} is drawn red, like a slower bar"
+            assert not 0.25 < hue < 0.45, f"{line.get_label()} is drawn green, like a faster bar"
+
+
+def test_the_live_breakdown_names_only_phases_a_bar_shows(clock):
+    """A data phase of 0.01% of the step had a legend entry and no visible bar."""
+    live = LiveRun()
+    _plan(live, processes=1)
+    _process(live, clock, 0, 0, 4)
+    result = {"losses": [2.0, 1.0], "wall_s": 0.1, "steps": 10,
+              "phase_ms": {"data": 0.001, "forward": 3.0, "backward": 5.0, "optimizer": 1.0}}  # fmt: skip
+    for arm in ARMS:
+        live({"type": "unit", "arm": arm, "block": 0, "status": "ok", "result": result})
+    figure = plot_live(live.snapshot())
+    breakdown = next(axes for axes in figure.axes if axes.get_title().startswith("Step breakdown"))
+    named = [text.get_text() for text in breakdown.get_legend().get_texts()]
+    assert named == ["forward", "backward", "optimizer"], named

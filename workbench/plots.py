@@ -347,11 +347,13 @@ def readable_log_ticks(axis, lows, highs) -> None:
     axis.set_xlim(min(min(low, 1.0) / 1.08, min(ticks) / 1.02), max(max(high, 1.0) * 1.08, max(ticks) * 1.02))
 
 
-def _arm_colors(arms: list[str]) -> dict[str, tuple]:
-    from matplotlib import colormaps
+# tab10 without its green, red and brown: under the live view, the results' plot colours bars
+# green for faster and red for slower, and an arm drawn green live and red below read as both.
+LIVE_ARM_COLORS = ("#1f77b4", "#ff7f0e", "#9467bd", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
-    palette = colormaps["tab10"]
-    return {arm: palette(index % 10) for index, arm in enumerate(arms)}
+
+def _arm_colors(arms: list[str]) -> dict[str, str]:
+    return {arm: LIVE_ARM_COLORS[index % len(LIVE_ARM_COLORS)] for index, arm in enumerate(arms)}
 
 
 def plot_live(snapshot: dict) -> ResultsFigure:
@@ -497,9 +499,10 @@ def _plot_live_breakdown(axes, finished: list[dict], arms: list[str]) -> None:
     left = np.zeros(len(names))
     for phase, color in PHASE_COLORS.items():
         values = shares[:, PHASES.index(phase)] * step_ms if names else np.zeros(0)
-        if values.any():  # only phases that occurred: "replay" appears with cuda_graphs alone
+        # only phases a bar shows, as in the results' plot ("replay" appears with cuda_graphs alone)
+        if (values > VISIBLE_SHARE * step_ms.max(initial=0)).any():
             axes.barh(names, values, left=left, color=color, label=phase, height=0.6)
-            left += values
+        left += values
     axes.invert_yaxis()
     axes.set_title("Step breakdown (finished blocks)")
     axes.set_xlabel("ms per optimizer step")
