@@ -512,6 +512,11 @@ def test_an_edited_model_under_the_same_name_does_not_resume_into_the_earlier_ru
         )
     # The same job again finds its blocks done.
     assert wb.ablate(_mlp_of_width(16), data, **arguments, **QUIET).complete
+    # A loss module's settings are not in its repr: another label smoothing resumed into the old losses.
+    smoothed = {**arguments, "out": tmp_path / "smoothed"}
+    wb.ablate(_mlp_of_width(16), data, nn.CrossEntropyLoss(), **smoothed, **QUIET)
+    with pytest.raises(ValueError, match=r"differs in: loss_source\)"):
+        wb.ablate(_mlp_of_width(16), data, nn.CrossEntropyLoss(label_smoothing=0.5), **smoothed, **QUIET)
 
 
 def test_an_interrupt_while_the_run_starts_leaves_no_thread_behind(monkeypatch):
@@ -645,7 +650,8 @@ def test_ctrl_c_keeps_finished_blocks_on_disk_and_leaves_no_orphans(tmp_path):
 
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming: {finished} processes already done" in " ".join(resumed.stdout.split())  # wrapped
+    done = f"{finished} process{'es' * (finished != 1)}"  # "1 processes" was said
+    assert f"resuming: {done} already done" in " ".join(resumed.stdout.split())  # wrapped
     assert wb.load_results(out).complete
 
 
@@ -805,3 +811,25 @@ def test_each_process_compiles_from_cold_except_in_a_smoke_test(monkeypatch, tmp
     assert (
         len({_Runner._compile_cache_dir(tmp_path, job, attempt) for job in jobs for attempt in (0, 1)}) == 1
     )
+
+
+class _DigitsLike(torch.utils.data.Dataset):
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.inputs, self.targets = torch.randn(64, 64, generator=generator), torch.arange(64) % 10
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.targets[index]
+
+
+def test_a_dataset_class_is_a_factory_like_any_other(tmp_path):
+    """The README takes a callable that returns a Dataset; the class itself is one, and its identity
+    check called len() on the class: "object of type 'type' has no len()"."""
+    results = wb.ablate(
+        _mlp_of_width(16), _DigitsLike, techniques={}, steps=2, warmup=1, blocks=1, batch_size=16,
+        out=tmp_path / "r", **QUIET,
+    )  # fmt: skip
+    assert results.complete and set(results.table.status) == {"ok"}

@@ -186,6 +186,12 @@ def test_listing_the_models_refuses_flags_that_would_change_nothing(capsys):
     assert main(["list", "--models"]) == 0 and "gpt-mini" in capsys.readouterr().out
 
 
+def test_a_resumed_plan_counts_its_done_processes_in_words():
+    event = {**plan_event(), "processes": 3, "remaining": 2}
+    assert "; resuming: 1 process already done." in describe_plan(event)  # not "1 processes"
+    assert "; resuming: 2 processes already done." in describe_plan({**event, "remaining": 1})
+
+
 def test_technique_flag_parsing():
     assert parse_technique_flag("compile") == ("compile", True)
     assert parse_technique_flag("amp:off") == ("amp", False)

@@ -836,3 +836,21 @@ def test_the_speedup_ticks_on_the_panels_narrow_axis_stay_apart():
     speed = figure.axes[0]
     for left, right in itertools.pairwise(_tick_label_boxes(speed, renderer)):
         assert right.x0 - left.x1 >= 4, [label.get_text() for label in speed.get_xticklabels()]
+
+
+def test_a_baseline_that_did_not_run_is_the_first_warning_and_the_plots_first_clause():
+    """Every arm failed with the user's own error, and the run came back with no warning at all."""
+    from workbench.plots import _results_title
+
+    reason = "block 1: RuntimeError: boom in my forward"
+    rows = [_row("baseline", status="failed", reason=reason), _row("amp", status="failed", reason=reason)]
+    results = _results(rows, {"baseline": "baseline"})
+    said = results.warnings()
+    assert said[0].startswith(
+        "the baseline did not run, so no arm has a speedup: failed, block 1: RuntimeError"
+    )
+    assert "res.record['units']" in said[0]
+    title, warned = _results_title(results, 200)
+    assert warned and "WARNING: the baseline did not run, so no arm has a speedup" in title
+    ran = _results([_row("baseline", speedup=1.0, low=1.0, high=1.0), rows[1]], {"baseline": "baseline"})
+    assert not any("baseline did not run" in warning for warning in ran.warnings())

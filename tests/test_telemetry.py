@@ -334,4 +334,3 @@ def test_utilization_is_a_share_of_the_usable_cores_and_at_most_all_of_them():
     assert cpu_utilization_pct(0.5 * cores, 1.0) == pytest.approx(50.0)
     assert cpu_utilization_pct(1.04 * cores, 1.0) == 100.0
     assert cpu_utilization_pct(0.0, 0.0) == 0.0  # no window timed: nothing used, no division by zero
-

@@ -242,14 +242,35 @@ def job_identity(
     model_text += [_source_of(cls.forward) for cls in layers]
     identity = {
         "model_structure": _digest(model_text),
-        "loss_source": _digest([_source_of(loss_fn)]) if loss_fn is not None else "cross_entropy",
+        "loss_source": _digest(_loss_text(loss_fn)) if loss_fn is not None else "cross_entropy",
         "torch_version": torch.__version__,
         "workbench_version": __version__,
     }
     if source.builtin is None and source.images is None:  # user data: its label is only a type name
-        size = len(source.user) if hasattr(source.user, "__len__") else "a factory or an iterator"
+        # a Dataset class (a factory, as a lambda would be) has __len__ too, for its instances
+        sized = hasattr(source.user, "__len__") and not isinstance(source.user, type)
+        size = len(source.user) if sized else "a factory or an iterator"
         identity["data_shape"] = _digest([str(size), repr(_shapes_of(first_batch))])
     return identity
+
+
+def _loss_text(loss_fn: Callable) -> list[str]:
+    """What identifies a loss: a function's source; a loss module's class source and its settings
+    (``CrossEntropyLoss(label_smoothing=0.5)`` has the repr of the default, and a rerun with
+    another smoothing resumed into the old losses), its tensors (a class ``weight``) by value; a
+    ``functools.partial``'s function and arguments."""
+    if isinstance(loss_fn, functools.partial):
+        return [*_loss_text(loss_fn.func), repr(loss_fn.args), repr(sorted(loss_fn.keywords.items()))]
+    if not isinstance(loss_fn, torch.nn.Module):
+        return [_source_of(loss_fn)]
+    settings = sorted(
+        (k, repr(v)) for k, v in vars(loss_fn).items() if not k.startswith("_") and k != "training"
+    )
+    tensors = [
+        f"{name}:{hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}"
+        for name, t in loss_fn.state_dict().items()
+    ]
+    return [_source_of(type(loss_fn)), repr(settings), *tensors]
 
 
 def _source_of(obj: Any) -> str:

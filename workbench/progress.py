@@ -55,7 +55,8 @@ def describe_plan(event: dict) -> str:
     if event.get("oversubscribed"):  # workbench.core_sync.oversubscription
         text += f"; WARNING: {event['oversubscribed']}: threads will wait for cores, and steps measure that"
     if event["remaining"] < event["processes"]:
-        text += f"; resuming: {event['processes'] - event['remaining']} processes already done"
+        done = event["processes"] - event["remaining"]
+        text += f"; resuming: {done} process{'es' * (done != 1)} already done"
     if event["out"]:
         return text + f". Results: {event['out']}"
     if event.get("label", "ablate") == "ablate":  # wb.advise and wb.tune keep what they need themselves

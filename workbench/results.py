@@ -763,6 +763,7 @@ class Results:
         speeds, then the CPU threads' cooperation changing state."""
         found = [self.record["smoke_test"]] if self.record.get("smoke_test") else []
         table = self.table
+        found += _baseline_did_not_run(table)
         control = table[
             (table.arm == "baseline (control)") & table.speedup_low.notna() & table.speedup_high.notna()
         ]
@@ -839,6 +840,18 @@ class Results:
         from workbench.report import write_report
 
         return write_report(self, path)
+
+
+def _baseline_did_not_run(table) -> list[str]:
+    """Said first: with no baseline, no arm has a speedup, and the reason is usually the user's
+    model, data or loss (an arm of its own would fail alike)."""
+    baseline = table[(table.arm == "baseline") & table.samples_per_s.isna()]
+    return [
+        f"the baseline did not run, so no arm has a speedup: {row.status}, {row.reason}. Fix that and run "
+        "again (each arm's traceback is kept under units in results.json: res.record['units'])"
+        for row in baseline.itertuples()
+        if row.status not in ("unavailable",)
+    ]
 
 
 def oversubscribed_blocks(blocks: list[dict]) -> list[str]:
