@@ -227,7 +227,7 @@ def job_identity(
     mix the old model's blocks with the new one's. So: the model's layers (its repr), its
     tensors' names and shapes, and the source of its factory and of each layer class's
     ``forward``; user data's length and first batch's shapes and dtypes (not their values,
-    which random augmentations change from run to run); the loss function's source; and the
+    which random augmentations change from run to run); the loss (``_loss_text``); and the
     torch and workbench versions that measure it. Each part is a short digest, named in the
     "differs in" message when it changes.
     """
