@@ -342,3 +342,11 @@ def test_a_torch_device_is_taken_as_its_name():
     assert RunConfig(device=torch.device("cuda", 1)).device == "cuda:1"  # checked against the machine later
     plan = wb.plan("mlp", techniques={}, device=torch.device("cpu"))
     assert list(plan["name"]) == ["baseline", "baseline (control)"]
+
+
+def test_a_checkpointing_select_that_matches_nothing_names_what_it_could_match():
+    """ "select='layers.*' matches no submodule of mlp" left the user to guess mlp's names."""
+    plan = wb.plan(model="mlp", techniques={"checkpointing": {"select": "layers.*"}}, device="cpu")
+    reason = plan.set_index("name").loc["checkpointing", "unavailable"]
+    assert reason.startswith("select='layers.*' matches no submodule of mlp; its submodules include ")
+    assert "blocks.0 (MLPBlock)" in reason and "more" in reason

@@ -130,6 +130,15 @@ def select_modules(model: nn.Module, select: Selector) -> list[str]:
     return matches
 
 
+def _some_submodules(model: nn.Module, shown: int = 6) -> str:
+    """What a select could have named: the model's first submodules, two levels deep at most,
+    with their classes (a glob matches the dotted names; type:ClassName the classes)."""
+    found = [(name, type(m).__name__) for name, m in model.named_modules() if name and name.count(".") <= 1]
+    listed = ", ".join(f"{name} ({kind})" for name, kind in found[:shown])
+    more = f", and {len(found) - shown} more" if len(found) > shown else ""
+    return f"its submodules include {listed}{more}" if found else "it has no submodules"
+
+
 def checkpoint_module(module: nn.Module) -> None:
     """Make ``module`` recompute its activations in backward instead of storing them."""
     forward = module.forward
@@ -156,7 +165,10 @@ class Checkpointing(Technique):
                 f"found no repeated blocks in {ctx.model_name or 'the model'} (no ModuleList/Sequential of "
                 "2+ same-type blocks); pass checkpointing={'select': 'glob'} or {'select': 'type:ClassName'}"
             )
-        return f"select={config.select!r} matches no submodule of {ctx.model_name or 'the model'}"
+        return (
+            f"select={config.select!r} matches no submodule of {ctx.model_name or 'the model'}; "
+            f"{_some_submodules(ctx.model)}"
+        )
 
     def apply(self, setup, config: CheckpointingConfig) -> str:
         names = select_modules(setup.model, config.select)
