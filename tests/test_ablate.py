@@ -833,3 +833,29 @@ def test_a_dataset_class_is_a_factory_like_any_other(tmp_path):
         out=tmp_path / "r", **QUIET,
     )  # fmt: skip
     assert results.complete and set(results.table.status) == {"ok"}
+
+
+def test_a_loss_is_told_apart_by_its_settings_and_its_tensors_of_any_shape_and_dtype():
+    """A loss module's repr leaves its settings out; a 0-d bfloat16 buffer (a temperature) cannot be
+    viewed as bytes without being flattened first, nor read by numpy at all."""
+    import functools
+
+    from workbench.ablation import _digest, _loss_text
+
+    class Tempered(nn.Module):
+        def __init__(self, temperature):
+            super().__init__()
+            self.register_buffer("temperature", torch.tensor(temperature, dtype=torch.bfloat16))
+
+        def forward(self, outputs, targets):
+            return nn.functional.cross_entropy(outputs / self.temperature, targets)
+
+    def digest(loss):
+        return _digest(_loss_text(loss))
+
+    assert digest(Tempered(1.0)) == digest(Tempered(1.0)) != digest(Tempered(2.0))
+    assert digest(nn.CrossEntropyLoss()) != digest(nn.CrossEntropyLoss(label_smoothing=0.1))
+    weighted = [nn.CrossEntropyLoss(weight=torch.tensor(w)) for w in ([1.0, 2.0], [1.0, 3.0])]
+    assert digest(weighted[0]) != digest(weighted[1])
+    smoothed = [functools.partial(nn.functional.cross_entropy, label_smoothing=s) for s in (0.1, 0.2)]
+    assert digest(smoothed[0]) != digest(smoothed[1])

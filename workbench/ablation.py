@@ -266,8 +266,8 @@ def _loss_text(loss_fn: Callable) -> list[str]:
     settings = sorted(
         (k, repr(v)) for k, v in vars(loss_fn).items() if not k.startswith("_") and k != "training"
     )
-    tensors = [
-        f"{name}:{hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}"
+    tensors = [  # as bytes: numpy has no bfloat16; flattened first, since a 0-d tensor cannot be viewed so
+        f"{name}:{hashlib.sha256(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()).hexdigest()}"
         for name, t in loss_fn.state_dict().items()
     ]
     return [_source_of(type(loss_fn)), repr(settings), *tensors]
