@@ -280,10 +280,6 @@ def _add_figure_legend(figure, panels) -> None:
     figure.legend(handles, labels, loc="outside lower center", ncol=columns, fontsize=8, frameon=False)
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'s' * (number != 1)}"
-
-
 def _results_title(results, line_chars: int) -> tuple[str, bool]:
     """The figure's title (run settings and the machine) and whether it carries warnings; each
     warning shortened to its first clause, the whole wrapped at ``line_chars``."""
@@ -291,10 +287,10 @@ def _results_title(results, line_chars: int) -> tuple[str, bool]:
     device = config.get("device", "")
     env = results.environment
     where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")
+    blocks = config.get("blocks", config.get("repeats"))
     title = (
         f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps per arm x "
-        f"{_count(config.get('blocks', config.get('repeats')), 'block')}, batch {config['batch_size']}, "
-        f"{device} ({where})"
+        f"{blocks} block{'s' * (blocks != 1)}, batch {config['batch_size']}, {device} ({where})"
     )
     warnings = results.warnings()
     if warnings:  # said on the figure itself: a plot travels without its table

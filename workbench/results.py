@@ -850,7 +850,7 @@ def _baseline_did_not_run(table) -> list[str]:
         f"the baseline did not run, so no arm has a speedup: {row.status}, {row.reason}. Fix that and run "
         "again (each arm's traceback is kept under units in results.json: res.record['units'])"
         for row in baseline.itertuples()
-        if row.status not in ("unavailable",)
+        if row.status != "unavailable"
     ]
 
 
