@@ -92,12 +92,104 @@ def test_the_models_own_loss_is_used_and_logits_otherwise():
     torch.testing.assert_close(default_loss(first_of_tuple, ids), expected)
 
 
+def _small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _frozen_mlp() -> nn.Module:
+    return _small_mlp().requires_grad_(False)
+
+
+class _IgnoresItsInput(nn.Module):
+    """Returns logits that do not depend on its one parameter: nothing for backward to reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return torch.zeros(x.shape[0], 3)
+
+
+_PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
+
+
+# Each is a mistake every arm would make: before this check, each arm failed with PyTorch's own
+# words, after a process had started; now plan() (and so ablate()) refuses it in one line.
+@pytest.mark.parametrize(
+    ("model", "data", "loss_fn", "expected"),
+    [
+        (_frozen_mlp, _PAIRS, None, r"nothing to train: all of its parameters \(4\) have requires_grad=False"),
+        (_small_mlp, _PAIRS, lambda outputs: outputs.sum(), r"called as loss_fn\(outputs, targets\), and <lambda>\(outputs\)"),
+        (_small_mlp, _PAIRS, lambda o, t: nn.functional.cross_entropy(o, t).item(), r"returned float: \.item\(\)"),
+        (_small_mlp, [(x, y.int()) for x, y in _PAIRS], None, r"int64.*targets are torch\.int32: convert them"),
+        (_small_mlp, [(x.double(), y) for x, y in _PAIRS], None, r"inputs are torch\.float64 and the model's parameters torch\.float32"),
+        (_IgnoresItsInput, _PAIRS, None, r"the loss has no gradient"),
+        (_small_mlp, _PAIRS, lambda o, t: nn.functional.cross_entropy(o, t).detach(), r"loss_fn's loss has no gradient"),
+        (_small_mlp, [{"x": x, "y": y} for x, y in _PAIRS], nn.CrossEntropyLoss(), r"loss_fn gets targets=None.*pairs"),
+    ],
+    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn"],
+)  # fmt: skip
+def test_a_mistake_every_arm_would_make_is_refused_before_any_arm_runs(model, data, loss_fn, expected):
+    if isinstance(data[0], dict):
+        model = lambda: _DictInputs()  # noqa: E731 - a factory, as a user writes one
+    with pytest.raises(ValueError, match=expected):
+        wb.plan(model=model, data=data, loss_fn=loss_fn, device="cpu")
+
+
+class _DictInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = _small_mlp()
+
+    def forward(self, x, y):
+        return self.mlp(x)
+
+
+def test_a_forward_that_fails_off_the_run_device_is_left_for_the_arms_to_judge():
+    """On CUDA the check runs on meta tensors, or two samples on the CPU; a model that fails
+    there may well run on its own device, so only the run on the CPU is refused."""
+    from workbench.loop import check_the_loss
+
+    class NeedsItsDevice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x):
+            if x.device.type != "cuda":
+                raise RuntimeError("this model runs on CUDA only")
+            return self.linear(x)
+
+    check_the_loss(NeedsItsDevice, _PAIRS[0], None, torch.device("cuda"))  # left to the arms
+    with pytest.raises(
+        ValueError,
+        match="forward on the first batch fails, as every arm's would: RuntimeError: this model runs on CUDA only",
+    ):
+        check_the_loss(NeedsItsDevice, _PAIRS[0], None, CPU)  # fmt: skip
+
+
+def test_ready_made_batches_set_the_batch_size_and_a_different_one_is_refused():
+    """workbench uses batches given ready-made as they are, so their size is the batch size:
+    grad_accum's check and the record read it (they once read the default 32 for batches of 8)."""
+    table = wb.plan(model=_small_mlp, data=_PAIRS, techniques={"grad_accum": {"steps": 4}}, device="cpu")
+    assert table.attrs["config"]["batch_size"] == 8
+    with pytest.raises(
+        ValueError, match=r"batch_size=32, but the data's batches hold 8 samples.*batch_size=8"
+    ):
+        wb.plan(model=_small_mlp, data=_PAIRS, batch_size=32, device="cpu")
+    with pytest.raises(ValueError, match=r"grad_accum: steps=16 exceeds batch_size=8"):
+        wb.plan(model=_small_mlp, data=_PAIRS, techniques={"grad_accum": {"steps": 16}}, device="cpu")
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+    assert wb.plan(model=_small_mlp, data=dataset, device="cpu").attrs["config"]["batch_size"] == 32
+
+
 def test_an_output_the_loss_cannot_use_is_refused_before_any_arm_runs():
     with pytest.raises(ValueError) as error:
         wb.plan(model=TinyCausalLM, data=lm_batches(labels=False), device="cpu", batch_size=8)
     message = str(error.value)
     assert "Output with fields logits" in message and "no targets" in message and "'labels'" in message
-    assert "pass loss_fn=" in message
+    assert "pass (inputs, targets) pairs" in message  # a loss_fn would get targets=None
 
     class Strings(nn.Module):
         def __init__(self):

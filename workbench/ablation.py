@@ -65,9 +65,24 @@ from workbench.arms import (
     plan_combinations,
     sweep_names,
 )
-from workbench.config import SMOKE_NOTE, RunConfig, SlurmOptions, check_bool, smoke_test, takes_run_options
+from workbench.config import (
+    DEFAULT_BATCH_SIZE,
+    SMOKE_NOTE,
+    RunConfig,
+    SlurmOptions,
+    check_bool,
+    smoke_test,
+    takes_run_options,
+)
 from workbench.core_sync import oversubscription
-from workbench.data import DataSource, check_sample_count, endless_batches, resolve_data
+from workbench.data import (
+    DataSource,
+    batch_size_of,
+    check_sample_count,
+    endless_batches,
+    inputs_and_targets,
+    resolve_data,
+)
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun, ranks_on_this_machine
 from workbench.environment import environment
@@ -121,13 +136,12 @@ def prepare(
     _check_loss_fn(loss_fn)
     inspected = inspect_model(model)
     source = resolve_data(data, model)
-    check_sample_count(source, run.batch_size, run.world_size)
-    first_batch = None
+    run, first_batch = _with_batch_size(run, source)
     if not (isinstance(model, str) and loss_fn is None):  # a built-in model with its own loss is known to fit
-        first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
-        check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn)
+        first_batch = first_batch or next(endless_batches(source, run.batch_size, run.seed, {}))
+        check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn, device)
     elif isinstance(source.user, (Dataset, list, tuple)):  # read again at no cost: its shape identifies it
-        first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
+        first_batch = first_batch or next(endless_batches(source, run.batch_size, run.seed, {}))
     ctx = technique_context(run, model, source, inspected=inspected)
     label = ctx.model_name
     runnable, runnable_names, unavailable = [], [], []
@@ -165,6 +179,30 @@ def prepare(
     }
     identity = job_identity(model, inspected[0], source, first_batch, loss_fn)
     return Prepared(run, model, source, loss_fn, arms, config, identity)
+
+
+def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any]:
+    """``run`` with its batch size decided, and the first of ready-made batches (None for a Dataset);
+    data that cannot fill a batch is refused.
+
+    workbench batches a Dataset or built-in data itself: auto is DEFAULT_BATCH_SIZE. Batches
+    given ready-made have their own size, which auto takes; a batch_size that disagrees is
+    refused, because grad_accum splits by it and the results report it.
+    """
+    if source.is_dataset:
+        run = replace(run, batch_size=run.batch_size or DEFAULT_BATCH_SIZE)
+        check_sample_count(source, run.batch_size, run.world_size)
+        return run, None
+    check_sample_count(source, 1, run.world_size)  # that a list holds batches; their size is read here
+    first_batch = next(endless_batches(source, DEFAULT_BATCH_SIZE, run.seed, {}))
+    held = batch_size_of(inputs_and_targets(first_batch)[0], None)  # the inputs': targets may be wrong
+    if run.batch_size not in (None, held):
+        raise ValueError(
+            f"batch_size={run.batch_size}, but the data's batches hold {held} samples (the first one "
+            f"does): workbench uses batches given ready-made as they are, so leave batch_size out "
+            f"(auto takes their size) or pass batch_size={held}"
+        )
+    return replace(run, batch_size=held), first_batch
 
 
 def _check_loss_fn(loss_fn: Any) -> None:

@@ -609,6 +609,7 @@ def advise(
             "advise: the baseline's run was stopped before it finished; nothing to advise on"
         )
     run = RunConfig(**{k: v for k, v in settings.items() if k in RunConfig.__dataclass_fields__})
+    run = replace(run, batch_size=results.record["config"]["batch_size"])  # auto, as the run decided it
     ctx = technique_context(run, model, resolve_data(data, model))
     available = {t.name: t.unavailable_reason(ctx, t.configure({})) for t in all_techniques()}
     facts = facts_from(results, results.record["config"]["device"].split(":")[0], run.memory_cap_mb)

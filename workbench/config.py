@@ -32,6 +32,8 @@ OPTIMIZERS = ("adamw", "sgd")
 # block pays torch.compile's cold start.
 SMOKE_ENV = "WORKBENCH_SMOKE"
 SMOKE_CAPS = {"steps": 3, "warmup": 2}
+# batch_size left to auto, where workbench makes the batches (a Dataset, built-in data).
+DEFAULT_BATCH_SIZE = 32
 SMOKE_BUDGET_S = 30.0  # a search's budget (wb.tune) under WORKBENCH_SMOKE=1
 # Its first clause is what a plot's title shows of it (workbench.plots keeps a warning's first clause).
 SMOKE_NOTE = (
@@ -470,8 +472,14 @@ class RunConfig:
         least=1,
         auto=True,
     )
-    batch_size: int = option(
-        32, "samples per optimizer step (grad_accum splits it, never grows it)", int, least=1, main=True
+    batch_size: int | None = option(
+        None,
+        "samples per optimizer step (grad_accum splits it, never grows it); auto: "
+        f"{DEFAULT_BATCH_SIZE} for a Dataset or built-in data, the size of ready-made batches",
+        int,
+        least=1,
+        auto=True,
+        main=True,
     )
     device: str = option("auto", "auto | cpu | cuda | cuda:N", str, check=check_device, main=True)
     seed: int = option(

@@ -13,6 +13,7 @@ the loss scaler (workbench/techniques/amp.py), grad_accum the split (grad_accum.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.data import batch_size_of, inputs_and_targets, map_tensors
+from workbench.data import batch_size_of, inputs_and_targets, map_tensors, tensors_of
 from workbench.distributed import no_sync_context
+from workbench.models import model_label
 from workbench.telemetry import StepClock
 
 
@@ -39,16 +41,18 @@ def default_loss(outputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
     if isinstance(own, torch.Tensor):
         return own
     logits = _logits(outputs)
-    if logits is None or targets is None:
+    if logits is None:
         raise UnusableOutput(
-            f"the default loss cannot use this model's output ({describe_output(outputs)}): "
-            + (
-                "it holds no 'loss', 'logits' or tensor to take cross-entropy of"
-                if logits is None
-                else "it has no 'loss' field, and a dict batch has no targets: the model must compute its "
-                "own loss (a Hugging Face model does, given 'labels' in the batch and return_dict=True)"
-            )
-            + "; pass loss_fn=lambda outputs, targets: ... returning a scalar tensor"
+            f"the default loss cannot use this model's output ({describe_output(outputs)}): it holds no "
+            "'loss', 'logits' or tensor to take cross-entropy of; pass loss_fn=lambda outputs, targets: "
+            "... returning a scalar tensor"
+        )
+    if targets is None:
+        raise UnusableOutput(
+            f"the default loss cannot use this model's output ({describe_output(outputs)}): it has no "
+            "'loss' field, and a dict batch is all inputs, with no targets. Either the model computes "
+            "its own loss (a Hugging Face model does, given 'labels' in the batch and return_dict=True), "
+            "or pass (inputs, targets) pairs, whose inputs may be a dict (the model gets model(**inputs))"
         )
     if logits.dim() == 0:
         raise UnusableOutput(
@@ -112,8 +116,8 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
     return model.to("meta")  # a factory that places its parameters on a device explicitly
 
 
-def first_samples(batch: Any, count: int) -> Any:
-    """The first ``count`` samples of every tensor in ``batch`` (a scalar whole), on the CPU."""
+def first_samples(batch: Any, count: int | None) -> Any:
+    """The first ``count`` samples of every tensor in ``batch`` (all for None; a scalar whole), on the CPU."""
     return map_tensors(batch, lambda tensor: (tensor[:count] if tensor.dim() else tensor).cpu())
 
 
@@ -121,46 +125,127 @@ def first_samples(batch: Any, count: int) -> Any:
 CPU_CHECK_MAX_PARAMETERS = 100_000_000
 
 
-def check_the_loss(build: Callable[[], nn.Module], batch: Any, loss_fn: Callable | None) -> None:
-    """One forward and loss before any arm starts, so that a model whose output the loss cannot
-    use fails in one line. On the meta device first (shapes only: nothing computed, no memory);
-    a model that cannot run on meta tensors (``.item()`` in its forward, as Hugging Face's
-    masks do) is built on the CPU and runs one sample there, without gradients, unless it is
-    large. A model that runs neither way, and a user's loss that fails there, are not judged
-    here: their arms will say what went wrong.
+def check_the_loss(
+    build: Callable[[], nn.Module], batch: Any, loss_fn: Callable | None, device: torch.device
+) -> None:
+    """One forward and loss before any arm starts, so that a mistake every arm would make fails
+    in one line that says what to change: a model with nothing to train, a ``loss_fn`` that
+    cannot take ``(outputs, targets)`` or does not return a scalar tensor, a loss with no
+    gradient, labels the default loss cannot take, an output it cannot use.
+
+    For a run on the CPU, the model runs for real on the first batch, as the arms will, so
+    anything that fails there is the arms' failure too and is raised (with what the batch and
+    the model hold, where their dtypes differ). Elsewhere it runs on the meta device (shapes
+    only: nothing computed, no memory); a model that cannot (``.item()`` in its forward, as
+    Hugging Face's masks do) runs two samples on the CPU instead, and a failure there is not
+    judged: the arms, on their own device, will say what went wrong. Nothing is checked for a
+    factory that cannot build on meta, or a model too large to build twice.
     """
     inputs, targets = inputs_and_targets(batch)
-    meta, model = torch.device("meta"), None
+    if loss_fn is not None:
+        _check_loss_signature(loss_fn)
     try:
-        model = build_on_meta(build)
-        outputs = call_model(model, to_device(inputs, meta, False))
-        targets = to_device(targets, meta, False)
+        meta_model = build_on_meta(build)
     except Exception:
-        if model is None or sum(p.numel() for p in model.parameters()) > CPU_CHECK_MAX_PARAMETERS:
-            return  # a factory that cannot build on meta, or a model too large to build twice
-        one_input, one_target = first_samples((inputs, targets), 1)
+        return
+    _check_something_trains(meta_model)
+    if sum(p.numel() for p in meta_model.parameters()) > CPU_CHECK_MAX_PARAMETERS:
+        return
+    judged = device.type == "cpu"
+    trial = _Trial(build, inputs, targets, judged)
+    with torch.random.fork_rng(devices=[]):  # building the model draws from the caller's generator
+        if not judged:
+            trial.run_on(meta_model, torch.device("meta"), inputs, targets)
+        if loss_fn is None:
+            _check_the_default_loss(trial)
+        else:
+            _check_the_users_loss(trial, loss_fn, isinstance(batch, Mapping))
+
+
+class _Trial:
+    """The first batch through the model: its outputs (None until a forward succeeded) and the
+    targets they go with, on the meta device or for real on the CPU."""
+
+    def __init__(self, build: Callable[[], nn.Module], inputs: Any, targets: Any, judged: bool) -> None:
+        self.build, self.inputs, self.targets, self.judged = build, inputs, targets, judged
+        self.outputs: Any = None
+        self.on_cpu = False
+
+    def run_on(self, model: nn.Module, device: torch.device, inputs: Any, targets: Any) -> bool:
         try:
-            with torch.no_grad():
-                outputs = call_model(build().cpu(), one_input)
-            targets = one_target
+            self.outputs = call_model(model, to_device(inputs, device, False))
         except Exception:
-            return
-    if loss_fn is None:
+            if self.judged:
+                raise
+            return False
+        self.targets = to_device(targets, device, False)
+        return True
+
+    def run_on_cpu(self) -> bool:
+        """A real forward on the CPU, with gradients: on the whole batch when the run is on the
+        CPU (a failure is raised, naming what to change), on two samples otherwise."""
+        if self.on_cpu:
+            return self.outputs is not None
+        self.on_cpu, self.outputs = True, None
+        inputs, targets = first_samples((self.inputs, self.targets), None if self.judged else 2)
+        what = "building the model"
         try:
-            default_loss(outputs, targets)
-        except UnusableOutput:
-            raise  # it names the output and the way out
-        except Exception as error:  # cross-entropy refused the shapes: logits vs targets
+            model = self.build().cpu()
+            what = "the model's forward on the first batch"
+            return self.run_on(model, torch.device("cpu"), inputs, targets)
+        except Exception as error:
+            if not self.judged:
+                return False
             raise ValueError(
-                f"the default loss failed on this model's output ({describe_output(outputs)}) and the "
-                f"batch's targets: {type(error).__name__}: {str(error).splitlines()[0]}; "
-                "pass loss_fn=lambda outputs, targets: ... returning a scalar tensor"
+                f"{what} fails, as every arm's would: {_one_line(error)}"
+                + _dtype_mismatch(self.build, inputs)
             ) from None
+
+
+def _check_the_default_loss(trial: _Trial) -> None:
+    if trial.outputs is None and not trial.run_on_cpu():
+        return
+    outputs, targets = trial.outputs, trial.targets
+    own = isinstance(_field(outputs, "loss"), torch.Tensor)
+    if not own and isinstance(targets, torch.Tensor) and targets.dtype in NOT_CLASS_LABELS:
+        raise ValueError(
+            "the default loss is cross-entropy, which takes class labels as int64 (or uint8, or "
+            f"probabilities as floats), and the batch's targets are {targets.dtype}: convert them "
+            "(targets.long()), or pass loss_fn=..."
+        )
+    try:
+        loss = default_loss(outputs, targets)
+    except UnusableOutput:
+        raise  # it names the output and the way out
+    except Exception as error:  # cross-entropy refused the shapes: logits vs targets
+        raise ValueError(
+            f"the default loss failed on this model's output ({describe_output(outputs)}) and the "
+            f"batch's targets: {_one_line(error)}; "
+            "pass loss_fn=lambda outputs, targets: ... returning a scalar tensor"
+        ) from None
+    _check_it_has_a_gradient(loss, "the model's own loss" if own else "the loss")
+
+
+def _check_the_users_loss(trial: _Trial, loss_fn: Callable, dict_batch: bool) -> None:
+    if trial.outputs is None and not trial.run_on_cpu():
         return
     try:
-        loss = loss_fn(outputs, targets)
-    except Exception:
-        return
+        loss = loss_fn(trial.outputs, trial.targets)
+    except Exception as error:
+        if not trial.on_cpu:  # a loss may not run on meta tensors (.item(), data-dependent code)
+            return _check_the_users_loss(trial, loss_fn, dict_batch) if trial.run_on_cpu() else None
+        if not trial.judged:
+            return None
+        raise ValueError(
+            f"loss_fn(outputs, targets) fails on the model's output for the first batch, as every "
+            f"arm's would: {_one_line(error)}"
+            + (
+                "; a dict batch is all inputs, so loss_fn gets targets=None: to give it targets, pass "
+                "(inputs, targets) pairs, whose inputs may be a dict (the model gets model(**inputs))"
+                if dict_batch
+                else ""
+            )
+        ) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = (
             f"a tensor of shape {tuple(loss.shape)}"
@@ -169,7 +254,73 @@ def check_the_loss(build: Callable[[], nn.Module], batch: Any, loss_fn: Callable
         )
         raise ValueError(
             f"loss_fn must return a scalar tensor (the mean loss of the batch); it returned {shape}"
+            + (
+                ": .item() and float() give a number that backward cannot go through"
+                if isinstance(loss, float)
+                else ""
+            )
         )
+    _check_it_has_a_gradient(loss, "loss_fn's loss")
+    return None
+
+
+# Integer dtypes cross-entropy refuses as class labels (it takes int64 and uint8).
+NOT_CLASS_LABELS = (torch.int8, torch.int16, torch.int32, torch.bool)
+
+
+def _check_loss_signature(loss_fn: Callable) -> None:
+    """A loss_fn that cannot be called as loss_fn(outputs, targets), refused with its signature."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin without one: the first call will tell
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as error:
+        raise ValueError(
+            f"loss_fn is called as loss_fn(outputs, targets), and {model_label(loss_fn)}{signature} "
+            f"cannot be: {error}"
+        ) from None
+
+
+def _check_something_trains(model: nn.Module) -> None:
+    parameters = list(model.parameters())
+    if not any(p.requires_grad for p in parameters):
+        raise ValueError(
+            f"the model has nothing to train: {'all of its' if parameters else 'it has no'} parameters"
+            + (f" ({len(parameters)}) have requires_grad=False" if parameters else "")
+            + "; an optimizer step needs at least one parameter with requires_grad=True"
+        )
+
+
+def _check_it_has_a_gradient(loss: torch.Tensor, what: str) -> None:
+    if not loss.requires_grad:
+        raise ValueError(
+            f"{what} has no gradient (requires_grad=False): it does not depend on any trainable "
+            "parameter, so backward cannot run; compute it from the model's outputs, outside "
+            "torch.no_grad() and without .detach()"
+        )
+
+
+def _dtype_mismatch(build: Callable[[], nn.Module], inputs: Any) -> str:
+    """'; the batch's inputs are torch.float64 and the model's parameters torch.float32: ...', or ''."""
+    try:
+        held = {p.dtype for p in build_on_meta(build).parameters() if p.is_floating_point()}
+    except Exception:
+        return ""
+    given = {t.dtype for t in tensors_of(inputs) if t.is_floating_point()}
+    if len(held) != 1 or not given or given == held:
+        return ""
+    names = ", ".join(str(dtype) for dtype in sorted(given, key=str))
+    return (
+        f"; the batch's inputs are {names} and the model's parameters {held.pop()}: convert the "
+        "data (inputs.float()) or the model"
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def make_optimizer(name: str, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
