@@ -87,6 +87,49 @@ def test_dataloader_workers_fit_the_cores_this_job_may_use(monkeypatch):
     assert by_technique["dataloader"].settings["num_workers"] == 4
 
 
+def test_workers_are_weighed_by_the_feed_measured_after_the_run_not_by_amdahl_alone():
+    """An in-memory Dataset on 2 cores: the step waited 35% of the time for data, Amdahl's
+    bound said x1.53, and dataloader num_workers=1 then measured 0.30x: handing a batch over
+    from a worker cost the step more than loading it in-process did."""
+    in_memory = (
+        {"workers": 1, "feed_ms": 4.2, "taking_ms": 1.7},
+        {"workers": 2, "feed_ms": 2.5, "taking_ms": 1.3},
+        {"workers": 4, "feed_ms": 2.2, "taking_ms": 1.2},
+    )
+    advice = build_advice(
+        _facts(step_ms=1.8, data_ms=0.63, overhead_ms=1.0, loader_feeds=in_memory), EVERYTHING
+    )
+    assert "dataloader" not in advice.recommended
+    why = advice.not_recommended.set_index("technique").why["dataloader"]
+    # the best count is 4: the step would take max(1.17 + 1.2, 2.2) = 2.37 ms of 1.8
+    assert "with 4 workers the loader alone delivers a batch every 2.20 ms" in why
+    assert "taking one costs the step 1.20 ms" in why and "at most x0.76, slower than without it" in why
+    slow_storage = (
+        {"workers": 1, "feed_ms": 48.0, "taking_ms": 1.8},
+        {"workers": 2, "feed_ms": 28.0, "taking_ms": 1.9},
+        {"workers": 4, "feed_ms": 15.8, "taking_ms": 2.7},
+    )
+    facts = _facts(step_ms=50.0, data_ms=45.0, overhead_ms=1.0, loader_feeds=slow_storage)
+    (dataloader,) = [s for s in suggestions(facts, EVERYTHING) if s.technique == "dataloader"]
+    assert dataloader.settings["num_workers"] == 4 and dataloader.at_most == pytest.approx(50.0 / 15.8)
+    without = [
+        s for s in suggestions(_facts(step_ms=50.0, data_ms=45.0), EVERYTHING) if s.technique == "dataloader"
+    ]
+    assert without[0].at_most == pytest.approx(bound(0.9))  # no probe: Amdahl's bound on the wait
+
+
+def test_the_loader_probe_measures_and_leaves_no_worker_behind():
+    import multiprocessing
+
+    from workbench.data import loader_feed, resolve_data
+
+    source = resolve_data(torch.utils.data.TensorDataset(torch.randn(256, 8), torch.zeros(256)), lambda: None)
+    for workers in (0, 2):
+        fed = loader_feed(source, 16, 0, workers, budget_s=0.05)
+        assert fed["workers"] == workers and fed["feed_ms"] > 0 and fed["taking_ms"] >= 0
+    assert multiprocessing.active_children() == []
+
+
 def test_amp_is_not_suggested_for_speed_on_a_cpu_that_emulates_bfloat16():
     native = build_advice(_facts(), EVERYTHING)
     assert native.bottleneck == "compute" and "amp" in native.recommended
@@ -218,6 +261,7 @@ def test_a_data_starved_job_is_called_data_bound(tmp_path):
     assert advice.bottleneck == "data", advice.summary()
     assert advice.shares["data"] > 0.5  # the loading of the next batch overlaps the step in a thread
     assert list(advice.recommended)[0] == "dataloader"
+    assert "(measured after the run)" in advice.recommendations.why[0]  # the loader probe's feed
     (trace,) = (tmp_path / "traces").glob("*.json")
     assert "traceEvents" in trace.read_text()[:2000]
 

@@ -854,3 +854,26 @@ def test_a_baseline_that_did_not_run_is_the_first_warning_and_the_plots_first_cl
     assert warned and "WARNING: the baseline did not run, so no arm has a speedup" in title
     ran = _results([_row("baseline", speedup=1.0, low=1.0, high=1.0), rows[1]], {"baseline": "baseline"})
     assert not any("baseline did not run" in warning for warning in ran.warnings())
+
+
+def test_a_run_where_no_arm_measured_a_step_plots_each_arms_reason_not_empty_panels():
+    """Every arm failed: the plot had an empty breakdown, a memory axis of +-0.04 MiB, and the
+    reasons only in the table."""
+    reason = "block 1: RuntimeError: boom in my forward on call 3"
+    rows = [
+        _row("baseline", status="failed", reason=reason),
+        _row("baseline (control)", status="failed", reason=reason),
+        _row("channels_last", status="unavailable", reason="mlp has no Conv2d layers"),
+    ]
+    for width in (13.0, 7.0):
+        figure, renderer = _drawn(_results(rows, ROLES).plot(width=width))
+        assert len(figure.axes) == 1 and not figure.axes[0].axison
+        said = "\n".join(text.get_text() for text in figure.axes[0].texts)
+        assert f"baseline: failed, {reason}" in said
+        assert "channels_last: unavailable, mlp has no Conv2d layers" in said
+        page = figure.bbox
+        for text in figure.axes[0].texts:  # inside the figure, not cut off at its foot or side
+            box = text.get_window_extent(renderer)
+            assert box.y0 >= page.y0 and box.x1 <= page.x1 + 1, width
+    ran = [_row("baseline", speedup=1.0, low=1.0, high=1.0), rows[2]]
+    assert len(_results(ran, ROLES).plot().axes) == 3  # one arm measured: the usual three panels

@@ -28,7 +28,14 @@ import numpy as np
 import torch
 
 from workbench.config import RunConfig
-from workbench.data import batch_size_of, endless_batches, inputs_and_targets, map_tensors, tensors_of
+from workbench.data import (
+    batch_size_of,
+    endless_batches,
+    inputs_and_targets,
+    loader_feed,
+    map_tensors,
+    tensors_of,
+)
 from workbench.devices import synchronize
 from workbench.distributed import DDP_ORDER, CommMeter, CommSettings, Rank, wrap_ddp
 from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
@@ -36,6 +43,7 @@ from workbench.mfu import compute_dtype, count_flops
 from workbench.models import NoOpModel, build_model, noop_loss
 from workbench.process_state import ArmRandomState
 from workbench.profiling import profile_steps
+from workbench.techniques import get_technique
 from workbench.telemetry import (
     ArmMemory,
     StepClock,
@@ -43,6 +51,10 @@ from workbench.telemetry import (
     process_cpu_seconds,
     worker_processes,
 )
+
+# The advisor's DataLoader probe (BlockArm._loader_feeds) runs when the step waits for data at
+# least this share of the time: below it, workers could not win the advisor's 10% (WORTH_TRYING).
+LOADER_PROBE_SHARE = 0.05
 
 
 @dataclass
@@ -336,7 +348,8 @@ class BlockArm:
 
     def profile(self, trace_path: Path | None) -> dict:
         """After the clock stopped: ``run.profile_steps`` steps under torch.profiler
-        (workbench.profiling), then the same number timed at the batch and at half of it."""
+        (workbench.profiling), then the same number timed at the batch and at half of it, then
+        (for data loaded in this process) what DataLoader workers would feed."""
         trainer = self.trainer
         with self.active():
             if self.meter is not None:
@@ -344,7 +357,26 @@ class BlockArm:
             figures = profile_steps(
                 lambda: trainer.step(StepClock(self.device)), self.run.profile_steps, self.device, trace_path
             )
-            return {**figures, "batch_scaling": self._batch_scaling(max(2 * self.run.profile_steps, 20))}
+            figures["batch_scaling"] = self._batch_scaling(max(2 * self.run.profile_steps, 20))
+        return {**figures, "loader_feeds": self._loader_feeds()}
+
+    def _loader_feeds(self) -> list[dict]:
+        """For a step that loads its Dataset in this process and waits for it a notable share of
+        the time: what DataLoaders with workers would feed (data.loader_feed), for the advisor.
+        Measured after the clock stopped, in this process, so a notebook's kernel never forks."""
+        setup, phases = self.setup, self.clock.phase_ms_per_step()
+        waits = phases.get("data", 0.0) / max(sum(phases.values()), 1e-9)
+        if (
+            not self.data.is_dataset
+            or setup.make_batches is not None
+            or setup.loader_options.get("num_workers")
+            or self.rank.distributed
+            or self.spec.loader_only
+            or waits < LOADER_PROBE_SHARE
+        ):
+            return []
+        workers = get_technique("dataloader").tune_space["num_workers"]
+        return [loader_feed(self.data, self.run.batch_size, self.run.seed, count) for count in workers]
 
     def _batch_scaling(self, steps: int) -> dict:
         """Step times at the arm's batch and at half of it, interleaved step by step.

@@ -19,6 +19,8 @@ from the run's seed, and batches are always full (drop_last) so shapes never cha
 from __future__ import annotations
 
 import random
+import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -418,3 +420,31 @@ def _seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+
+
+def loader_feed(source: DataSource, batch_size: int, seed: int, workers: int, budget_s: float = 1.0) -> dict:
+    """What a DataLoader with ``workers`` processes delivers to a consumer that does nothing:
+    ``feed_ms``, the wall time per batch (the rate the loader can sustain), and ``taking_ms``,
+    the consumer's own CPU time per batch (with workers, the hand-over: what a training step
+    would still pay for each batch). The workers' start-up and first batches are excluded; at
+    most ``budget_s`` is timed, and at least 5 batches.
+
+    The advisor weighs workers by these, since Amdahl's bound on the data wait ignores the
+    hand-over: for samples already in memory it can cost more than the loading it moves.
+    """
+    options = {"num_workers": workers, "persistent_workers": workers > 0}
+    with warnings.catch_warnings():  # more workers than cores is what is being measured, not a mistake
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        batches = endless_batches(source, batch_size, seed, options)
+        next(batches)
+    try:
+        for _ in range(2 * workers + 1):  # every worker started and one round of prefetch taken
+            next(batches)
+        count, wall_start, cpu_start = 0, time.perf_counter(), time.process_time()
+        while count < 5 or time.perf_counter() - wall_start < budget_s:
+            next(batches)
+            count += 1
+        wall_s, cpu_s = time.perf_counter() - wall_start, time.process_time() - cpu_start
+    finally:
+        batches.close()  # the DataLoader's iterator goes, and with it its worker processes
+    return {"workers": workers, "feed_ms": 1e3 * wall_s / count, "taking_ms": 1e3 * cpu_s / count}

@@ -69,6 +69,8 @@ def plot_results(results, width: float = 13.0) -> ResultsFigure:
     # (a table without a record's arms, as tests draw, is given roles by the arms' names)
     arms = getattr(results, "record", {}).get("arms")
     table = (with_roles(results.table, arms) if arms else results.table).iloc[::-1].reset_index(drop=True)
+    if table.step_ms.isna().all():  # no arm measured a step: what to draw is why
+        return _plot_nothing_measured(results, table.iloc[::-1], width)
     y = np.arange(len(table))
     rows_tall = 0.42 * max(len(table), 3)
     if width >= SIDE_BY_SIDE_INCHES:
@@ -88,6 +90,28 @@ def plot_results(results, width: float = 13.0) -> ResultsFigure:
     title, warned = _results_title(results, line_chars=int(figure.get_figwidth() * 72 / (10 * 0.6)))
     figure.suptitle(title, fontsize=10, color="#c44e52" if warned else "black")
     _make_room_for_labels(memory_ax)
+    return figure
+
+
+def _plot_nothing_measured(results, table, width: float) -> ResultsFigure:
+    """When no arm measured a step (each failed, was stopped or cannot run here), empty panels
+    and axes would say nothing: each arm's status and reason say what to fix."""
+    line_chars = int(width * 72 / (9 * 0.6))  # 9-point text, as in plot_results' title
+    lines = []
+    for arm, status, reason in zip(table.arm, table.status, table.reason.fillna(""), strict=True):
+        said = textwrap.wrap(f"{arm}: {status}" + (f", {reason}" if reason else ""), line_chars,
+                             subsequent_indent="    ")  # fmt: skip
+        lines += said or [f"{arm}: {status}"]
+    title, warned = _results_title(results, line_chars=int(width * 72 / (10 * 0.6)))
+    # As tall as its text: 10-point title lines and 9-point rows, 1.3 line spacing, in inches.
+    tall = 0.45 + 1.3 * (10 * (title.count("\n") + 2) + 9 * len(lines)) / 72
+    figure = ResultsFigure(figsize=(width, tall), layout="constrained")
+    figure.suptitle(title, fontsize=10, color="#c44e52" if warned else "black")
+    axes = figure.subplots()
+    axes.set_axis_off()
+    axes.set_title("No arm measured a step", fontsize=10, loc="left")
+    axes.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=9, family="monospace",
+              transform=axes.transAxes, color="#c44e52")  # fmt: skip
     return figure
 
 

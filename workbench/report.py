@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from workbench.config import Link, RunConfig, cli_flag, run_options
+from workbench.config import DEFAULT_BATCH_SIZE, Link, RunConfig, cli_flag, run_options
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
 from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours, write_text_atomic
@@ -238,7 +238,8 @@ def requested_techniques(record: dict) -> dict[str, Any]:
 
 def _changed_run_settings(config: dict) -> dict[str, Any]:
     """The run settings that differ from RunConfig's defaults (the device as the run resolved it)."""
-    defaults = RunConfig().to_json()
+    # batch_size's auto is recorded as the size it chose: 32 is the default's, another one is said
+    defaults = {**RunConfig().to_json(), "batch_size": DEFAULT_BATCH_SIZE}
     return {
         f.name: config[f.name]
         for f in fields(RunConfig)
