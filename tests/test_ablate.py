@@ -512,6 +512,16 @@ def test_an_edited_model_under_the_same_name_does_not_resume_into_the_earlier_ru
         )
     # The same job again finds its blocks done.
     assert wb.ablate(_mlp_of_width(16), data, **arguments, **QUIET).complete
+    # Batches given as a list: new values of the same shapes are another job (a Dataset's values
+    # are not compared, since random augmentations move them from run to run).
+    batches = [(torch.randn(16, 64), torch.randint(0, 10, (16,))) for _ in range(2)]
+    listed = {**arguments, "out": tmp_path / "listed"}
+    wb.ablate(_mlp_of_width(16), batches, **listed, **QUIET)
+    assert wb.ablate(
+        _mlp_of_width(16), [(x.clone(), y.clone()) for x, y in batches], **listed, **QUIET
+    ).complete
+    with pytest.raises(ValueError, match=r"differs in: data_values\)"):
+        wb.ablate(_mlp_of_width(16), [(x + 1, y) for x, y in batches], **listed, **QUIET)
     # A loss module's settings are not in its repr: another label smoothing resumed into the old losses.
     smoothed = {**arguments, "out": tmp_path / "smoothed"}
     wb.ablate(_mlp_of_width(16), data, nn.CrossEntropyLoss(), **smoothed, **QUIET)

@@ -82,6 +82,7 @@ from workbench.data import (
     endless_batches,
     inputs_and_targets,
     resolve_data,
+    tensors_of,
 )
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun, ranks_on_this_machine
@@ -137,11 +138,14 @@ def prepare(
     inspected = inspect_model(model)
     source = resolve_data(data, model)
     run, first_batch = _with_batch_size(run, source)
-    if not (isinstance(model, str) and loss_fn is None):  # a built-in model with its own loss is known to fit
-        first_batch = first_batch or next(endless_batches(source, run.batch_size, run.seed, {}))
+    own_model = not (
+        isinstance(model, str) and loss_fn is None
+    )  # a built-in with its own loss is known to fit
+    # the first batch checks the loss; a Dataset's or a list's, read again at no cost, identifies the data
+    if first_batch is None and (own_model or isinstance(source.user, (Dataset, list, tuple))):
+        first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
+    if own_model:
         check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn, device)
-    elif isinstance(source.user, (Dataset, list, tuple)):  # read again at no cost: its shape identifies it
-        first_batch = first_batch or next(endless_batches(source, run.batch_size, run.seed, {}))
     ctx = technique_context(run, model, source, inspected=inspected)
     label = ctx.model_name
     runnable, runnable_names, unavailable = [], [], []
@@ -264,8 +268,9 @@ def job_identity(
     model in a notebook and running again into the same ``out`` would otherwise resume, and
     mix the old model's blocks with the new one's. So: the model's layers (its repr), its
     tensors' names and shapes, and the source of its factory and of each layer class's
-    ``forward``; user data's length and first batch's shapes and dtypes (not their values,
-    which random augmentations change from run to run); the loss (``_loss_text``); and the
+    ``forward``; user data's length and first batch's shapes and dtypes, and for a list of
+    batches its first batch's values (not a Dataset's, which random augmentations change from
+    run to run); the loss (``_loss_text``); and the
     torch and workbench versions that measure it. Each part is a short digest, named in the
     "differs in" message when it changes.
     """
@@ -289,7 +294,17 @@ def job_identity(
         sized = hasattr(source.user, "__len__") and not isinstance(source.user, type)
         size = len(source.user) if sized else "a factory or an iterator"
         identity["data_shape"] = _digest([str(size), repr(_shapes_of(first_batch))])
+        if isinstance(source.user, (list, tuple)):  # batches given as they are: no augmentation moves them
+            identity["data_values"] = _digest([_tensor_digest(t) for t in tensors_of(first_batch)])
     return identity
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    """A tensor's values as a digest of its bytes: flattened first, since a 0-d tensor cannot be
+    viewed as bytes, and as bytes since numpy has no bfloat16."""
+    return hashlib.sha256(
+        tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()
+    ).hexdigest()
 
 
 def _loss_text(loss_fn: Callable) -> list[str]:
@@ -304,10 +319,7 @@ def _loss_text(loss_fn: Callable) -> list[str]:
     settings = sorted(
         (k, repr(v)) for k, v in vars(loss_fn).items() if not k.startswith("_") and k != "training"
     )
-    tensors = [  # as bytes: numpy has no bfloat16; flattened first, since a 0-d tensor cannot be viewed so
-        f"{name}:{hashlib.sha256(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()).hexdigest()}"
-        for name, t in loss_fn.state_dict().items()
-    ]
+    tensors = [f"{name}:{_tensor_digest(t)}" for name, t in loss_fn.state_dict().items()]
     return [_source_of(type(loss_fn)), repr(settings), *tensors]
 
 
