@@ -127,8 +127,9 @@ _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
         (_IgnoresItsInput, _PAIRS, None, r"the loss has no gradient"),
         (_small_mlp, _PAIRS, lambda o, t: nn.functional.cross_entropy(o, t).detach(), r"loss_fn's loss has no gradient"),
         (_small_mlp, [{"x": x, "y": y} for x, y in _PAIRS], nn.CrossEntropyLoss(), r"loss_fn gets targets=None.*pairs"),
+        (lambda: nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 3)), _PAIRS, None, r"lazy layers \(LazyLinear\).*dummy batch"),
     ],
-    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn"],
+    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers"],
 )  # fmt: skip
 def test_a_mistake_every_arm_would_make_is_refused_before_any_arm_runs(model, data, loss_fn, expected):
     if isinstance(data[0], dict):

@@ -422,7 +422,7 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
-def loader_feed(source: DataSource, batch_size: int, seed: int, workers: int, budget_s: float = 1.0) -> dict:
+def loader_feed(source: DataSource, batch_size: int, seed: int, workers: int, budget_s: float = 0.5) -> dict:
     """What a DataLoader with ``workers`` processes delivers to a consumer that does nothing:
     ``feed_ms``, the wall time per batch (the rate the loader can sustain), and ``taking_ms``,
     the consumer's own CPU time per batch (with workers, the hand-over: what a training step

@@ -290,7 +290,27 @@ def inspect_model(model: object) -> tuple[nn.Module, str]:
     spec = builtin_spec(get_builtin_model(model).default_data) if isinstance(model, str) else None
     try:
         with torch.device("meta"):
-            return build_model(model, spec), model_label(model)
+            built = build_model(model, spec)
     except (RuntimeError, NotImplementedError, TypeError):
         # Some user models touch real data while constructing; build those for real.
-        return build_model(model, spec), model_label(model)
+        built = build_model(model, spec)
+    _refuse_lazy_parameters(built)
+    return built, model_label(model)
+
+
+def _refuse_lazy_parameters(built: nn.Module) -> None:
+    """A lazy module (nn.LazyLinear) has no shapes until its first forward, and an optimizer
+    cannot be made over its parameters before then: each arm would fail, so say it now."""
+    lazy = sorted(
+        {
+            type(module).__name__
+            for module in built.modules()
+            if isinstance(module, nn.modules.lazy.LazyModuleMixin)
+        }
+    )
+    if lazy:
+        raise ValueError(
+            f"the model has lazy layers ({', '.join(lazy)}), whose parameters have no shape until a "
+            "first forward: in the factory, run one forward of a dummy batch before returning the "
+            "model (model(torch.zeros(1, features))), or give the layers their input sizes"
+        )
