@@ -111,6 +111,19 @@ class _IgnoresItsInput(nn.Module):
         return torch.zeros(x.shape[0], 3)
 
 
+class _NotOnMeta(nn.Module):
+    """Reads a number from a tensor while it is built (as timm's drop-path schedules did): it
+    cannot be built on the meta device, so the check builds it for real."""
+
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.mlp = _small_mlp().requires_grad_(not frozen)
+        self.scale = torch.linspace(0.5, 1.0, 2)[-1].item()
+
+    def forward(self, x):
+        return self.mlp(x) * self.scale
+
+
 _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
 
 
@@ -128,14 +141,20 @@ _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
         (_small_mlp, _PAIRS, lambda o, t: nn.functional.cross_entropy(o, t).detach(), r"loss_fn's loss has no gradient"),
         (_small_mlp, [{"x": x, "y": y} for x, y in _PAIRS], nn.CrossEntropyLoss(), r"loss_fn gets targets=None.*pairs"),
         (lambda: nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 3)), _PAIRS, None, r"lazy layers \(LazyLinear\).*dummy batch"),
+        (_NotOnMeta, [(x, y.int()) for x, y in _PAIRS], None, r"targets are torch\.int32: convert them"),
+        (lambda: _NotOnMeta(frozen=True), _PAIRS, None, r"nothing to train"),
     ],
-    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers"],
+    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers", "not-on-meta-int32", "not-on-meta-frozen"],
 )  # fmt: skip
 def test_a_mistake_every_arm_would_make_is_refused_before_any_arm_runs(model, data, loss_fn, expected):
     if isinstance(data[0], dict):
         model = lambda: _DictInputs()  # noqa: E731 - a factory, as a user writes one
     with pytest.raises(ValueError, match=expected):
         wb.plan(model=model, data=data, loss_fn=loss_fn, device="cpu")
+
+
+def test_a_factory_that_cannot_build_on_meta_is_checked_for_real_and_passes_when_it_is_right():
+    assert not wb.plan(model=_NotOnMeta, data=_PAIRS, device="cpu").empty
 
 
 class _DictInputs(nn.Module):

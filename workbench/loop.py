@@ -138,24 +138,28 @@ def check_the_loss(
     the model hold, where their dtypes differ). Elsewhere it runs on the meta device (shapes
     only: nothing computed, no memory); a model that cannot (``.item()`` in its forward, as
     Hugging Face's masks do) runs two samples on the CPU instead, and a failure there is not
-    judged: the arms, on their own device, will say what went wrong. Nothing is checked for a
-    factory that cannot build on meta, or a model too large to build twice.
+    judged: the arms, on their own device, will say what went wrong. A factory that cannot build
+    on meta is built for real on a CPU run, as each arm will build it; elsewhere it is not
+    checked, nor is a model too large to build twice.
     """
     inputs, targets = inputs_and_targets(batch)
     if loss_fn is not None:
         _check_loss_signature(loss_fn)
-    try:
-        meta_model = build_on_meta(build)
-    except Exception:
-        return
-    _check_something_trains(meta_model)
-    if sum(p.numel() for p in meta_model.parameters()) > CPU_CHECK_MAX_PARAMETERS:
-        return
     judged = device.type == "cpu"
     trial = _Trial(build, inputs, targets, judged)
     with torch.random.fork_rng(devices=[]):  # building the model draws from the caller's generator
-        if not judged:
-            trial.run_on(meta_model, torch.device("meta"), inputs, targets)
+        try:
+            model = build_on_meta(build)
+        except Exception:
+            if not judged:
+                return
+            model = trial.build_on_cpu()
+        _check_something_trains(model)
+        if trial.cpu_model is None:
+            if sum(p.numel() for p in model.parameters()) > CPU_CHECK_MAX_PARAMETERS:
+                return
+            if not judged:
+                trial.run_on(model, torch.device("meta"), inputs, targets)
         if loss_fn is None:
             _check_the_default_loss(trial)
         else:
@@ -169,6 +173,7 @@ class _Trial:
     def __init__(self, build: Callable[[], nn.Module], inputs: Any, targets: Any, judged: bool) -> None:
         self.build, self.inputs, self.targets, self.judged = build, inputs, targets, judged
         self.outputs: Any = None
+        self.cpu_model: nn.Module | None = None
         self.on_cpu = False
 
     def run_on(self, model: nn.Module, device: torch.device, inputs: Any, targets: Any) -> bool:
@@ -181,6 +186,20 @@ class _Trial:
         self.targets = to_device(targets, device, False)
         return True
 
+    def build_on_cpu(self) -> nn.Module | None:
+        """The model built for real on the CPU, once. A failure is raised when the run is on the
+        CPU (each arm's build would fail the same way); otherwise it gives None."""
+        if self.cpu_model is None:
+            try:
+                self.cpu_model = self.build().cpu()
+            except Exception as error:
+                if not self.judged:
+                    return None
+                raise ValueError(
+                    f"building the model fails, as every arm's would: {_one_line(error)}"
+                ) from None
+        return self.cpu_model
+
     def run_on_cpu(self) -> bool:
         """A real forward on the CPU, with gradients: on the whole batch when the run is on the
         CPU (a failure is raised, naming what to change), on two samples otherwise."""
@@ -188,17 +207,15 @@ class _Trial:
             return self.outputs is not None
         self.on_cpu, self.outputs = True, None
         inputs, targets = first_samples((self.inputs, self.targets), None if self.judged else 2)
-        what = "building the model"
+        model = self.build_on_cpu()
+        if model is None:
+            return False
         try:
-            model = self.build().cpu()
-            what = "the model's forward on the first batch"
             return self.run_on(model, torch.device("cpu"), inputs, targets)
-        except Exception as error:
-            if not self.judged:
-                return False
+        except Exception as error:  # raised only when judged
             raise ValueError(
-                f"{what} fails, as every arm's would: {_one_line(error)}"
-                + _dtype_mismatch(self.build, inputs)
+                f"the model's forward on the first batch fails, as every arm's would: {_one_line(error)}"
+                + _dtype_mismatch(model, inputs)
             ) from None
 
 
@@ -302,12 +319,9 @@ def _check_it_has_a_gradient(loss: torch.Tensor, what: str) -> None:
         )
 
 
-def _dtype_mismatch(build: Callable[[], nn.Module], inputs: Any) -> str:
+def _dtype_mismatch(model: nn.Module, inputs: Any) -> str:
     """'; the batch's inputs are torch.float64 and the model's parameters torch.float32: ...', or ''."""
-    try:
-        held = {p.dtype for p in build_on_meta(build).parameters() if p.is_floating_point()}
-    except Exception:
-        return ""
+    held = {p.dtype for p in model.parameters() if p.is_floating_point()}
     given = {t.dtype for t in tensors_of(inputs) if t.is_floating_point()}
     if len(held) != 1 or not given or given == held:
         return ""
