@@ -36,6 +36,24 @@ def _reset_compiler_state():
         sys.modules["torch._dynamo"].reset()
 
 
+@pytest.fixture(autouse=True)
+def _compile_cache_shared_by_the_tests(request, monkeypatch):
+    """The ablations' worker processes use inductor's own compiled-code cache, as a smoke test's
+    do, and as the tests that compile in this process and the notebooks' kernels do.
+
+    A run gives each process a cold cache of its own, so that startup_s says what a new job pays
+    (workbench.ablation, _Runner._compile_cache_dir). Most of a cold compile on the CPU is common
+    to every graph (about 20 s of the 25 s it takes for a small mlp on 2 cores, against 8 s for
+    another graph after it), and the tests check what torch.compile does, not what it costs to
+    start: so they share one. A test of the cold cache itself is marked cold_compile.
+    """
+    if request.node.get_closest_marker("cold_compile"):
+        return
+    from workbench.ablation import _Runner
+
+    monkeypatch.setattr(_Runner, "_compile_cache_dir", staticmethod(lambda *_: None))
+
+
 # Tiers: pytest -m fast | slow | notebooks | browser | thirdparty | slurm | gpu (README, "Test tiers").
 # Apart from the tiers, `timing` marks the tests that check the wall clock or the machine's load
 # against a known answer: other work on the machine skews them (they allow for a busy machine).

@@ -13,7 +13,6 @@ from technique_settings import TECHNIQUE_SETTINGS
 from torch import nn
 
 import workbench as wb
-from workbench.ablation import _Runner
 from workbench.devices import TF32_ON, set_tf32_flags, tf32_flags
 from workbench.process_state import differences, fingerprint
 from workbench.results import oversubscribed_blocks
@@ -222,22 +221,9 @@ def _aa_with(name: str, model: str, settings: dict, seed: int) -> wb.Results:
     )
 
 
-@pytest.fixture
-def compiled_once(monkeypatch, tmp_path_factory):
-    """Every block process of the test shares one compile cache, so only the first compiles cold.
-
-    A run gives each process a cold cache of its own, so that startup_s says what a new job pays
-    (workbench.ablation, _compile_cache_dir). Here startup_s is not checked, compilation happens in
-    warm-up, before any clock, and a cold compile of the mlp takes about 15 s per process on the CI
-    machine: three blocks of it were the suite's longest test, with the machine held alone.
-    """
-    cache = tmp_path_factory.mktemp("compile-cache")
-    monkeypatch.setattr(_Runner, "_compile_cache_dir", staticmethod(lambda *_: cache))
-
-
 @pytest.mark.timing
 @pytest.mark.parametrize("name", sorted(TECHNIQUE_SETTINGS))
-def test_adding_an_arm_to_a_block_does_not_change_what_the_others_measure(name, compiled_once):
+def test_adding_an_arm_to_a_block_does_not_change_what_the_others_measure(name):
     """Three checks per technique that can share a process: it leaves process-wide state as it found
     it (else the block moves it out); the baseline and its control still agree; and the windows right
     after its windows run no slower than those after the others' (no work left running)."""

@@ -808,6 +808,10 @@ def plan_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in arguments.items() if key in accepted}
 
 
+def _compile_cache_env(folder: Path | None) -> dict[str, str]:
+    return {} if folder is None else {"TORCHINDUCTOR_CACHE_DIR": str(folder)}
+
+
 class _Runner:
     """Runs the planned processes block by block, keeps every measurement, and resumes."""
 
@@ -1269,16 +1273,17 @@ class _Runner:
         return path
 
     @staticmethod
-    def _compile_cache_dir(compile_cache: Path, job: Job, attempt: int) -> Path:
+    def _compile_cache_dir(compile_cache: Path, job: Job, attempt: int) -> Path | None:
         """Where this process's compiled code goes (TORCHINDUCTOR_CACHE_DIR), inside the run's own
         temporary folder.
 
         A fresh one per process: each compile is a cold one, and startup_s says what a new job pays.
-        A smoke test (WORKBENCH_SMOKE=1) measures nothing worth deciding on, so its processes share
-        one: the first block compiles, later ones reuse it (a cold compile of the small mlp takes
-        about 23 s here, per process).
+        A smoke test (WORKBENCH_SMOKE=1) measures nothing worth deciding on, so its processes use
+        inductor's own cache (None: TORCHINDUCTOR_CACHE_DIR as the environment sets it, else
+        inductor's default folder), shared with other runs: most of a cold compile on the CPU is
+        common to every graph (about 20 s of the 25 s the small mlp takes on 2 cores).
         """
-        return compile_cache / ("smoke" if smoke_test() else f"b{job.block}-{job.key}-{attempt}")
+        return None if smoke_test() else compile_cache / f"b{job.block}-{job.key}-{attempt}"
 
     def _enter_traces(self, block: int, arms: list[Arm]) -> None:
         """A trace_dir inside out holds workbench's files: enter the traces this process will write
@@ -1339,7 +1344,7 @@ class _Runner:
             spec,
             log_path=self._log_path(job, attempt),
             timeout_s=run.timeout_s,
-            env={"TORCHINDUCTOR_CACHE_DIR": str(self._compile_cache_dir(compile_cache, job, attempt))},
+            env=_compile_cache_env(self._compile_cache_dir(compile_cache, job, attempt)),
             on_message=relay,
             should_stop=(lambda: self.stop.is_set()) if self.stop is not None else (lambda: False),
             world_size=run.world_size,
