@@ -130,6 +130,34 @@ def test_the_loader_probe_measures_and_leaves_no_worker_behind():
     assert multiprocessing.active_children() == []
 
 
+class _SlowToRead(torch.utils.data.Dataset):
+    """A Dataset that takes a millisecond per sample: the step waits for it most of the time."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        time.sleep(0.001)
+        return torch.randn(8), index % 4
+
+
+def test_only_the_baseline_probes_the_loader_for_the_advisor():
+    """The advisor reads the baseline's facts; a probe in every other arm cost seconds each."""
+    from helpers import block_spec
+
+    from workbench.worker import run_block
+
+    spec = block_spec(
+        lambda: torch.nn.Linear(8, 4),
+        arms={"baseline": {}, "amp": {"amp": {}}},
+        data=_SlowToRead(),
+        profile_steps=1,
+    )
+    arms = run_block(spec)["arms"]
+    assert [feed["workers"] for feed in arms["baseline"]["profile"]["loader_feeds"]] == [1, 2, 4]
+    assert arms["amp"]["profile"]["loader_feeds"] == []
+
+
 def test_amp_is_not_suggested_for_speed_on_a_cpu_that_emulates_bfloat16():
     native = build_advice(_facts(), EVERYTHING)
     assert native.bottleneck == "compute" and "amp" in native.recommended

@@ -55,6 +55,7 @@ from workbench.telemetry import (
 # The advisor's DataLoader probe (BlockArm._loader_feeds) runs when the step waits for data at
 # least this share of the time: below it, workers could not win the advisor's 10% (WORTH_TRYING).
 LOADER_PROBE_SHARE = 0.05
+BASELINE = "baseline"  # the arm's name (workbench.arms) whose profile the advisor reads
 
 
 @dataclass
@@ -363,11 +364,13 @@ class BlockArm:
     def _loader_feeds(self) -> list[dict]:
         """For a step that loads its Dataset in this process and waits for it a notable share of
         the time: what DataLoaders with workers would feed (data.loader_feed), for the advisor.
-        Measured after the clock stopped, in this process, so a notebook's kernel never forks."""
+        Measured after the clock stopped, in this process, so a notebook's kernel never forks.
+        Only for the baseline, whose facts the advisor reads: the others would pay seconds each."""
         setup, phases = self.setup, self.clock.phase_ms_per_step()
         waits = phases.get("data", 0.0) / max(sum(phases.values()), 1e-9)
         if (
-            not self.data.is_dataset
+            self.spec.name != BASELINE
+            or not self.data.is_dataset
             or setup.make_batches is not None
             or setup.loader_options.get("num_workers")
             or self.rank.distributed
