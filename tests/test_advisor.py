@@ -116,6 +116,12 @@ def test_workers_are_weighed_by_the_feed_measured_after_the_run_not_by_amdahl_al
         s for s in suggestions(_facts(step_ms=50.0, data_ms=45.0), EVERYTHING) if s.technique == "dataloader"
     ]
     assert without[0].at_most == pytest.approx(bound(0.9))  # no probe: Amdahl's bound on the wait
+    failed = ({"workers": 1, "error": "RuntimeError: cannot pickle '_io.BufferedReader' object"},)
+    advice = build_advice(_facts(step_ms=50.0, data_ms=45.0, loader_feeds=failed), EVERYTHING)
+    assert advice.bottleneck == "data" and "dataloader" not in advice.recommended
+    why = advice.not_recommended.set_index("technique").why["dataloader"]
+    assert why.endswith("but DataLoader workers could not load this Dataset (RuntimeError: cannot pickle "
+                        "'_io.BufferedReader' object)")  # fmt: skip
 
 
 def test_the_loader_probe_measures_and_leaves_no_worker_behind():
@@ -156,6 +162,31 @@ def test_only_the_baseline_probes_the_loader_for_the_advisor():
     arms = run_block(spec)["arms"]
     assert [feed["workers"] for feed in arms["baseline"]["profile"]["loader_feeds"]] == [1, 2, 4]
     assert arms["amp"]["profile"]["loader_feeds"] == []
+
+
+class _NotInAWorker(_SlowToRead):
+    """Loads in the training process only, like a Dataset holding an open file handle."""
+
+    def __getitem__(self, index):
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("this handle does not survive a fork")
+        return super().__getitem__(index)
+
+
+def test_a_dataset_workers_cannot_load_is_probed_without_failing_the_baseline():
+    """The probe is the advisor's, not the user's: a Dataset that fails in a worker process says
+    so in the probe's record, and the baseline keeps its measurement."""
+    from helpers import arm_result, block_spec
+
+    from workbench.worker import run_block
+
+    spec = block_spec(
+        lambda: torch.nn.Linear(8, 4), arms={"baseline": {}}, data=_NotInAWorker(), profile_steps=1
+    )
+    baseline = arm_result(run_block(spec), "baseline")
+    assert baseline["samples_per_s"] > 0
+    (probe,) = baseline["profile"]["loader_feeds"]
+    assert probe["workers"] == 1 and "this handle does not survive a fork" in probe["error"]
 
 
 def test_amp_is_not_suggested_for_speed_on_a_cpu_that_emulates_bfloat16():

@@ -189,6 +189,25 @@ def test_a_forward_that_fails_off_the_run_device_is_left_for_the_arms_to_judge()
         check_the_loss(NeedsItsDevice, _PAIRS[0], None, CPU)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0])),  # a CPU tensor beside meta outputs
+        lambda outputs, targets: nn.functional.cross_entropy(outputs[targets != 2], targets[targets != 2]),
+    ],
+    ids=["class-weights", "masked"],
+)
+def test_a_loss_that_cannot_run_on_meta_tensors_is_checked_on_the_cpu_for_a_gpu_run(loss_fn):
+    """Off the CPU, the check runs on meta tensors first; a loss that cannot (class weights, a
+    mask that depends on the values) is run on two real samples instead, with the batch as given."""
+    from workbench.loop import check_the_loss
+
+    check_the_loss(_small_mlp, _PAIRS[0], loss_fn, torch.device("cuda"))
+    as_a_number = lambda outputs, targets: loss_fn(outputs, targets).item()  # noqa: E731
+    with pytest.raises(ValueError, match="returned float"):
+        check_the_loss(_small_mlp, _PAIRS[0], as_a_number, torch.device("cuda"))
+
+
 def test_ready_made_batches_set_the_batch_size_and_a_different_one_is_refused():
     """workbench uses batches given ready-made as they are, so their size is the batch size:
     grad_accum's check and the record read it (they once read the default 32 for batches of 8)."""

@@ -224,7 +224,11 @@ def _pct(value: float) -> str:
 def _for_data(facts: Facts) -> Iterator[Suggestion]:
     share = facts.shares["data"]
     wait = f"the step waits for its next batch {_pct(share)} of the time"
-    if facts.loader_feeds:
+    failed = [feed["error"] for feed in facts.loader_feeds if "error" in feed]
+    if failed:  # measured not to work for this job: no ceiling (nan), and never recommended
+        yield Suggestion("dataloader", {}, "data", float("nan"),
+                         f"{wait}, but DataLoader workers could not load this Dataset ({failed[0]})")  # fmt: skip
+    elif facts.loader_feeds:
         yield _workers_as_measured(facts, wait)
     else:  # no probe (the wait was small, or an older record): Amdahl's bound on the wait
         workers = max(1, min(4, usable_cores() - 1))  # the cores this job may use (taskset, cgroups, Slurm)
@@ -507,6 +511,8 @@ def _evidence_value(value: float, unit: str) -> str:
 
 
 def _why_not(suggestion: Suggestion, facts: Facts, verdict: str) -> str:
+    if math.isnan(suggestion.at_most):  # measured not to work here: its why says how it failed
+        return suggestion.why
     if suggestion.part == "memory" and verdict == "memory":  # memory is the limit, but this frees little
         return (
             f"frees at most {suggestion.saves_mib:,.1f} MiB of the {facts.peak_mib:,.1f} MiB peak: activations are "

@@ -378,8 +378,14 @@ class BlockArm:
             or waits < LOADER_PROBE_SHARE
         ):
             return []
-        workers = get_technique("dataloader").tune_space["num_workers"]
-        return [loader_feed(self.data, self.run.batch_size, self.run.seed, count) for count in workers]
+        feeds = []
+        for count in get_technique("dataloader").tune_space["num_workers"]:
+            try:
+                feeds.append(loader_feed(self.data, self.run.batch_size, self.run.seed, count))
+            except Exception as error:  # a Dataset workers cannot load (an open file handle, CUDA tensors)
+                lines = str(error).strip().splitlines()
+                return [{"workers": count, "error": f"{type(error).__name__}: {lines[-1] if lines else ''}"}]
+        return feeds
 
     def _batch_scaling(self, steps: int) -> dict:
         """Step times at the arm's batch and at half of it, interleaved step by step.

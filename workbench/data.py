@@ -433,18 +433,19 @@ def loader_feed(source: DataSource, batch_size: int, seed: int, workers: int, bu
     hand-over: for samples already in memory it can cost more than the loading it moves.
     """
     options = {"num_workers": workers, "persistent_workers": workers > 0}
-    with warnings.catch_warnings():  # more workers than cores is what is being measured, not a mistake
+    # More workers than cores is what is being measured, not a mistake: the DataLoader says so when
+    # it is made and at each pass over the Dataset, and a pass may be a few batches.
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         batches = endless_batches(source, batch_size, seed, options)
-        next(batches)
-    try:
-        for _ in range(2 * workers + 1):  # every worker started and one round of prefetch taken
-            next(batches)
-        count, wall_start, cpu_start = 0, time.perf_counter(), time.process_time()
-        while count < 5 or time.perf_counter() - wall_start < budget_s:
-            next(batches)
-            count += 1
-        wall_s, cpu_s = time.perf_counter() - wall_start, time.process_time() - cpu_start
-    finally:
-        batches.close()  # the DataLoader's iterator goes, and with it its worker processes
+        try:
+            for _ in range(2 * workers + 2):  # every worker started and one round of prefetch taken
+                next(batches)
+            count, wall_start, cpu_start = 0, time.perf_counter(), time.process_time()
+            while count < 5 or time.perf_counter() - wall_start < budget_s:
+                next(batches)
+                count += 1
+            wall_s, cpu_s = time.perf_counter() - wall_start, time.process_time() - cpu_start
+        finally:
+            batches.close()  # the DataLoader's iterator goes, and with it its worker processes
     return {"workers": workers, "feed_ms": 1e3 * wall_s / count, "taking_ms": 1e3 * cpu_s / count}

@@ -168,11 +168,13 @@ def check_the_loss(
 
 class _Trial:
     """The first batch through the model: its outputs (None until a forward succeeded) and the
-    targets they go with, on the meta device or for real on the CPU."""
+    targets they go with (``outputs_targets``), on the meta device or for real on the CPU; the
+    batch itself stays as given, for the CPU's turn after meta."""
 
     def __init__(self, build: Callable[[], nn.Module], inputs: Any, targets: Any, judged: bool) -> None:
         self.build, self.inputs, self.targets, self.judged = build, inputs, targets, judged
         self.outputs: Any = None
+        self.outputs_targets: Any = None
         self.cpu_model: nn.Module | None = None
         self.on_cpu = False
 
@@ -183,7 +185,7 @@ class _Trial:
             if self.judged:
                 raise
             return False
-        self.targets = to_device(targets, device, False)
+        self.outputs_targets = to_device(targets, device, False)
         return True
 
     def build_on_cpu(self) -> nn.Module | None:
@@ -206,7 +208,12 @@ class _Trial:
         if self.on_cpu:
             return self.outputs is not None
         self.on_cpu, self.outputs = True, None
-        inputs, targets = first_samples((self.inputs, self.targets), None if self.judged else 2)
+        inputs, targets = self.inputs, self.targets  # the whole batch, as the arms take it
+        if not self.judged:
+            try:
+                inputs, targets = first_samples((inputs, targets), 2)
+            except Exception:  # a layout slicing cannot take (sparse): the arms will tell
+                return False
         model = self.build_on_cpu()
         if model is None:
             return False
@@ -222,7 +229,7 @@ class _Trial:
 def _check_the_default_loss(trial: _Trial) -> None:
     if trial.outputs is None and not trial.run_on_cpu():
         return
-    outputs, targets = trial.outputs, trial.targets
+    outputs, targets = trial.outputs, trial.outputs_targets
     own = isinstance(_field(outputs, "loss"), torch.Tensor)
     if not own and isinstance(targets, torch.Tensor) and targets.dtype in NOT_CLASS_LABELS:
         raise ValueError(
@@ -247,7 +254,7 @@ def _check_the_users_loss(trial: _Trial, loss_fn: Callable, dict_batch: bool) ->
     if trial.outputs is None and not trial.run_on_cpu():
         return
     try:
-        loss = loss_fn(trial.outputs, trial.targets)
+        loss = loss_fn(trial.outputs, trial.outputs_targets)
     except Exception as error:
         if not trial.on_cpu:  # a loss may not run on meta tensors (.item(), data-dependent code)
             return _check_the_users_loss(trial, loss_fn, dict_batch) if trial.run_on_cpu() else None
