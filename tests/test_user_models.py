@@ -221,6 +221,21 @@ def test_ready_made_batches_set_the_batch_size_and_a_different_one_is_refused():
         wb.plan(model=_small_mlp, data=_PAIRS, techniques={"grad_accum": {"steps": 16}}, device="cpu")
     dataset = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
     assert wb.plan(model=_small_mlp, data=dataset, device="cpu").attrs["config"]["batch_size"] == 32
+    # A batch's samples are its targets, as the arms count them: an RNN's inputs lead with time.
+    time_major = [(torch.randn(20, 16, 4), torch.randint(0, 3, (16,)))] * 2
+    assert wb.plan(model=_TimeMajor, data=time_major, device="cpu").attrs["config"]["batch_size"] == 16
+    assert not wb.plan(model=_TimeMajor, data=time_major, batch_size=16, device="cpu").empty
+
+
+class _TimeMajor(nn.Module):
+    """nn.GRU's default layout: inputs (time, batch, features), one label per sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru, self.head = nn.GRU(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][-1])
 
 
 def test_an_output_the_loss_cannot_use_is_refused_before_any_arm_runs():

@@ -199,14 +199,21 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
         return run, None
     check_sample_count(source, 1, run.world_size)  # that a list holds batches; their size is read here
     first_batch = next(endless_batches(source, DEFAULT_BATCH_SIZE, run.seed, {}))
-    held = batch_size_of(inputs_and_targets(first_batch)[0], None)  # the inputs': targets may be wrong
-    if run.batch_size not in (None, held):
+    inputs, targets = inputs_and_targets(first_batch)
+    held = batch_size_of(inputs, targets)  # as the arms count samples
+    # the inputs' rows count too: targets that disagree with them are for the loss check to name
+    if run.batch_size not in (None, held, _rows_of(inputs)):
         raise ValueError(
             f"batch_size={run.batch_size}, but the data's batches hold {held} samples (the first one "
             f"does): workbench uses batches given ready-made as they are, so leave batch_size out "
             f"(auto takes their size) or pass batch_size={held}"
         )
-    return replace(run, batch_size=held), first_batch
+    return replace(run, batch_size=run.batch_size or held), first_batch
+
+
+def _rows_of(inputs: Any) -> int | None:
+    """The first dimension of the first input tensor that has one (None: only scalars)."""
+    return next((tensor.shape[0] for tensor in tensors_of(inputs) if tensor.dim() > 0), None)
 
 
 def _check_loss_fn(loss_fn: Any) -> None:

@@ -387,13 +387,17 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
 
 
 def batch_size_of(inputs: Any, targets: torch.Tensor | None) -> int:
-    """Samples in a batch: the targets' length, else the first input tensor's first dimension."""
-    if targets is not None:
+    """Samples in a batch: the targets' length, else the first dimension of the first input
+    tensor that has one (a sequence model's inputs may lead with time: (T, B, F) with B targets)."""
+    if targets is not None and targets.dim() > 0:
         return len(targets)
-    tensors = tensors_of(inputs)
-    if not tensors or tensors[0].dim() == 0:
-        raise ValueError("a batch without targets needs a batched tensor among its inputs")
-    return tensors[0].shape[0]
+    batched = [tensor for tensor in tensors_of(inputs) if tensor.dim() > 0]
+    if not batched:
+        raise ValueError(
+            "a batch needs a batched tensor (one sample per row) among its targets or inputs; "
+            "this one holds only scalars"
+        )
+    return batched[0].shape[0]
 
 
 def _check_batch(batch: object) -> None:
