@@ -153,6 +153,41 @@ def test_a_mistake_every_arm_would_make_is_refused_before_any_arm_runs(model, da
         wb.plan(model=model, data=data, loss_fn=loss_fn, device="cpu")
 
 
+class _StaysLazy(nn.modules.lazy.LazyModuleMixin, nn.Linear):
+    """A lazy layer that keeps its class after its first forward (cls_to_become None)."""
+
+    cls_to_become = None
+
+    def __init__(self, out_features: int):
+        super().__init__(0, out_features)
+        self.weight = nn.parameter.UninitializedParameter()
+        self.bias = nn.parameter.UninitializedParameter()
+
+    def reset_parameters(self):
+        if not self.has_uninitialized_params() and self.in_features != 0:
+            super().reset_parameters()
+
+    def initialize_parameters(self, input):
+        if self.has_uninitialized_params():
+            with torch.no_grad():
+                self.in_features = input.shape[-1]
+                self.weight.materialize((self.out_features, self.in_features))
+                self.bias.materialize((self.out_features,))
+                self.reset_parameters()
+
+
+def _lazy_then_initialised() -> nn.Module:
+    model = nn.Sequential(_StaysLazy(3))
+    model(torch.zeros(1, 4))  # what the refusal tells a user to do
+    return model
+
+
+def test_a_lazy_layer_initialised_in_its_factory_is_accepted():
+    assert not wb.plan(model=_lazy_then_initialised, data=_PAIRS, device="cpu").empty
+    with pytest.raises(ValueError, match=r"lazy layers \(_StaysLazy\)"):
+        wb.plan(model=lambda: nn.Sequential(_StaysLazy(3)), data=_PAIRS, device="cpu")
+
+
 def test_a_factory_that_cannot_build_on_meta_is_checked_for_real_and_passes_when_it_is_right():
     assert not wb.plan(model=_NotOnMeta, data=_PAIRS, device="cpu").empty
 

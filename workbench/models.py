@@ -305,7 +305,9 @@ def _refuse_lazy_parameters(built: nn.Module) -> None:
         {
             type(module).__name__
             for module in built.modules()
-            if isinstance(module, nn.modules.lazy.LazyModuleMixin)
+            # a lazy layer that already ran its first forward has shapes (unless it became its
+            # plain class, as LazyLinear does)
+            if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params()
         }
     )
     if lazy:
