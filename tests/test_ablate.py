@@ -522,6 +522,13 @@ def test_an_edited_model_under_the_same_name_does_not_resume_into_the_earlier_ru
     ).complete
     with pytest.raises(ValueError, match=r"differs in: data_values\)"):
         wb.ablate(_mlp_of_width(16), [(x + 1, y) for x, y in batches], **listed, **QUIET)
+    # A folder written before data_values was recorded resumes: its values are not known to differ.
+    plan_path = tmp_path / "listed" / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    del plan["settings"]["data_values"]
+    plan["digest"] = "written-without-it"
+    plan_path.write_text(json.dumps(plan))
+    assert wb.ablate(_mlp_of_width(16), batches, **listed, **QUIET).complete
     # A loss module's settings are not in its repr: another label smoothing resumed into the old losses.
     smoothed = {**arguments, "out": tmp_path / "smoothed"}
     wb.ablate(_mlp_of_width(16), data, nn.CrossEntropyLoss(), **smoothed, **QUIET)

@@ -369,6 +369,8 @@ def _fingerprint(prepared: Prepared) -> dict:
 
 
 ADDABLE = ("blocks",)  # settings a resumed ablation may raise: each block is a process of its own
+# Parts of a job's identity that workbench began to record after folders were written without them.
+RECORDED_SINCE = ("data_values",)
 
 
 def settings_fingerprint(settings: dict) -> dict:
@@ -544,10 +546,18 @@ def refuse_a_different_run(
     path: Path, previous: dict, fingerprint: dict, what: str, addable: tuple[str, ...] = ()
 ) -> None:
     """Raise, naming the settings that differ, when ``path`` holds a run other than this one.
-    ``addable``: settings outside the digest, which a resumed run may change (not named)."""
+    ``addable``: settings outside the digest, which a resumed run may change (not named). A part
+    of the identity that a later workbench added (RECORDED_SINCE) and the record lacks is not
+    known to differ."""
     if previous.get("digest") != fingerprint["digest"]:
         old, new = previous.get("settings", {}), fingerprint["settings"]
-        differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in addable)
+        differing = sorted(
+            k
+            for k in set(old) | set(new)
+            if old.get(k) != new.get(k) and k not in addable and (k in old or k not in RECORDED_SINCE)
+        )
+        if not differing:
+            return
         raise ValueError(
             f"out={str(path)!r} holds a different {what} (differs in: {', '.join(differing)}); "
             "choose another results folder, or pass overwrite=True to discard it"
