@@ -5,6 +5,7 @@ import pytest
 import torch
 from workbench.datasets import builders, ensure_built, load
 
+import workbench as wb
 from workbench.data import (
     BUILTIN_DATA,
     DataSource,
@@ -86,11 +87,32 @@ def test_user_dataset_list_of_batches_and_callable():
     def fresh_generator():
         return ((torch.randn(2, 3), torch.zeros(2, dtype=torch.long)) for _ in range(3))
 
-    source = resolve_data(fresh_generator, lambda: torch.nn.Linear(3, 2))
+    # A factory of one-pass generators is called again for each pass (it was once refused, with a
+    # message asking for "a callable that returns a fresh iterable": what it is).
+    calls = []
+    source = resolve_data(lambda: calls.append(1) or fresh_generator(), lambda: torch.nn.Linear(3, 2))
+    calls.clear()  # resolve_data may have looked at one
+    stream = endless_batches(source, 2, 0, {})
+    assert len([next(stream) for _ in range(7)]) == 7 and len(calls) == 3  # passes of 3, 3 and 1
+    # A generator given as it is can be read once only (resolve_data refuses it before this).
+    source = DataSource(label="generator", user=fresh_generator(), is_dataset=False)
     stream = endless_batches(source, 2, 0, {})
     with pytest.raises(ValueError, match="ran out after 3 batches and cannot be replayed"):
         for _ in range(4):
             next(stream)
+
+
+def test_a_dataloader_that_keeps_its_workers_is_read_in_this_process_and_still_sent_to_the_arms():
+    """workbench reads the first batch here; a DataLoader with persistent_workers then kept its
+    workers here and an iterator that cannot be pickled, and every arm's launch failed."""
+    import multiprocessing
+    import pickle
+
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=1, persistent_workers=True)
+    assert not wb.plan(model=lambda: torch.nn.Linear(3, 2), data=loader, device="cpu").empty
+    pickle.dumps(loader)  # what sending it to an arm's process does
+    assert multiprocessing.active_children() == []
 
 
 def test_bad_batches_and_small_datasets_are_explained():

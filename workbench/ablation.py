@@ -81,6 +81,7 @@ from workbench.data import (
     check_sample_count,
     endless_batches,
     inputs_and_targets,
+    release_loader_workers,
     resolve_data,
     tensors_of,
 )
@@ -199,6 +200,7 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
         return run, None
     check_sample_count(source, 1, run.world_size)  # that a list holds batches; their size is read here
     first_batch = next(endless_batches(source, DEFAULT_BATCH_SIZE, run.seed, {}))
+    release_loader_workers(source.user)
     inputs, targets = inputs_and_targets(first_batch)
     held = batch_size_of(inputs, targets)  # as the arms count samples
     # the inputs' rows count too: targets that disagree with them are for the loss check to name

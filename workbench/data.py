@@ -312,8 +312,8 @@ def endless_batches(
             **order,
             **loader_options,
         )
-        return _cycle(loader, replayable=True)
-    batches = _cycle(data, replayable=iter(data) is not data)
+        return _cycle(loader, lambda: loader)
+    batches = _cycle(data, _next_pass(source, data, seed))
     if world_size > 1:
         return (batch for index, batch in enumerate(batches) if index % world_size == rank)
     return batches
@@ -332,7 +332,18 @@ class _ReshufflingSampler(DistributedSampler):
         return indices
 
 
-def _cycle(iterable: Iterable, replayable: bool) -> Iterator[tuple[Any, Any]]:
+def _next_pass(source: DataSource, data: Iterable, seed: int) -> Callable[[], Iterable] | None:
+    """What gives the batches again once ``data`` ran out: itself when it can be iterated again
+    (a list, a DataLoader), the user's factory called anew when it made a one-pass iterator
+    (a generator), nothing for an iterator given as it is."""
+    if not isinstance(data, Iterator):
+        return lambda: data
+    if callable(source.user) and not _is_data(source.user):
+        return lambda: source.open_dataset(seed)
+    return None
+
+
+def _cycle(iterable: Iterable, next_pass: Callable[[], Iterable] | None) -> Iterator[tuple[Any, Any]]:
     served = 0
     while True:
         before = served
@@ -345,11 +356,27 @@ def _cycle(iterable: Iterable, replayable: bool) -> Iterator[tuple[Any, Any]]:
             raise ValueError(
                 "the data yielded no batches" if served == 0 else "the data stopped yielding batches"
             )
-        if not replayable:
+        if next_pass is None:
             raise ValueError(
                 f"the data ran out after {served} batches and cannot be replayed; pass a list, "
                 "a Dataset, or a callable that returns a fresh iterable"
             )
+        iterable = next_pass()
+
+
+def release_loader_workers(data: object) -> None:
+    """Shut down the workers a DataLoader with ``persistent_workers`` keeps after it was read.
+
+    workbench reads the first batch in the caller's process, to check it before any arm runs;
+    such a DataLoader then holds its worker processes there, and its iterator, which cannot be
+    sent to the arms' processes. (``_iterator`` is where DataLoader keeps it: no public way.)
+    """
+    iterator = getattr(data, "_iterator", None) if isinstance(data, DataLoader) else None
+    if iterator is not None:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        data._iterator = None
 
 
 # --- batch forms -------------------------------------------------------------------------
