@@ -102,6 +102,23 @@ def test_user_dataset_list_of_batches_and_callable():
             next(stream)
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    """Samples in the stream's own order: a DataLoader may batch it, but not shuffle or sample it."""
+
+    def __iter__(self):
+        for index in range(20):
+            yield torch.full((3,), float(index)), index % 2
+
+
+def test_an_iterable_dataset_is_batched_in_its_own_order_and_dealt_out_to_ranks():
+    source = resolve_data(_Stream(), lambda: torch.nn.Linear(3, 2))
+    stream = endless_batches(source, 4, 0, {})
+    firsts = [int(next(stream)[0][0, 0]) for _ in range(6)]
+    assert firsts == [0, 4, 8, 12, 16, 0]  # in order, a new pass after 5 batches
+    rank_1 = endless_batches(source, 4, 0, {}, rank=1, world_size=2)
+    assert [int(next(rank_1)[0][0, 0]) for _ in range(3)] == [4, 12, 0]  # batches 1, 3 and 5
+
+
 def test_a_dataloader_that_keeps_its_workers_is_read_in_this_process_and_still_sent_to_the_arms():
     """workbench reads the first batch here; a DataLoader with persistent_workers then kept its
     workers here and an iterator that cannot be pickled, and every arm's launch failed."""

@@ -190,12 +190,13 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
     """``run`` with its batch size decided, and the first of ready-made batches (None for a Dataset);
     data that cannot fill a batch is refused.
 
-    workbench batches a Dataset or built-in data itself: auto is DEFAULT_BATCH_SIZE. Batches
+    workbench batches a Dataset or built-in data itself: auto is DEFAULT_BATCH_SIZE, or the
+    samples a small Dataset holds per rank. Batches
     given ready-made have their own size, which auto takes; a batch_size that disagrees is
     refused, because grad_accum splits by it and the results report it.
     """
     if source.is_dataset:
-        run = replace(run, batch_size=run.batch_size or DEFAULT_BATCH_SIZE)
+        run = replace(run, batch_size=run.batch_size or _auto_batch_size(source, run.world_size))
         check_sample_count(source, run.batch_size, run.world_size)
         return run, None
     check_sample_count(source, 1, run.world_size)  # that a list holds batches; their size is read here
@@ -211,6 +212,14 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
             f"(auto takes their size) or pass batch_size={held}"
         )
     return replace(run, batch_size=run.batch_size or held), first_batch
+
+
+def _auto_batch_size(source: DataSource, world_size: int) -> int:
+    """DEFAULT_BATCH_SIZE, or a whole Dataset per rank when it holds fewer samples than that."""
+    user = source.user
+    if isinstance(user, Dataset) and hasattr(user, "__len__") and len(user) >= world_size:
+        return min(DEFAULT_BATCH_SIZE, len(user) // world_size)
+    return DEFAULT_BATCH_SIZE  # too small even so: check_sample_count says what to do
 
 
 def _rows_of(inputs: Any) -> int | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from workbench.config import unknown_name_error
 from workbench.data_spec import BUILTIN_DATA, DataSpec, builtin_spec
@@ -289,15 +289,17 @@ def endless_batches(
     """Batches forever: a new epoch starts when the data runs out.
 
     With several ranks, each reads its own shard: a DistributedSampler splits a Dataset
-    (reshuffled every epoch, the same way on every rank), and ready-made batches are dealt
-    out in turn (batch i goes to rank i mod world_size).
+    (reshuffled every epoch, the same way on every rank), and ready-made batches, or an
+    IterableDataset's, are dealt out in turn (batch i goes to rank i mod world_size).
     """
     data = source.open_dataset(seed)
     if isinstance(data, Dataset):
         if hasattr(data, "__len__"):  # a factory's Dataset: its size shows only here, in the arm
             _check_count(len(data), source.label, batch_size, world_size)
-        if world_size > 1:
-            order: dict[str, Any] = {
+        if isinstance(data, IterableDataset):
+            order: dict[str, Any] = {}  # a stream keeps its own order: a DataLoader cannot shuffle it
+        elif world_size > 1:
+            order = {
                 "sampler": _ReshufflingSampler(
                     data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
                 )
@@ -312,7 +314,10 @@ def endless_batches(
             **order,
             **loader_options,
         )
-        return _cycle(loader, lambda: loader)
+        batches = _cycle(loader, lambda: loader)
+        if isinstance(data, IterableDataset) and world_size > 1:  # no sampler shards a stream: deal it out
+            return (batch for index, batch in enumerate(batches) if index % world_size == rank)
+        return batches
     batches = _cycle(data, _next_pass(source, data, seed))
     if world_size > 1:
         return (batch for index, batch in enumerate(batches) if index % world_size == rank)
