@@ -37,7 +37,7 @@ def _reset_compiler_state():
 
 
 @pytest.fixture(autouse=True)
-def _compile_cache_shared_by_the_tests(request, monkeypatch):
+def _compile_cache_shared_by_the_tests(request):
     """The ablations' worker processes use inductor's own compiled-code cache, as a smoke test's
     do, and as the tests that compile in this process and the notebooks' kernels do.
 
@@ -46,12 +46,22 @@ def _compile_cache_shared_by_the_tests(request, monkeypatch):
     to every graph (about 20 s of the 25 s it takes for a small mlp on 2 cores, against 8 s for
     another graph after it), and the tests check what torch.compile does, not what it costs to
     start: so they share one. A test of the cold cache itself is marked cold_compile.
+
+    Patched by hand, not with monkeypatch: a test's own monkeypatch would then be set up before
+    _reset_compiler_state and undone after it, whose dynamo reset would meet the test's patches
+    (test_template's torch.cuda.is_available that raises).
     """
     if request.node.get_closest_marker("cold_compile"):
+        yield
         return
     from workbench.ablation import _Runner
 
-    monkeypatch.setattr(_Runner, "_compile_cache_dir", staticmethod(lambda *_: None))
+    original = _Runner.__dict__["_compile_cache_dir"]
+    _Runner._compile_cache_dir = staticmethod(lambda *_: None)
+    try:
+        yield
+    finally:
+        _Runner._compile_cache_dir = original
 
 
 # Tiers: pytest -m fast | slow | notebooks | browser | thirdparty | slurm | gpu (README, "Test tiers").
