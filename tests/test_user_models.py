@@ -182,6 +182,23 @@ def _lazy_then_initialised() -> nn.Module:
     return model
 
 
+class _SparseInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 3))
+
+    def forward(self, x):
+        return torch.sparse.mm(x, self.weight)
+
+
+def test_sparse_inputs_are_planned():
+    """The resume identity digests a list's first batch: a sparse tensor by its dense values
+    (it cannot be reshaped to bytes as it is)."""
+    inputs = torch.randn(8, 16).relu().to_sparse()
+    data = [(inputs, torch.randint(0, 3, (8,)))] * 2
+    assert not wb.plan(model=_SparseInputs, data=data, device="cpu").empty
+
+
 def test_a_lazy_layer_initialised_in_its_factory_is_accepted():
     assert not wb.plan(model=_lazy_then_initialised, data=_PAIRS, device="cpu").empty
     with pytest.raises(ValueError, match=r"lazy layers \(_StaysLazy\)"):

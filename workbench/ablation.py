@@ -319,10 +319,11 @@ def job_identity(
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
     """A tensor's values as a digest of its bytes: flattened first, since a 0-d tensor cannot be
-    viewed as bytes, and as bytes since numpy has no bfloat16."""
-    return hashlib.sha256(
-        tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()
-    ).hexdigest()
+    viewed as bytes, and as bytes since numpy has no bfloat16; a sparse one by its dense values."""
+    tensor = tensor.detach().cpu()
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
+    return hashlib.sha256(tensor.reshape(-1).contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
 def _loss_text(loss_fn: Callable) -> list[str]:
