@@ -78,11 +78,14 @@ from workbench.core_sync import oversubscription
 from workbench.data import (
     DataSource,
     batch_size_of,
+    check_count,
     check_sample_count,
     endless_batches,
     inputs_and_targets,
     release_loader_workers,
     resolve_data,
+    rows_of,
+    sample_count,
     tensors_of,
 )
 from workbench.devices import resolve_device
@@ -191,13 +194,15 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
     data that cannot fill a batch is refused.
 
     workbench batches a Dataset or built-in data itself: auto is DEFAULT_BATCH_SIZE, or the
-    samples a small Dataset holds per rank. Batches
-    given ready-made have their own size, which auto takes; a batch_size that disagrees is
-    refused, because grad_accum splits by it and the results report it.
+    samples small data holds per rank. Batches given ready-made have their own size, which auto
+    takes; a batch_size that disagrees is refused, because grad_accum splits by it and the
+    results report it.
     """
     if source.is_dataset:
-        run = replace(run, batch_size=run.batch_size or _auto_batch_size(source, run.world_size))
-        check_sample_count(source, run.batch_size, run.world_size)
+        count = sample_count(source)
+        run = replace(run, batch_size=run.batch_size or _auto_batch_size(count, run.world_size))
+        if count is not None:
+            check_count(count, source.label, run.batch_size, run.world_size)
         return run, None
     check_sample_count(source, 1, run.world_size)  # that a list holds batches; their size is read here
     first_batch = next(endless_batches(source, DEFAULT_BATCH_SIZE, run.seed, {}))
@@ -205,7 +210,7 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
     inputs, targets = inputs_and_targets(first_batch)
     held = batch_size_of(inputs, targets)  # as the arms count samples
     # the inputs' rows count too: targets that disagree with them are for the loss check to name
-    if run.batch_size not in (None, held, _rows_of(inputs)):
+    if run.batch_size not in (None, held, rows_of(inputs)):
         raise ValueError(
             f"batch_size={run.batch_size}, but the data's batches hold {held} samples (the first one "
             f"does): workbench uses batches given ready-made as they are, so leave batch_size out "
@@ -214,17 +219,11 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
     return replace(run, batch_size=run.batch_size or held), first_batch
 
 
-def _auto_batch_size(source: DataSource, world_size: int) -> int:
-    """DEFAULT_BATCH_SIZE, or a whole Dataset per rank when it holds fewer samples than that."""
-    user = source.user
-    if isinstance(user, Dataset) and hasattr(user, "__len__") and len(user) >= world_size:
-        return min(DEFAULT_BATCH_SIZE, len(user) // world_size)
-    return DEFAULT_BATCH_SIZE  # too small even so: check_sample_count says what to do
-
-
-def _rows_of(inputs: Any) -> int | None:
-    """The first dimension of the first input tensor that has one (None: only scalars)."""
-    return next((tensor.shape[0] for tensor in tensors_of(inputs) if tensor.dim() > 0), None)
+def _auto_batch_size(count: int | None, world_size: int) -> int:
+    """DEFAULT_BATCH_SIZE, or all ``count`` samples per rank when the data holds fewer than that."""
+    if count is not None and count >= world_size:
+        return min(DEFAULT_BATCH_SIZE, count // world_size)
+    return DEFAULT_BATCH_SIZE  # too small even so, or not known yet: check_count says what to do
 
 
 def _check_loss_fn(loss_fn: Any) -> None:

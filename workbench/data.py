@@ -249,25 +249,29 @@ def resolve_data(data: object, model: object) -> DataSource:
 
 def check_sample_count(source: DataSource, batch_size: int, world_size: int = 1) -> None:
     """Refuse, before any arm starts, data that cannot fill one batch per rank."""
+    count = sample_count(source)
+    if count is not None:
+        check_count(count, source.label, batch_size, world_size)
+
+
+def sample_count(source: DataSource) -> int | None:
+    """The samples the data holds, where that shows before an arm reads it: None for ready-made
+    batches (refused when there are none), an iterator or a factory."""
     user = source.user
     if source.images is not None:
-        count: int | None = len(source.images.files)
-    elif source.builtin == "synthetic":
-        count = SYNTHETIC_SAMPLES
-    elif source.builtin is not None:
-        count = len(source.open_dataset(0))  # a small array file, cached on disk
-    elif isinstance(user, Dataset) and hasattr(user, "__len__"):
-        count = len(user)
-    elif isinstance(user, (list, tuple)):  # ready-made batches
-        if not user:
-            raise ValueError("data holds no batches: the list is empty")
-        return
-    else:
-        return  # an iterator or a factory: its length shows only when an arm reads it
-    _check_count(count, source.label, batch_size, world_size)
+        return len(source.images.files)
+    if source.builtin == "synthetic":
+        return SYNTHETIC_SAMPLES
+    if source.builtin is not None:
+        return len(source.open_dataset(0))  # a small array file, cached on disk
+    if isinstance(user, Dataset) and hasattr(user, "__len__"):
+        return len(user)
+    if isinstance(user, (list, tuple)) and not user:  # ready-made batches
+        raise ValueError("data holds no batches: the list is empty")
+    return None  # batches, an iterator or a factory: a length shows only when an arm reads it
 
 
-def _check_count(count: int, label: str, batch_size: int, world_size: int) -> None:
+def check_count(count: int, label: str, batch_size: int, world_size: int) -> None:
     if count == 0:
         raise ValueError(f"data {label!r} is empty: it holds no samples")
     if count < batch_size * world_size:
@@ -295,7 +299,7 @@ def endless_batches(
     data = source.open_dataset(seed)
     if isinstance(data, Dataset):
         if hasattr(data, "__len__"):  # a factory's Dataset: its size shows only here, in the arm
-            _check_count(len(data), source.label, batch_size, world_size)
+            check_count(len(data), source.label, batch_size, world_size)
         if isinstance(data, IterableDataset):
             order: dict[str, Any] = {}  # a stream keeps its own order: a DataLoader cannot shuffle it
         elif world_size > 1:
@@ -423,13 +427,18 @@ def batch_size_of(inputs: Any, targets: torch.Tensor | None) -> int:
     tensor that has one (a sequence model's inputs may lead with time: (T, B, F) with B targets)."""
     if targets is not None and targets.dim() > 0:
         return len(targets)
-    batched = [tensor for tensor in tensors_of(inputs) if tensor.dim() > 0]
-    if not batched:
+    rows = rows_of(inputs)
+    if rows is None:
         raise ValueError(
             "a batch needs a batched tensor (one sample per row) among its targets or inputs; "
             "this one holds only scalars"
         )
-    return batched[0].shape[0]
+    return rows
+
+
+def rows_of(inputs: Any) -> int | None:
+    """The first dimension of the first input tensor that has one (None: only scalars)."""
+    return next((tensor.shape[0] for tensor in tensors_of(inputs) if tensor.dim() > 0), None)
 
 
 def _check_batch(batch: object) -> None:
