@@ -383,8 +383,11 @@ class BlockArm:
             try:
                 feeds.append(loader_feed(self.data, self.run.batch_size, self.run.seed, count))
             except Exception as error:  # a Dataset workers cannot load (an open file handle, CUDA tensors)
-                lines = str(error).strip().splitlines()
-                return [{"workers": count, "error": f"{type(error).__name__}: {lines[-1] if lines else ''}"}]
+                lines = str(error).strip().splitlines() or [""]
+                # a worker's error arrives wrapped, its traceback in the text: its own type and
+                # words are the last line
+                said = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"
+                return [{"workers": count, "error": said}]
         return feeds
 
     def _batch_scaling(self, steps: int) -> dict:
