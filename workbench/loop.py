@@ -116,8 +116,8 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
     return model.to("meta")  # a factory that places its parameters on a device explicitly
 
 
-def first_samples(batch: Any, count: int | None) -> Any:
-    """The first ``count`` samples of every tensor in ``batch`` (all for None; a scalar whole), on the CPU."""
+def first_samples(batch: Any, count: int) -> Any:
+    """The first ``count`` samples of every tensor in ``batch`` (a scalar whole), on the CPU."""
     return map_tensors(batch, lambda tensor: (tensor[:count] if tensor.dim() else tensor).cpu())
 
 
