@@ -117,6 +117,59 @@ def test_an_iterable_dataset_is_batched_in_its_own_order_and_dealt_out_to_ranks(
     assert firsts == [0, 4, 8, 12, 16, 0]  # in order, a new pass after 5 batches
     rank_1 = endless_batches(source, 4, 0, {}, rank=1, world_size=2)
     assert [int(next(rank_1)[0][0, 0]) for _ in range(3)] == [4, 12, 0]  # batches 1, 3 and 5
+    # Its length shows only as it is read: a stream shorter than one batch is told so.
+    with pytest.raises(ValueError, match="yielded no full batch of batch_size=32 samples; pass a smaller"):
+        next(endless_batches(source, 32, 0, {}))
+
+
+class _SharedStream(torch.utils.data.IterableDataset):
+    """Each DataLoader worker yields only its share, as PyTorch's IterableDataset docs show."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for index in range(first, 20, step):
+            yield torch.full((3,), float(index)), index % 2
+
+
+class _RandomStream(torch.utils.data.IterableDataset):
+    """Draws from the global random state, which every worker seeds anew: no two workers repeat."""
+
+    def __iter__(self):
+        for _ in range(20):
+            yield torch.randn(3), 0
+
+
+def test_an_iterable_dataset_that_gives_every_worker_the_whole_stream_is_told_apart():
+    model = lambda: torch.nn.Linear(3, 2)  # noqa: E731
+    assert resolve_data(_Stream(), model).whole_stream_per_worker
+    assert resolve_data(_Stream, model).whole_stream_per_worker  # a factory's stream
+    assert not resolve_data(_SharedStream(), model).whole_stream_per_worker
+    assert not resolve_data(_RandomStream(), model).whole_stream_per_worker
+    assert not resolve_data(torch.utils.data.TensorDataset(torch.zeros(4, 3)), model).whole_stream_per_worker
+    assert torch.utils.data.get_worker_info() is None  # the probe left torch's worker state as it was
+    # What the check is for: with two workers, the whole stream arrives twice; a shared one, once.
+    for stream, copies in ((_Stream(), 2), (_SharedStream(), 1)):
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
+        seen = sorted(int(inputs[0]) for inputs, _ in loader)
+        assert seen == sorted(list(range(20)) * copies)
+
+
+def test_dataloader_workers_are_unavailable_for_a_stream_each_worker_would_read_whole():
+    sweep = {"dataloader": {"num_workers": [1, 2]}}
+    for stream, refused in ((_Stream(), True), (_SharedStream(), False)):
+        table = wb.plan(
+            model=lambda: torch.nn.Linear(3, 2), data=stream, techniques=sweep, device="cpu", batch_size=4
+        )
+        reasons = table.set_index("name").unavailable
+        assert reasons["dataloader[num_workers=1]"] == ""  # one worker reads the stream once
+        if refused:
+            assert (
+                "gives every worker the whole stream, so with num_workers=2 each sample would arrive 2 times"
+                in (reasons["dataloader[num_workers=2]"])
+            )
+        else:
+            assert reasons["dataloader[num_workers=2]"] == ""
 
 
 def test_a_dataloader_that_keeps_its_workers_is_read_in_this_process_and_still_sent_to_the_arms():

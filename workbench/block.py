@@ -371,6 +371,7 @@ class BlockArm:
         if (
             self.spec.name != BASELINE
             or not self.data.is_dataset
+            or self.data.whole_stream_per_worker  # workers would each read all of it: unavailable
             or setup.make_batches is not None
             or setup.loader_options.get("num_workers")
             or self.rank.distributed

@@ -22,6 +22,7 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,9 @@ class DataSource:
     user: Any = None  # a Dataset, an iterable of batches, or a callable returning one
     is_dataset: bool = True  # False when batches arrive ready-made (no DataLoader to tune)
     images: ImageFiles | None = None  # a scanned JPEG folder: both DataLoader and DALI read it
+    # An IterableDataset that gives every DataLoader worker the whole stream (see
+    # whole_stream_per_worker): with several workers each sample would arrive once per worker.
+    whole_stream_per_worker: bool = False
 
     def open_dataset(self, seed: int) -> Dataset | Iterable:
         if self.images is not None:
@@ -222,7 +226,12 @@ def resolve_data(data: object, model: object) -> DataSource:
             f"or a JPEG folder ({JPEG_FOLDER_PREFIX}PATH); for other data, also pass your own model factory"
         )
     if isinstance(data, Dataset):
-        return DataSource(label=type(data).__name__, user=data, is_dataset=True)
+        return DataSource(
+            label=type(data).__name__,
+            user=data,
+            is_dataset=True,
+            whole_stream_per_worker=whole_stream_per_worker(data),
+        )
     if isinstance(data, Iterator):
         raise ValueError(
             "data is a one-shot iterator (e.g. a generator), which cannot be replayed for every arm; "
@@ -239,12 +248,76 @@ def resolve_data(data: object, model: object) -> DataSource:
                 "it must return a Dataset or an iterable of (inputs, targets) batches"
             )
         return DataSource(
-            label=getattr(data, "__name__", "data"), user=data, is_dataset=isinstance(sample, Dataset)
+            label=getattr(data, "__name__", "data"),
+            user=data,
+            is_dataset=isinstance(sample, Dataset),
+            whole_stream_per_worker=whole_stream_per_worker(sample),
         )
     raise ValueError(
         f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), '{JPEG_FOLDER_PREFIX}PATH', a Dataset, an iterable of "
         f"(inputs, targets) batches, or a callable returning one; got {data!r}"
     )
+
+
+def whole_stream_per_worker(data: object) -> bool:
+    """Whether ``data`` is an IterableDataset that gives each DataLoader worker the whole stream.
+
+    Every worker holds a copy of an IterableDataset and iterates all of it, unless its
+    ``__iter__`` reads ``torch.utils.data.get_worker_info()`` and yields only its share (as
+    PyTorch's IterableDataset documentation shows); with N workers each sample would then be
+    trained on N times. Found out by asking the stream for its first sample as worker 0 and as
+    worker 1 of 2, in this process: the same sample from both means it does not share. A stream
+    drawn from the global random state gives two different samples, as its workers would (each
+    is seeded anew). False when this cannot be told: the stream failed, or torch's worker
+    state moved.
+    """
+    if not isinstance(data, IterableDataset):
+        return False
+    firsts = []
+    for worker in (0, 1):
+        try:
+            with _as_worker(worker, of=2, dataset=data):
+                iterator = iter(data)
+                firsts.append(next(iterator, None))
+                getattr(iterator, "close", lambda: None)()  # a generator's own cleanup runs now
+        except Exception:  # what the stream says is for its first batch to say, in each arm
+            return False
+    return firsts[0] is not None and _same_sample(*firsts)
+
+
+@contextmanager
+def _as_worker(id: int, of: int, dataset: Dataset) -> Iterator[None]:
+    """Within it, ``get_worker_info()`` answers as in DataLoader worker ``id`` of ``of``: it reads
+    torch's module-level ``_worker_info``, which a worker process sets when it starts."""
+    from torch.utils.data._utils import worker
+
+    before = worker._worker_info
+    worker._worker_info = worker.WorkerInfo(id=id, num_workers=of, seed=id, dataset=dataset)
+    try:
+        yield
+    finally:
+        worker._worker_info = before
+
+
+def _same_sample(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same_sample(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_sample(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # values that cannot be compared: not known to be the same
+        return False
 
 
 def check_sample_count(source: DataSource, batch_size: int, world_size: int = 1) -> None:
@@ -318,7 +391,12 @@ def endless_batches(
             **order,
             **loader_options,
         )
-        batches = _cycle(loader, lambda: loader)
+        # batches are full (drop_last): a Dataset of fewer samples than one yields none at all
+        batches = _cycle(
+            loader,
+            lambda: loader,
+            f"no full batch of batch_size={batch_size} samples; pass a smaller batch_size or more data",
+        )
         if isinstance(data, IterableDataset) and world_size > 1:  # no sampler shards a stream: deal it out
             return (batch for index, batch in enumerate(batches) if index % world_size == rank)
         return batches
@@ -352,7 +430,9 @@ def _next_pass(source: DataSource, data: Iterable, seed: int) -> Callable[[], It
     return None
 
 
-def _cycle(iterable: Iterable, next_pass: Callable[[], Iterable] | None) -> Iterator[tuple[Any, Any]]:
+def _cycle(
+    iterable: Iterable, next_pass: Callable[[], Iterable] | None, no_batch: str = "no batches"
+) -> Iterator[tuple[Any, Any]]:
     served = 0
     while True:
         before = served
@@ -363,7 +443,7 @@ def _cycle(iterable: Iterable, next_pass: Callable[[], Iterable] | None) -> Iter
             yield batch
         if served == before:
             raise ValueError(
-                "the data yielded no batches" if served == 0 else "the data stopped yielding batches"
+                f"the data yielded {no_batch}" if served == 0 else "the data stopped yielding batches"
             )
         if next_pass is None:
             raise ValueError(

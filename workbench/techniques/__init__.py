@@ -164,6 +164,7 @@ def technique_context(
         model=instance,
         model_name=model_name,
         data_is_dataset=source.is_dataset if source is not None else True,
+        whole_stream_per_worker=source is not None and source.whole_stream_per_worker,
         batch_size=run.batch_size,
         data_label=source.label if source is not None else "",
         image_size=source.images.size if source is not None and source.images is not None else None,

@@ -53,6 +53,8 @@ class Context:
     model: nn.Module | None = None
     model_name: str = ""
     data_is_dataset: bool = True  # False when the user passed ready-made batches
+    # An IterableDataset that gives every DataLoader worker the whole stream (data.whole_stream_per_worker)
+    whole_stream_per_worker: bool = False
     batch_size: int = 32
     data_label: str = ""
     image_size: int | None = None  # the crop size, when the data is a folder of JPEG files

@@ -29,7 +29,10 @@ Settings
 
 Unavailable
     When the data is ready-made batches (an iterable of batches, not a Dataset): there is
-    nothing for a DataLoader to load.
+    nothing for a DataLoader to load. With more than one worker, when the data is an
+    IterableDataset that does not share its stream among workers: each worker holds a copy and
+    reads all of it unless ``__iter__`` yields only its share of ``get_worker_info()``, so every
+    sample would be trained on once per worker (PyTorch's IterableDataset documentation).
 """
 
 from __future__ import annotations
@@ -71,6 +74,15 @@ class Dataloader(Technique):
     Config = DataloaderConfig
     requires = ("dataset",)
     input_pipeline = True
+
+    def check(self, ctx, config: DataloaderConfig) -> str | None:
+        if config.num_workers > 1 and ctx.whole_stream_per_worker:
+            return (
+                f"this IterableDataset gives every worker the whole stream, so with num_workers={config.num_workers} "
+                f"each sample would arrive {config.num_workers} times; yield only the share that "
+                "torch.utils.data.get_worker_info() names in its __iter__, or use num_workers=1"
+            )
+        return None
 
     def own_process(self, ctx, config: DataloaderConfig) -> str | None:
         if config.num_workers > 0:
