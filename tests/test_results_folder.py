@@ -73,6 +73,32 @@ def test_traces_written_inside_out_are_workbenchs_own(tmp_path):
     )
 
 
+def test_a_trace_dir_outside_out_replaces_only_this_runs_own_traces(tmp_path):
+    """A user's file, or another run's trace, where a trace would go is refused before anything
+    runs; the same run (a resume, an overwrite) replaces its own."""
+    traces, first, second = tmp_path / "traces", tmp_path / "first", tmp_path / "second"
+    traces.mkdir()
+    traced = {**TINY, "techniques": {}, "control": False, "profile_steps": 1, "trace_dir": str(traces)}
+    trace = traces / "b0-baseline.json"
+    trace.write_text('{"my": "precious trace"}')
+    with pytest.raises(
+        ValueError, match=r"holds b0-baseline.json \(workbench did not write it\), which this run"
+    ):
+        wb.ablate(**traced, out=first)
+    assert trace.read_text() == '{"my": "precious trace"}' and not first.exists()
+    trace.unlink()
+    wb.ablate(**traced, out=first)
+    written = trace.read_bytes()
+    record = json.loads(written)  # still a Chrome trace, marked as the run's in first
+    assert record["workbench_trace"] == {"out": str(first.resolve())} and record["traceEvents"]
+    with pytest.raises(ValueError, match=r"holds b0-baseline.json \(the trace of the run in '.*first'\)"):
+        wb.ablate(**traced, out=second)
+    assert trace.read_bytes() == written
+    wb.ablate(**{**traced, "steps": 5}, out=first, overwrite=True)
+    assert trace.read_bytes() != written
+    assert sorted(p.name for p in traces.iterdir()) == ["b0-baseline.json"]  # no temporary file left
+
+
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
     from workbench.ablation import _default_out
 

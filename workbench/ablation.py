@@ -94,6 +94,7 @@ from workbench.environment import environment
 from workbench.loop import check_the_loss
 from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
+from workbench.profiling import trace_owner
 from workbench.progress import Progress, print_plan
 from workbench.results import DID_NOT_RUN, SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
@@ -727,6 +728,7 @@ def _run_in_folder(
         out = _default_out(prepared.config["model"])
     folder = None
     try:
+        _refuse_traces_not_ours(prepared, None if temporary else str(Path(out).expanduser().resolve()))
         folder, finished = _open_out(out, prepared, overwrite, retry_failed)
         if launcher is not None:
             launcher.start(prepared.run.timeout_s or STARTUP_LIMIT_S)
@@ -752,6 +754,49 @@ def _run_in_folder(
     if temporary is not None:
         results.path = None
     return results
+
+
+def _refuse_traces_not_ours(prepared: Prepared, owner: str | None) -> None:
+    """Before anything runs: the trace files this run would write may replace only its own
+    (a resumed run's, a Slurm job's of this run) or those of an earlier run that kept no results
+    folder (``owner`` None), as that one would too. A user's file, or another results folder's
+    trace (two runs pointed at one trace_dir), is refused, naming it."""
+    run = prepared.run
+    if run.trace_dir is None:
+        return
+    folder = Path(run.trace_dir).expanduser()
+    ranks = range(run.world_size) if run.world_size > 1 else [None]
+    names = sorted(
+        {
+            trace_file_name(block, arm.name, rank)
+            for block in range(run.blocks)
+            for arm in prepared.arms
+            for rank in ranks
+        }  # fmt: skip
+    )
+    problems = []
+    for name in names:
+        if not (folder / name).is_file():
+            continue
+        marked, written_for = trace_owner(folder / name)
+        if not marked:
+            problems.append(f"{name} (workbench did not write it)")
+        elif not _same_run(written_for, owner):
+            problems.append(f"{name} (the trace of the run in {written_for!r})")
+    if problems:
+        raise ValueError(
+            f"ablate: trace_dir={run.trace_dir!r} holds {', '.join(problems[:3])}"
+            f"{f' and {len(problems) - 3} more' if len(problems) > 3 else ''}, which this run would "
+            "replace; workbench replaces only its own files: choose another trace_dir, or move them away"
+        )
+
+
+def _same_run(written_for: str | None, owner: str | None) -> bool:
+    """Whether a trace written for results folder ``written_for`` is this run's (``owner``) to replace:
+    the same folder, one nested in it (a Slurm job's) or around it; or neither kept a folder."""
+    if written_for is None or owner is None:
+        return written_for == owner
+    return Path(written_for).is_relative_to(owner) or Path(owner).is_relative_to(written_for)
 
 
 def run_slurm_block(prepared: Prepared, folder: str, block: int) -> str:
@@ -1313,13 +1358,17 @@ class _Runner:
         """
         return None if smoke_test() else compile_cache / f"b{job.block}-{job.key}-{attempt}"
 
+    def _trace_owner(self) -> str | None:
+        """The results folder that the traces this run writes say they belong to (profiling.TraceFile)."""
+        return str(self.folder.resolve()) if self.kept else None
+
     def _enter_traces(self, block: int, arms: list[Arm]) -> None:
         """A trace_dir inside out holds workbench's files: enter the traces this process will write
         in the manifest first, so that overwrite removes them and counts no stranger's file."""
         trace_dir = self.run_config.trace_dir
         if trace_dir is None or not self.kept:
             return
-        inside = Path(trace_dir).resolve()
+        inside = Path(trace_dir).expanduser().resolve()
         if not inside.is_relative_to(self.folder.resolve()):
             return
         ranks = range(self.run_config.world_size) if self.run_config.world_size > 1 else [None]
@@ -1340,6 +1389,7 @@ class _Runner:
             arms=[arm.spec() for arm in arms],
             run=replace(run, device=prepared.config["device"]),
             block=job.block,
+            trace_owner=self._trace_owner(),
         )
         self._enter_traces(job.block, arms)
         arm_errors: dict[str, dict] = {}

@@ -21,7 +21,6 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,7 @@ from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
 from workbench.mfu import compute_dtype, count_flops
 from workbench.models import NoOpModel, build_model, noop_loss
 from workbench.process_state import ArmRandomState
-from workbench.profiling import profile_steps
+from workbench.profiling import TraceFile, profile_steps
 from workbench.techniques import get_technique
 from workbench.telemetry import (
     ArmMemory,
@@ -347,7 +346,7 @@ class BlockArm:
             **flops,
         }
 
-    def profile(self, trace_path: Path | None) -> dict:
+    def profile(self, trace: TraceFile | None) -> dict:
         """After the clock stopped: ``run.profile_steps`` steps under torch.profiler
         (workbench.profiling), then the same number timed at the batch and at half of it, then
         (for data loaded in this process) what DataLoader workers would feed."""
@@ -356,7 +355,7 @@ class BlockArm:
             if self.meter is not None:
                 self.meter.enabled = False
             figures = profile_steps(
-                lambda: trainer.step(StepClock(self.device)), self.run.profile_steps, self.device, trace_path
+                lambda: trainer.step(StepClock(self.device)), self.run.profile_steps, self.device, trace
             )
             figures["batch_scaling"] = self._batch_scaling(max(2 * self.run.profile_steps, 20))
         return {**figures, "loader_feeds": self._loader_feeds()}

@@ -556,7 +556,8 @@ class RunConfig:
     trace_dir: str | None = option(
         None,
         "with profile_steps, write each arm's profiler trace into this folder, one JSON file per "
-        "arm and block (open it in Perfetto or chrome://tracing); auto: no trace",
+        "arm and block (open it in Perfetto or chrome://tracing); it replaces only this run's own "
+        "traces, never a file of yours or another results folder's trace; auto: no trace",
         str,
         auto=True,
         aliases=("trace",),

@@ -226,12 +226,7 @@ def resolve_data(data: object, model: object) -> DataSource:
             f"or a JPEG folder ({JPEG_FOLDER_PREFIX}PATH); for other data, also pass your own model factory"
         )
     if isinstance(data, Dataset):
-        return DataSource(
-            label=type(data).__name__,
-            user=data,
-            is_dataset=True,
-            whole_stream_per_worker=whole_stream_per_worker(data),
-        )
+        return _user_source(type(data).__name__, data, data)
     if isinstance(data, Iterator):
         raise ValueError(
             "data is a one-shot iterator (e.g. a generator), which cannot be replayed for every arm; "
@@ -247,15 +242,20 @@ def resolve_data(data: object, model: object) -> DataSource:
                 f"the data factory {getattr(data, '__name__', data)!r} returned {type(sample).__name__}; "
                 "it must return a Dataset or an iterable of (inputs, targets) batches"
             )
-        return DataSource(
-            label=getattr(data, "__name__", "data"),
-            user=data,
-            is_dataset=isinstance(sample, Dataset),
-            whole_stream_per_worker=whole_stream_per_worker(sample),
-        )
+        return _user_source(getattr(data, "__name__", "data"), data, sample)
     raise ValueError(
         f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), '{JPEG_FOLDER_PREFIX}PATH', a Dataset, an iterable of "
         f"(inputs, targets) batches, or a callable returning one; got {data!r}"
+    )
+
+
+def _user_source(label: str, user: object, data: object) -> DataSource:
+    """The user's Dataset, or a factory (``user``) of ``data``, a Dataset or batches."""
+    return DataSource(
+        label=label,
+        user=user,
+        is_dataset=isinstance(data, Dataset),
+        whole_stream_per_worker=whole_stream_per_worker(data),
     )
 
 

@@ -36,10 +36,14 @@ Figures, per step:
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,8 +55,22 @@ MATMUL_OR_CONV = re.compile(r"mm|matmul|linear|conv|gemm|attention|scaled_dot_pr
 TENSOR_CORE_HINTS = re.compile(r"tf32|xmma|hmma|bf16|f16|tensorop|cutlass.*(?:h|bf)16", re.IGNORECASE)
 
 
+@dataclass(frozen=True)
+class TraceFile:
+    """Where an arm's profiler trace goes, and the results folder of the run that writes it
+    (None for a run that keeps none): the trace carries it, so that a later run can tell its own
+    traces, which it may replace, from another run's or the user's files, which it must not."""
+
+    path: Path
+    owner: str | None = None
+
+
+# The first key of every trace workbench writes: {"workbench_trace": {"out": owner}, ...}
+TRACE_MARK = "workbench_trace"
+
+
 def profile_steps(
-    step: Callable[[], object], steps: int, device: torch.device, trace_path: Path | None = None
+    step: Callable[[], object], steps: int, device: torch.device, trace: TraceFile | None = None
 ) -> dict:
     """Run ``steps`` calls of ``step`` under the profiler; the figures per step (see the module)."""
     from torch.profiler import ProfilerActivity, profile
@@ -67,11 +85,48 @@ def profile_steps(
             step()
         synchronize(device)
         wall_s = time.perf_counter() - started
-    if trace_path is not None:
-        trace_path.parent.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(trace_path))
+    if trace is not None:
+        export_trace(profiler, trace)
     figures = summarize_events(profiler.events(), steps, no_work_op_us())
     return {"profiled_step_ms": 1e3 * wall_s / steps, **figures}
+
+
+def export_trace(profiler, trace: TraceFile) -> None:
+    """The profiler's Chrome trace, with workbench's mark put first (read by ``trace_owner``).
+
+    Written beside its place and moved there whole, so that a trace is never half written; the
+    mark goes in as text, since a trace can be hundreds of MB that parsing would hold in memory."""
+    trace.path.parent.mkdir(parents=True, exist_ok=True)
+    exported = trace.path.with_name(f"{trace.path.name}.{os.getpid()}.export.tmp")
+    marked = trace.path.with_name(f"{trace.path.name}.{os.getpid()}.tmp")
+    try:
+        profiler.export_chrome_trace(str(exported))
+        mark = json.dumps({TRACE_MARK: {"out": trace.owner}})[1:-1].encode()  # "workbench_trace": {...}
+        with open(exported, "rb") as source, open(marked, "wb") as target:
+            head = source.read(4096)
+            opened = head.index(b"{") + 1
+            empty = head[opened:].lstrip().startswith(b"}")
+            target.write(head[:opened] + mark + (b"" if empty else b",") + head[opened:])
+            shutil.copyfileobj(source, target)
+        os.replace(marked, trace.path)
+    finally:
+        exported.unlink(missing_ok=True)
+        marked.unlink(missing_ok=True)
+
+
+def trace_owner(path: Path) -> tuple[bool, str | None]:
+    """Whether workbench wrote the trace at ``path``, and for which results folder (None: a run
+    that kept none), from the mark ``export_trace`` put first in it."""
+    with open(path, "rb") as file:
+        head = file.read(8192).decode("utf-8", errors="replace")
+    found = re.match(r'\s*\{\s*"' + TRACE_MARK + r'"\s*:\s*', head)
+    if found is None:
+        return False, None
+    try:
+        mark, _ = json.JSONDecoder().raw_decode(head, found.end())
+    except ValueError:
+        return False, None
+    return (True, mark.get("out")) if isinstance(mark, dict) else (False, None)
 
 
 def no_work_op_us() -> float:

@@ -44,6 +44,7 @@ from workbench.distributed import CommMeter, Rank, gather_to_rank0, init_process
 from workbench.environment import cpu_model
 from workbench.heap import hold_heap_steady
 from workbench.process_state import differences, fingerprint
+from workbench.profiling import TraceFile
 from workbench.telemetry import ProcessRss, nvml_indices, usable_cores
 
 
@@ -59,6 +60,7 @@ class BlockSpec:
     block: int = 0  # which block this is; with the run's seed, it seeds the order of the arms
     rewarm: int | None = None  # untimed steps before each window; None: see choose_rewarm
     progress_interval_s: float = 0.5
+    trace_owner: str | None = None  # the results folder whose traces these are (profiling.TraceFile)
 
     @property
     def comm_timeout_s(self) -> float:
@@ -355,7 +357,7 @@ class _Block:
             try:
                 result = arm.finish(self.emit, flop_counts)
                 if self.run.profile_steps:
-                    result["profile"] = arm.profile(self._trace_path(arm))
+                    result["profile"] = arm.profile(self._trace_file(arm))
             except Exception as error:
                 self._fail(arm, error)
                 continue
@@ -377,11 +379,12 @@ class _Block:
             _KEEP_ALIVE.append((self.arms, self.meter))
         return measured
 
-    def _trace_path(self, arm: BlockArm) -> Path | None:
+    def _trace_file(self, arm: BlockArm) -> TraceFile | None:
         if self.run.trace_dir is None:
             return None
         rank = self.rank.rank if self.rank.distributed else None
-        return Path(self.run.trace_dir) / trace_file_name(self.spec.block, arm.name, rank)
+        path = Path(self.run.trace_dir).expanduser() / trace_file_name(self.spec.block, arm.name, rank)
+        return TraceFile(path, self.spec.trace_owner)
 
     def record(self) -> dict:
         """How the block ran: its arms, orders, windows and process."""
