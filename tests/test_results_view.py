@@ -16,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import workbench as wb
 from workbench.config import RunConfig
+from workbench.results_folder import ResultsFolder
 from workbench.results_view import plain_number, text_table, wrap_cell
 
 SCIENTIFIC = re.compile(r"\d(\.\d+)?e[+-]?\d")
@@ -345,6 +346,24 @@ def test_the_report_is_one_file_that_opens_offline(tmp_path):
     ):
         results.to_html(tmp_path / "report.pdf")  # HTML under a PDF's name would open as a broken PDF
     assert not (tmp_path / "report.pdf").exists()
+
+
+def test_a_report_goes_into_no_other_runs_folder_and_its_own_folder_counts_it(tmp_path):
+    """Written into another run's folder, a report replaced that run's own, or stood there as a
+    file that run did not write and blocked its overwrite."""
+    results, other = _typical(), _typical()
+    folder, other_folder = results.save(tmp_path / "run"), other.save(tmp_path / "other")
+    other_report = wb.load_results(other_folder).to_html()
+    before = other_report.read_text()
+    for inside in (other_report, other_folder / "extra.html", other_folder / "new" / "r.html"):
+        with pytest.raises(
+            ValueError, match=r"the report '.*' is inside the workbench results folder '.*other'"
+        ):
+            wb.load_results(folder).to_html(inside)
+    assert other_report.read_text() == before and not (other_folder / "extra.html").exists()
+    extra = wb.load_results(folder).to_html(folder / "extra.html")  # its own folder: entered in the manifest
+    assert "extra.html" in json.loads((folder / ".workbench-manifest.json").read_text())["files"]
+    assert extra.is_file() and not ResultsFolder(folder).foreign_files()
 
 
 def test_the_report_names_the_gpu_and_its_driver(tmp_path):

@@ -46,6 +46,7 @@ def write_report(results, path: str | os.PathLike | None = None) -> Path:
                 f"the report is an HTML page: name it with .html (got {str(path)!r}); "
                 "a browser's Print turns it into a PDF"
             )
+        target = _entered_where_it_goes(results, target)
     refuse_a_file_not_ours(target, _is_our_report, str(target))
     writable = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("."))
     if not os.access(writable, os.W_OK):
@@ -56,6 +57,17 @@ def write_report(results, path: str | os.PathLike | None = None) -> Path:
         write_text_atomic(target, report_html(results))  # a reader never sees half a report
     except OSError as error:  # a folder that cannot be made (under /proc, say): said with its path
         raise ValueError(f"the report cannot be written to {target}: {error.strerror}") from None
+    return target
+
+
+def _entered_where_it_goes(results, target: Path) -> Path:
+    """A report inside its own results folder is entered in that folder's manifest (its overwrite
+    then removes it); one inside another run's folder is refused: it would replace that run's
+    report, or stand there as a file that run did not write, and block its overwrite."""
+    folder = Path(results.path).expanduser().resolve() if results.path is not None else None
+    if folder is not None and target.resolve().is_relative_to(folder):
+        return ResultsFolder(results.path).file(target.resolve().relative_to(folder))
+    ResultsFolder(target).refuse_inside_another_run("the report ")
     return target
 
 
