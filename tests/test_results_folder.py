@@ -23,7 +23,9 @@ TINY = {"model": "mlp", "techniques": {"amp": True}, "steps": 4, "warmup": 1, "b
 
 def test_a_run_enters_every_file_it_writes_in_the_manifest(tmp_path):
     out = tmp_path / "run"
-    wb.ablate(**TINY, out=out)
+    results = wb.ablate(**TINY, out=out)
+    stored = [row["verdict"] for row in json.loads((out / "results.json").read_text())["table"]]
+    assert stored == list(results.table.verdict) and None not in stored  # as shown, for its readers
     manifest = set(json.loads((out / MANIFEST).read_text())["files"])
     written = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {MANIFEST, LOCK}
     assert written == manifest
@@ -97,6 +99,30 @@ def test_a_trace_dir_outside_out_replaces_only_this_runs_own_traces(tmp_path):
     wb.ablate(**{**traced, "steps": 5}, out=first, overwrite=True)
     assert trace.read_bytes() != written
     assert sorted(p.name for p in traces.iterdir()) == ["b0-baseline.json"]  # no temporary file left
+
+
+def test_a_folder_another_run_made_for_its_own_runs_is_theirs_alone(tmp_path):
+    """A search's round: any other run there took the round's place (with overwrite), or was told
+    to pass overwrite; and a stopped round pointed at its own folder, which its search refuses."""
+    from workbench.ablation import _Runner
+    from workbench.config import RunConfig
+
+    search = ResultsFolder(tmp_path / "search")
+    search.path.mkdir()
+    room = search.nest("round-1")
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=r"is where the workbench run in '.*search' keeps its own runs"):
+            wb.ablate(**TINY, out=room, overwrite=overwrite)
+        with pytest.raises(ValueError, match=r"keeps its own runs"):
+            check_before_run({**TINY, "out": room, "overwrite": overwrite})  # the dry run as well
+    assert not room.exists()
+    round_run = _Runner.__new__(_Runner)  # what a stopped round says, the search's folder named
+    round_run.__dict__.update(
+        launcher=None, stop=None, kept=True, nested=True, folder=room, done={(0, "block")},
+        run_config=RunConfig(), only_block=None,
+    )  # fmt: skip
+    line = round_run._stopped_line(planned=3)
+    assert f"Run the command that started it again, with out={str(search.path)!r}" in line
 
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
@@ -175,7 +201,8 @@ def test_a_run_inside_another_runs_folder_is_refused(tmp_path):
         check_before_run({**TINY, "out": tmp_path / "outer" / "units"})
     with pytest.raises(ValueError, match=r"is inside the workbench results folder"):
         wb.tune("mlp", budget_s=60, out=tmp_path / "outer" / "deeper" / "search", progress=False)
-    ResultsFolder(tmp_path / "outer" / "round-1" / "inner").refuse_inside_another_run()  # no error
+    # the outer run's own run enters it (a search's round); see the test below for any other
+    ResultsFolder(tmp_path / "outer" / "round-1" / "inner").refuse_inside_another_run(made_for_it=True)
     assert not (tmp_path / "outer" / "units").exists()
 
 

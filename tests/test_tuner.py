@@ -386,9 +386,9 @@ def test_ctrl_c_in_a_round_keeps_the_time_it_took_spent(known_techniques, tmp_pa
 
     run_in_folder = workbench.tuner._run_in_folder
 
-    def interrupted_round(prepared, folder, *args):
+    def interrupted_round(prepared, folder, *args, **keywords):
         if folder is False:  # the calibration, which keeps nothing
-            return run_in_folder(prepared, folder, *args)
+            return run_in_folder(prepared, folder, *args, **keywords)
         spent_before.append(json.loads((out / "tune.json").read_text())["spent_s"])  # as the round starts
         time.sleep(2.0)
         raise KeyboardInterrupt

@@ -426,13 +426,14 @@ def _default_out(label: str) -> Path:
 
 
 def _open_out(
-    out: Any, prepared: Prepared, overwrite: bool, retry_failed: bool = False
+    out: Any, prepared: Prepared, overwrite: bool, retry_failed: bool = False, made_for_it: bool = False
 ) -> tuple[ResultsFolder, list[dict]]:
     """The output folder, locked for this run, and the processes a previous run of this same
-    ablation finished there. The caller unlocks it when the run ends."""
+    ablation finished there. The caller unlocks it when the run ends. ``made_for_it``: a folder
+    that the run around it made for this one (a search's round, a Slurm job's block)."""
     folder = ResultsFolder(out)
     _refuse_a_file(folder)
-    folder.refuse_inside_another_run()
+    folder.refuse_inside_another_run(made_for_it=made_for_it)
     taken_over = folder.lock()
     try:
         if taken_over:
@@ -717,9 +718,11 @@ def _run_in_folder(
     stop: threading.Event | None,
     launcher: Torchrun | None,
     bar_label: str = "ablate",
+    made_for_it: bool = False,
 ) -> Results:
     """Run a prepared ablation into ``out`` (False: a temporary folder, removed afterwards).
-    ``bar_label``: the progress bar's name for what runs (wb.advise's and wb.tune's runs say theirs)."""
+    ``bar_label``: the progress bar's name for what runs (wb.advise's and wb.tune's runs say theirs);
+    ``made_for_it``: ``out`` is a room the caller's run made for this one (a search's round)."""
     temporary = None
     if out is False:
         temporary = tempfile.TemporaryDirectory(prefix="workbench-")
@@ -729,7 +732,7 @@ def _run_in_folder(
     folder = None
     try:
         _refuse_traces_not_ours(prepared, None if temporary else str(Path(out).expanduser().resolve()))
-        folder, finished = _open_out(out, prepared, overwrite, retry_failed)
+        folder, finished = _open_out(out, prepared, overwrite, retry_failed, made_for_it)
         if launcher is not None:
             launcher.start(prepared.run.timeout_s or STARTUP_LIMIT_S)
             if launcher.resuming(len(finished)):
@@ -742,6 +745,7 @@ def _run_in_folder(
             stop,
             kept=temporary is None,
             launcher=launcher,
+            nested=made_for_it,
         )
         results = runner.run(progress, bar_label)
     finally:
@@ -805,7 +809,7 @@ def run_slurm_block(prepared: Prepared, folder: str, block: int) -> str:
     travels back through submitit's pickle and is never read."""
     # A requeued job starts its block afresh: a block's arms are comparable only when measured
     # side by side, in one process, on one node.
-    files, _ = _open_out(folder, prepared, overwrite=True)
+    files, _ = _open_out(folder, prepared, overwrite=True, made_for_it=True)
     try:
         print(f"workbench: block {block + 1}/{prepared.run.blocks} into {folder}", flush=True)
         _Runner(prepared, files, [], lambda event: None, None, only_block=block).run(progress=False)
@@ -898,9 +902,11 @@ class _Runner:
         kept: bool = True,
         launcher: Torchrun | None = None,
         only_block: int | None = None,
+        nested: bool = False,
     ):
         self.prepared, self.run_config = prepared, prepared.run
         self.only_block = only_block  # a Slurm job's run: this one block (run_slurm_block)
+        self.nested = nested  # a run inside another's folder (a search's round): that one resumes it
         self.files, self.folder = folder, folder.path  # every file written is entered in its manifest
         self.kept = kept  # False when out=False (a temporary folder)
         self.on_event, self.stop, self.launcher = on_event, stop, launcher
@@ -959,13 +965,16 @@ class _Runner:
             table=summarize(arms, self.units, self.run_config.blocks, complete, self._telemetry()),
         )
         results = Results(self.record, self.folder)
+        # The verdicts as shown, for whoever reads results.json; Results.table derives them again.
+        for row, verdict in zip(results.record["table"], results.table["verdict"], strict=True):
+            row["verdict"] = verdict
         # The last save writes the tables and the plot too; but not a Slurm job's (only_block): the
         # submitting process reads its results.json the moment it appears, makes the run's own
         # tables and plot, and may remove a temporary folder (out=False) while the job still wrote.
         if self.kept and (complete or self.stopped) and self.only_block is None:
             results.save(self.files)
         else:
-            write_json_atomic(self.files.file("results.json"), self.record)
+            write_json_atomic(self.files.file("results.json"), results.record)
         return results
 
     def _telemetry(self) -> list[dict]:
@@ -1077,6 +1086,11 @@ class _Runner:
         elif self.launcher is not None:
             where = (
                 f"are saved in {self.folder}. Under torchrun a run cannot resume: run again with a new out."
+            )
+        elif self.nested:  # its own out would be refused: the run around it resumes it
+            where = (
+                f"are saved in {self.folder}. Run the command that started it again, with "
+                f"out={str(self.folder.parent)!r} (--out on the command line), to resume."
             )
         else:  # named in full: out=None made a new folder, and the same call would make another
             where = f"are saved in {self.folder}. Run again with out={str(self.folder)!r} (--out on the command line) to resume."

@@ -46,7 +46,8 @@ TABLE_COLUMNS = [
     "techniques",
     "status",
     # faster / slower / within noise: the speedup's interval against the control arm's band
-    # (workbench.results_view); derived from the columns here, so never stored in the record.
+    # (workbench.results_view); derived from the columns here, again whenever a record is read,
+    # and stored in it as it was shown, for readers of results.json.
     "verdict",
     "reason",
     "samples_per_s",

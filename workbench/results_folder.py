@@ -204,10 +204,12 @@ class ResultsFolder:
             entry for entry in self._owned if (self.path / entry.rstrip("/").removesuffix("/**")).exists()
         )
 
-    def refuse_inside_another_run(self, label: str = "out=") -> None:
-        """Raise when this folder lies inside another run's folder that did not make room for it
-        (``nest``, ``tree``: the tuner's rounds, a Slurm job's block): that run's resume would read
-        this one's files as its own, and its ``overwrite`` would refuse them."""
+    def refuse_inside_another_run(self, label: str = "out=", made_for_it: bool = False) -> None:
+        """Raise when this folder lies inside another run's folder: that run's resume would read
+        this one's files as its own, and its ``overwrite`` would refuse them. Only the run that
+        made room for a folder there (``nest``, ``tree``: the tuner's rounds, a Slurm job's block)
+        enters it, saying so with ``made_for_it``; any other run is refused there too, since it
+        would take the place of that run's own results."""
         here = self.path.resolve()
         for parent in here.parents:
             if not ((parent / MANIFEST).is_file() or (parent / LOCK).exists()):
@@ -215,11 +217,17 @@ class ResultsFolder:
             inside = here.relative_to(parent).as_posix()
             made_room = [e.removesuffix("/**").rstrip("/") for e in ResultsFolder(parent)._owned if e.endswith("/")
                          or e.endswith("/**")]  # fmt: skip
-            if any(inside == room or inside.startswith(room + "/") for room in made_room):
+            if not any(inside == room or inside.startswith(room + "/") for room in made_room):
+                raise ValueError(
+                    f"{label}{str(self.path)!r} is inside the workbench results folder {str(parent)!r}; "
+                    "choose a folder outside it"
+                )
+            if made_for_it:
                 return
             raise ValueError(
-                f"{label}{str(self.path)!r} is inside the workbench results folder {str(parent)!r}; "
-                "choose a folder outside it"
+                f"{label}{str(self.path)!r} is where the workbench run in {str(parent)!r} keeps its own "
+                "runs (a search's rounds, a Slurm job's block); choose a folder outside it (to resume "
+                "that run, run its own command again)"
             )
 
     def refuse_other_results(self, marker: str, what: str) -> None:

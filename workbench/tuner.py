@@ -731,7 +731,16 @@ class _Search:
         try:
             round_label = f"tune: round {index + 1}"  # the progress bar's name
             results = _run_in_folder(
-                prepared, where, False, False, self.progress, watch, deadline, None, round_label
+                prepared,
+                where,
+                False,
+                False,
+                self.progress,
+                watch,
+                deadline,
+                None,
+                round_label,
+                made_for_it=True,
             )
         finally:
             timer.cancel()
