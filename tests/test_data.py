@@ -172,6 +172,40 @@ def test_dataloader_workers_are_unavailable_for_a_stream_each_worker_would_read_
             assert reasons["dataloader[num_workers=2]"] == ""
 
 
+class _ShufflingStream(torch.utils.data.IterableDataset):
+    """A stream that shuffles with a generator of its own, made once: its state moves as it is read."""
+
+    def __init__(self):
+        self.inputs, self.targets = torch.randn(96, 3), torch.arange(96) % 2
+        self.rng = torch.Generator().manual_seed(1)
+
+    def __iter__(self):
+        for index in torch.randperm(96, generator=self.rng):
+            yield self.inputs[index], self.targets[index]
+
+
+def test_each_arm_in_a_block_reads_its_own_copy_of_a_stateful_loader_or_stream():
+    """Arms that shared one DataLoader (its shuffling generator) or one stream each advanced it, so
+    they trained on different batches: the control's loss differed from the baseline's."""
+    from workbench.data import arms_own
+
+    dataset = torch.utils.data.TensorDataset(torch.randn(96, 3), torch.arange(96) % 2)
+    shuffled = torch.utils.data.DataLoader(
+        dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    copied = arms_own(shuffled)
+    assert copied.dataset is dataset and copied.generator is not shuffled.generator  # samples shared
+    stream = _ShufflingStream()
+    assert arms_own(stream).inputs is stream.inputs and arms_own(stream).rng is not stream.rng
+    assert arms_own(dataset) is dataset  # workbench makes each arm's DataLoader of it
+    for data in (shuffled, stream):
+        table = wb.ablate(
+            model=lambda: torch.nn.Linear(3, 2), data=data, techniques={}, steps=12, warmup=1, blocks=1,
+            batch_size=8, control=True, out=False, progress=False,
+        ).table.set_index("arm")  # fmt: skip
+        assert table.final_loss["baseline (control)"] == table.final_loss["baseline"], type(data).__name__
+
+
 def test_a_dataloader_that_keeps_its_workers_is_read_in_this_process_and_still_sent_to_the_arms():
     """workbench reads the first batch here; a DataLoader with persistent_workers then kept its
     workers here and an iterator that cannot be pickled, and every arm's launch failed."""

@@ -201,12 +201,13 @@ class BlockArm:
             )
         if self.data.images is not None and self.data.images.skipped:
             self.notes.append(self.data.images.note())
+        data = self.data.for_one_arm()  # a DataLoader's shuffling state is this arm's alone
         with self.active():  # a technique's switches may matter while its pipeline is built
             if setup.make_batches is not None:  # an input pipeline that replaces the DataLoader (dali)
-                batches = setup.make_batches(self.data, self.run.batch_size, self.run.seed)
+                batches = setup.make_batches(data, self.run.batch_size, self.run.seed)
             else:
                 batches = endless_batches(
-                    self.data,
+                    data,
                     self.run.batch_size,
                     self.run.seed,
                     setup.loader_options,

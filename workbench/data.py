@@ -18,12 +18,13 @@ from the run's seed, and batches are always full (drop_last) so shapes never cha
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -139,6 +140,10 @@ class DataSource:
     # whole_stream_per_worker): with several workers each sample would arrive once per worker.
     whole_stream_per_worker: bool = False
 
+    def for_one_arm(self) -> DataSource:
+        """This source with the user's data as one arm's own: see ``arms_own``."""
+        return replace(self, user=arms_own(self.user))
+
     def open_dataset(self, seed: int) -> Dataset | Iterable:
         if self.images is not None:
             return JpegDataset(self.images)
@@ -150,6 +155,47 @@ class DataSource:
                 return TokenWindows(arrays["corpus"], self.spec.shape[0])
             return ImageArrays(arrays["inputs"], arrays["targets"])
         return self.user() if callable(self.user) and not _is_data(self.user) else self.user
+
+
+def arms_own(data: object) -> object:
+    """A copy of a DataLoader or an IterableDataset for one arm of a block, whose arms share a process.
+
+    Their iteration keeps state: the generator a DataLoader shuffles with, its sampler, a stream's
+    own random generator. Arms sharing one object would each advance it, and so train on
+    different batches, which the loss parity would then compare. The samples they hold (a
+    map-style Dataset, tensors, arrays) are shared, not copied: only the state is the arm's.
+    Anything else is given as it is: workbench makes a Dataset's DataLoader for each arm itself,
+    and a factory is called for each arm. An object that cannot be copied (one holding an open
+    file) is shared as it is.
+    """
+    if not isinstance(data, (DataLoader, IterableDataset)):
+        return data
+    samples = data.dataset if isinstance(data, DataLoader) else data
+    if isinstance(samples, IterableDataset):
+        shared = _arrays_held_by(samples)
+    else:
+        shared = [samples]
+    try:
+        return copy.deepcopy(data, {id(held): held for held in shared})
+    except Exception:  # an open file, a lock: shared, as before
+        return data
+
+
+def _arrays_held_by(dataset: object) -> list[object]:
+    """The tensors, arrays and map-style Datasets that ``dataset``'s attributes hold, directly or
+    in a list, tuple or dict: its samples, which a copy for one arm may share."""
+    found = []
+    for value in vars(dataset).values():
+        inner = (
+            value.values()
+            if isinstance(value, dict)
+            else value
+            if isinstance(value, (list, tuple))
+            else [value]
+        )
+        found += [held for held in inner if isinstance(held, (torch.Tensor, np.ndarray)) or (
+            isinstance(held, Dataset) and not isinstance(held, IterableDataset))]  # fmt: skip
+    return found
 
 
 def _is_data(obj: object) -> bool:
