@@ -878,3 +878,22 @@ def test_a_loss_is_told_apart_by_its_settings_and_its_tensors_of_any_shape_and_d
     assert digest(weighted[0]) != digest(weighted[1])
     smoothed = [functools.partial(nn.functional.cross_entropy, label_smoothing=s) for s in (0.1, 0.2)]
     assert digest(smoothed[0]) != digest(smoothed[1])
+
+
+def test_a_model_factorys_bound_arguments_are_part_of_the_job():
+    """partial(Net, temperature=100.0) has no source of its own: a rerun with another temperature
+    resumed into the old model's results. An argument whose repr holds an address is the same job."""
+    import functools
+
+    from workbench.ablation import _digest, _factory_text
+
+    class Config:  # the default repr: "<...Config object at 0x7f...>", new in every process
+        width = 4
+
+    def digest(factory):
+        return _digest(_factory_text(factory))
+
+    biased = [functools.partial(nn.Linear, 8, 3, bias=bias) for bias in (True, False)]
+    assert digest(biased[0]) != digest(biased[1])
+    assert digest(functools.partial(nn.Linear, 8, 3)) != digest(functools.partial(nn.Linear, 8, 4))
+    assert digest(functools.partial(nn.Linear, Config())) == digest(functools.partial(nn.Linear, Config()))

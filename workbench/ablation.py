@@ -38,6 +38,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -299,7 +300,7 @@ def job_identity(
         repr(built),
         *(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in built.state_dict().items()),
     ]
-    model_text += [_source_of(model) if callable(model) else str(model)]
+    model_text += _factory_text(model) if callable(model) else [str(model)]
     model_text += [_source_of(cls.forward) for cls in layers]
     identity = {
         "model_structure": _digest(model_text),
@@ -332,7 +333,7 @@ def _loss_text(loss_fn: Callable) -> list[str]:
     another smoothing resumed into the old losses), its tensors (a class ``weight``) by value; a
     ``functools.partial``'s function and arguments."""
     if isinstance(loss_fn, functools.partial):
-        return [*_loss_text(loss_fn.func), repr(loss_fn.args), repr(sorted(loss_fn.keywords.items()))]
+        return [*_loss_text(loss_fn.func), *_arguments_text(loss_fn)]
     if not isinstance(loss_fn, torch.nn.Module):
         return [_source_of(loss_fn)]
     settings = sorted(
@@ -340,6 +341,22 @@ def _loss_text(loss_fn: Callable) -> list[str]:
     )
     tensors = [f"{name}:{_tensor_digest(t)}" for name, t in loss_fn.state_dict().items()]
     return [_source_of(type(loss_fn)), repr(settings), *tensors]
+
+
+def _factory_text(factory: Callable) -> list[str]:
+    """What identifies a model factory: its source; a ``functools.partial``'s function and the
+    arguments it binds (``partial(Net, temperature=100.0)`` has no source of its own, and a
+    rerun with another temperature resumed into the old model's results)."""
+    if isinstance(factory, functools.partial):
+        return [*_factory_text(factory.func), *_arguments_text(factory)]
+    return [_source_of(factory)]
+
+
+def _arguments_text(bound: functools.partial) -> list[str]:
+    """A partial's arguments as text, without the addresses in default reprs (``<Cfg at 0x7f..>``),
+    which differ in every process and would refuse every resume."""
+    text = [repr(bound.args), repr(sorted(bound.keywords.items()))]
+    return [re.sub(r" at 0x[0-9a-fA-F]+", "", part) for part in text]
 
 
 def _source_of(obj: Any) -> str:
