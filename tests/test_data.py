@@ -223,6 +223,13 @@ def test_bad_batches_and_small_datasets_are_explained():
     bad = DataSource(label="bad", user=[torch.zeros(3)], is_dataset=False)
     with pytest.raises(ValueError, match=r"each batch must be an \(inputs, targets\) pair"):
         next(endless_batches(bad, 2, 0, {}))
+    # Samples given where batches go: a list of (input, target) pairs counted its features as
+    # samples; tensors (data=(X, y)) were read one row at a time. Each is told what to pass.
+    inputs, targets = torch.randn(6, 8), torch.randn(6)
+    for data, why in ((list(zip(inputs, targets, strict=True)), "this is one sample, not a batch"),
+                      ((inputs, targets), "got Tensor")):  # fmt: skip
+        with pytest.raises(ValueError, match=why + r".*read as ready-made batches.*TensorDataset"):
+            wb.plan(model=lambda: torch.nn.Linear(8, 1), data=data, loss_fn=torch.nn.functional.mse_loss)
     small = torch.utils.data.TensorDataset(torch.zeros(3, 2), torch.zeros(3))
     with pytest.raises(ValueError, match="data 'small' has 3 samples, fewer than batch_size=8"):
         next(endless_batches(DataSource(label="small", user=small), 8, 0, {}))

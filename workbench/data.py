@@ -577,13 +577,30 @@ def _check_batch(batch: object) -> None:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise ValueError(
             "each batch must be an (inputs, targets) pair, or a dict of named inputs for a model that "
-            f"computes its own loss (input_ids, attention_mask, labels); got {type(batch).__name__}"
+            f"computes its own loss (input_ids, attention_mask, labels); got {type(batch).__name__}. "
+            + READY_MADE
         )
-    if not isinstance(batch[1], torch.Tensor):
+    targets = batch[1]
+    if isinstance(targets, (int, float)) or (isinstance(targets, torch.Tensor) and targets.dim() == 0):
+        # one sample's pair (list(dataset), a DataLoader with batch_size=None): taken as a batch,
+        # its features would be counted as samples
+        raise ValueError(
+            "a batch's targets hold one value per sample, but these are a single value: this is one "
+            f"sample, not a batch. {READY_MADE}"
+        )
+    if not isinstance(targets, torch.Tensor):
         raise ValueError(
             f"batch targets must be one tensor (stack several into one, and split them again in loss_fn); "
-            f"got {type(batch[1]).__name__}"
+            f"got {type(targets).__name__}"
         )
+
+
+# What a mistaken batch's message adds: how workbench read the data, and what to pass instead.
+READY_MADE = (
+    "A list, tuple or other iterable given as data is read as ready-made batches, each item one "
+    "batch; for samples (tensors of them, or a list of (input, target) pairs) pass a Dataset, "
+    "e.g. torch.utils.data.TensorDataset(inputs, targets), which workbench batches"
+)
 
 
 def _seed_worker(worker_id: int) -> None:
