@@ -370,6 +370,16 @@ def test_grad_accum_splits_a_dict_batch_and_matches_the_whole_batch():
     assert small.samples_seen == big.samples_seen == 8
 
 
+def test_grad_accum_repeats_what_is_not_per_sample_and_refuses_to_cut_a_sequence_in_time():
+    x, z, targets = torch.randn(8, 3), torch.randn(8, 2), torch.arange(8)
+    parts = MicroBatches(2)((x, z, 2.0, torch.tensor(0.5)), targets)  # a number, a 0-d tensor: repeated
+    assert [part[0][0].shape[0] for part in parts] == [4, 4] and [part[0][2] for part in parts] == [2.0, 2.0]
+    assert all(float(part[0][3]) == 0.5 for part in parts)
+    time_major = torch.randn(12, 8, 5)  # (T, B, F) with B targets: the first dimension is time
+    with pytest.raises(ValueError, match=r"8 samples and inputs of shape \(12, 8, 5\).*time-major"):
+        MicroBatches(2)(time_major, targets)
+
+
 def test_channels_last_converts_images_inside_tuples_and_dicts():
     image, mask = torch.randn(2, 3, 8, 8), torch.ones(2, 8)
     converted = to_channels_last({"pixels": image, "mask": mask, "pair": (image, 1)})

@@ -60,6 +60,13 @@ class MicroBatches:
         self, inputs: Any, targets: torch.Tensor | None
     ) -> list[tuple[Any, torch.Tensor | None, float]]:
         size = batch_size_of(inputs, targets)
+        leading = {tuple(t.shape) for t in tensors_of(inputs) if t.dim() > 0 and t.shape[0] != size}
+        if leading:  # split along its first dimension, a time-major sequence would be cut in time
+            raise ValueError(
+                f"grad_accum splits a batch along the first dimension, but this batch has {size} samples "
+                f"and inputs of shape {', '.join(map(str, sorted(leading)))}, which do not lead with them "
+                "(time-major inputs?): give batch-first inputs, or leave grad_accum out"
+            )
         input_parts = _split(inputs, self.parts)
         # A dict batch (a model that computes its own loss) carries its labels among the inputs.
         target_parts = targets.tensor_split(self.parts) if targets is not None else [None] * self.parts
@@ -80,12 +87,16 @@ def _split(inputs: Any, parts: int) -> list:
         }
         return [{key: column[index] for key, column in columns.items()} for index in range(parts)]
     if isinstance(inputs, (tuple, list)):
-        return [type(inputs)(chunk) for chunk in zip(*(_split(x, parts) for x in inputs), strict=True)]
+        columns = [_split(x, parts) if _splittable(x) else [x] * parts for x in inputs]  # as a dict's
+        return [type(inputs)(chunk) for chunk in zip(*columns, strict=True)]
     raise TypeError(f"grad_accum cannot split inputs of type {type(inputs).__name__} into micro-batches")
 
 
 def _splittable(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, Mapping, tuple, list)) and bool(tensors_of(value))
+    """Whether ``value`` holds per-sample rows to split: a 0-d tensor, a number or a flag is repeated."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    return isinstance(value, (Mapping, tuple, list)) and bool(tensors_of(value))
 
 
 class GradAccum(Technique):
