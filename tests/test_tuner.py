@@ -183,6 +183,11 @@ def test_the_fastest_is_called_best_only_when_faster_than_the_control_band_over_
     # Above 1 but inside what the control (the baseline measured again) showed: not a gain.
     why = _not_decided(_figures(1.06, 1.01, 1.12, verdict="within noise", band=(0.91, 1.09)))
     assert why.startswith("not measurably faster") and "[0.91, 1.09]" in why
+    # Below the band: slower, not "reaching into" it.
+    why = _not_decided(_figures(0.81, 0.77, 0.84, verdict="slower", band=(0.92, 1.07)))
+    assert why == (
+        "measurably slower than the baseline: its interval [0.77, 0.84] lies below the control's band [0.92, 1.07]"
+    )
 
 
 def test_a_faster_finalist_inside_the_noise_does_not_leave_the_search_without_a_winner():

@@ -934,8 +934,13 @@ def _not_decided(figures: dict) -> str | None:
             "measured in one block only: one process's figures cannot tell its luck "
             f"from a gain (a winner needs a round of {DECIDING_BLOCKS} blocks or more; give the search more budget)"
         )
+    low, high = figures.get("noise_band", (1.0, 1.0))
+    if figures.get("verdict") == "slower":  # the fastest of them: every candidate was slower
+        return (
+            f"measurably slower than the baseline: its interval [{figures['speedup_low']:.2f}, "
+            f"{figures['speedup_high']:.2f}] lies below the control's band [{low:.2f}, {high:.2f}]"
+        )
     if not _faster(figures):
-        low, high = figures.get("noise_band", (1.0, 1.0))
         return (
             f"not measurably faster than the baseline: its interval [{figures['speedup_low']:.2f}, "
             f"{figures['speedup_high']:.2f}] reaches into the control's band [{low:.2f}, {high:.2f}]"
