@@ -873,6 +873,10 @@ def test_a_baseline_that_did_not_run_is_the_first_warning_and_the_plots_first_cl
     assert warned and "WARNING: the baseline did not run, so no arm has a speedup" in title
     ran = _results([_row("baseline", speedup=1.0, low=1.0, high=1.0), rows[1]], {"baseline": "baseline"})
     assert not any("baseline did not run" in warning for warning in ran.warnings())
+    # Stopped before its first block ended: nothing to fix, and no traceback to read.
+    stopped = _row("baseline", status="interrupted", reason="interrupted, 0 of 2 blocks finished")
+    said = _results([stopped], {"baseline": "baseline"}).warnings()[0]
+    assert said.endswith("Run the same command again (the same out) to resume it") and "Fix" not in said
 
 
 def test_a_run_where_no_arm_measured_a_step_plots_each_arms_reason_not_empty_panels():

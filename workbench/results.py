@@ -848,8 +848,13 @@ def _baseline_did_not_run(table) -> list[str]:
     model, data or loss (an arm of its own would fail alike)."""
     baseline = table[(table.arm == "baseline") & table.samples_per_s.isna()]
     return [
-        f"the baseline did not run, so no arm has a speedup: {row.status}, {row.reason}. Fix that and run "
-        "again (each arm's traceback is kept under units in results.json: res.record['units'])"
+        f"the baseline did not run, so no arm has a speedup: {row.status}, {row.reason}. "
+        + (
+            "Run the same command again (the same out) to resume it"
+            if row.status == "interrupted"  # stopped before it finished: nothing to fix
+            else "Fix that and run again (each arm's traceback is kept under units in results.json: "
+            "res.record['units'])"
+        )
         for row in baseline.itertuples()
         if row.status != "unavailable"
     ]
