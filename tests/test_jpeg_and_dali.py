@@ -476,6 +476,8 @@ def test_ablate_gives_loader_and_training_rows_for_both_pipelines(folder):
         assert loader.kind == "loader"
         assert loader.samples_per_s > 0 and math.isnan(loader.final_loss)
         assert "loader only" in loader.notes
+    curves = set(res.losses.arm)  # a loader-only arm's no-op model has a loss that means nothing
+    assert set(pipelines) <= curves and not [arm for arm in curves if arm.startswith("loader:")]
     # Each kind is compared with its own baseline, in the same kind of process.
     assert table.loc["loader: baseline", "speedup"] == 1.0
     assert table.loc["baseline", "speedup"] == 1.0

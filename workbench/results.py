@@ -594,12 +594,14 @@ class Results:
 
     @property
     def losses(self):
-        """Long-format loss curves: arm, block, step (1 = first warm-up step), loss, timed."""
+        """Long-format loss curves: arm, block, step (1 = first warm-up step), loss, timed. Training
+        arms only: a loader-only arm trains a no-op model, whose loss means nothing."""
         import pandas as pd
 
+        loader_only = {arm["name"] for arm in self.record.get("arms", []) if arm.get("kind") == "loader"}
         rows = []
         for unit in self.record["units"]:
-            if unit["status"] != "ok":
+            if unit["status"] != "ok" or unit["arm"] in loader_only:
                 continue
             result = unit["result"]
             # Which steps the clock timed: not the warm-up, nor the untimed re-warm step of each window.
