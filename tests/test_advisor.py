@@ -326,6 +326,33 @@ def test_a_data_starved_job_is_called_data_bound(tmp_path):
     assert "traceEvents" in trace.read_text()[:2000]
 
 
+@pytest.mark.slow
+@pytest.mark.timing
+def test_time_spent_loading_data_is_not_counted_as_launch_overhead():
+    """The half batch was cut from a batch the loader had just made, so both step sizes paid the
+    whole load: 2 t(b/2) - t(b) counted it as fixed, and a conv net whose step grows with its
+    batch was called launch-bound, with 2% compute."""
+
+    class SlowImages(torch.utils.data.Dataset):
+        def __len__(self):
+            return 512
+
+        def __getitem__(self, index):
+            time.sleep(0.001)  # a decode: 32 ms per batch of 32
+            return torch.randn(3, 32, 32), index % 4
+
+    def conv_net():
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1),
+            torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 4),
+        )  # fmt: skip
+
+    advice = wb.advise(
+        conv_net, SlowImages(), steps=10, warmup=2, batch_size=32, device="cpu", threads=1, progress=False
+    )
+    assert advice.shares["compute"] > advice.shares["launch"], advice.shares
+
+
 def _tiny_mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(

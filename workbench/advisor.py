@@ -556,7 +556,7 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
         # What the step waits for is the exposed part; without that figure, all of it.
         comm_ms=_first_number(result.get("comm_exposed_ms_per_step"), result.get("comm_ms_per_step")),
         comm_busy_ms=result.get("comm_ms_per_step", 0.0) or 0.0,
-        overhead_ms=_overhead_ms(profile, step_ms),
+        overhead_ms=_overhead_ms(profile, step_ms - phases.get("data", 0.0)),
         batch=int(profile.get("batch_scaling", {}).get("batch", 0)),
         half_batch_ms=profile.get("batch_scaling", {}).get("half_batch_step_ms", float("nan")),
         full_batch_ms=profile.get("batch_scaling", {}).get("step_ms", float("nan")),
@@ -590,11 +590,12 @@ def _unprofiled(profile: dict, step_ms: float) -> float:
     return min(step_ms / profile["profiled_step_ms"], 1.0) if profile.get("profiled_step_ms") else 1.0
 
 
-def _overhead_ms(profile: dict, step_ms: float) -> float:
+def _overhead_ms(profile: dict, work_ms: float) -> float:
     """The part of the step that does not grow with the batch.
 
     With t(batch) = fixed + batch x per_sample, t(b) and t(b/2) give fixed = 2 t(b/2) - t(b),
-    as a share of t(b), applied to the timed windows' step. It holds the optimizer's step,
+    as a share of t(b), applied to ``work_ms``: the timed windows' step less its wait for data,
+    since the two sizes are timed on batches loaded beforehand. It holds the optimizer's step,
     whose cost follows the weights, not the batch (the evidence shows it on its own row).
     """
     scaling = profile.get("batch_scaling") or {}
@@ -602,7 +603,7 @@ def _overhead_ms(profile: dict, step_ms: float) -> float:
     if not full or half is None:
         return 0.0  # a batch of one cannot be halved: no overhead is claimed
     fixed = min(max(2 * half - full, 0.0), full)
-    return fixed / full * step_ms
+    return fixed / full * work_ms
 
 
 def _capacity(results: Results, gpu: bool, memory_cap_mb: float | None) -> tuple[float, str]:

@@ -17,6 +17,7 @@ FLOPs after the clock has stopped and returns the arm's JSON-ready measurements.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -397,19 +398,23 @@ class BlockArm:
         Work grows with the batch; what each operation or kernel costs to launch does not. With
         t = fixed + batch x per_sample, the two sizes give ``fixed``, what the step pays whatever
         its batch (the advisor's launch overhead). No profiler runs here: its own cost per operation would count as fixed. Medians, so that
-        one slow step does not decide.
+        one slow step does not decide. Two batches are loaded beforehand and taken in turn: the
+        time spent loading each would not halve with the half batch cut from it, and would count
+        as fixed.
         """
         trainer, original = self.trainer, self.trainer.batches
-        batch = batch_size_of(*inputs_and_targets(next(original)))
+        loaded = [next(original), next(original)]
+        batch = batch_size_of(*inputs_and_targets(loaded[0]))
         if batch < 2:
             return {}
-        halved = (
-            map_tensors(b, lambda t: t[: batch // 2] if t.dim() and len(t) == batch else t) for b in original
+        full = itertools.cycle(loaded)
+        halved = itertools.cycle(
+            [map_tensors(b, lambda t: t[: batch // 2] if t.dim() and len(t) == batch else t) for b in loaded]
         )
         clocks = {"full": StepClock(self.device), "half": StepClock(self.device)}
         try:
             for index in range(steps + 1):  # the first pair untimed: the half batch's first allocation
-                for label, batches in (("full", original), ("half", halved)):
+                for label, batches in (("full", full), ("half", halved)):
                     trainer.batches = batches
                     trainer.step(clocks[label] if index else StepClock(self.device))
         finally:
