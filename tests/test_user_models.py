@@ -124,6 +124,17 @@ class _NotOnMeta(nn.Module):
         return self.mlp(x) * self.scale
 
 
+class _HeadLoss(nn.Module):
+    """A loss with a head of its own to train (ArcFace-style): the optimizer never stepped it."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, features, targets):
+        return nn.functional.cross_entropy(self.head(features), targets)
+
+
 _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
 
 
@@ -143,8 +154,9 @@ _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
         (lambda: nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 3)), _PAIRS, None, r"lazy layers \(LazyLinear\).*dummy batch"),
         (_NotOnMeta, [(x, y.int()) for x, y in _PAIRS], None, r"targets are torch\.int32: convert them"),
         (lambda: _NotOnMeta(frozen=True), _PAIRS, None, r"nothing to train"),
+        (_small_mlp, _PAIRS, _HeadLoss(), r"loss_fn holds parameters to train \(head\.weight, head\.bias\)"),
     ],
-    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers", "not-on-meta-int32", "not-on-meta-frozen"],
+    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers", "not-on-meta-int32", "not-on-meta-frozen", "loss-with-parameters"],
 )  # fmt: skip
 def test_a_mistake_every_arm_would_make_is_refused_before_any_arm_runs(model, data, loss_fn, expected):
     if isinstance(data[0], dict):

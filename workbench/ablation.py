@@ -235,6 +235,15 @@ def _check_loss_fn(loss_fn: Any) -> None:
         raise ValueError(
             f"loss_fn is the class {loss_fn.__name__}; pass an instance: loss_fn={loss_fn.__name__}()"
         )
+    trained = [name for name, p in loss_fn.named_parameters() if p.requires_grad] if isinstance(
+        loss_fn, torch.nn.Module) else []  # fmt: skip
+    if trained:  # an ArcFace-style head, a learned weight: it would keep its first values, unsaid
+        raise ValueError(
+            f"loss_fn holds parameters to train ({', '.join(trained[:4])}{', ...' if len(trained) > 4 else ''}), "
+            "but the optimizer steps the model's parameters only, as the techniques change the model only: "
+            "move them into the model (its forward returns what the loss needs), or freeze them "
+            "(requires_grad_(False))"
+        )
 
 
 def _refuse_what_loaders_alone_cannot_time(runnable: list) -> None:

@@ -17,6 +17,7 @@ FLOPs after the clock has stopped and returns the arm's JSON-ready measurements.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import random
 import time
@@ -184,6 +185,8 @@ class BlockArm:
         else:
             model = build_model(self.model_source, self.data.spec).to(self.device)
             loss_fn = self.user_loss or default_loss
+            if isinstance(loss_fn, torch.nn.Module):  # its tensors (a class weight) go where the outputs are
+                loss_fn = copy.deepcopy(loss_fn).to(self.device)
         distributed = self.rank.distributed
         setup = TrainSetup(
             model=model,
