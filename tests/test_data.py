@@ -237,6 +237,20 @@ def test_bad_batches_and_small_datasets_are_explained():
         resolve_data(lambda: 3, lambda: torch.nn.Linear(1, 1))
 
 
+def test_samples_of_different_shapes_are_told_how_to_be_batched():
+    class VariableLength(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, index):
+            return torch.zeros(5 + index % 3), index % 2
+
+    with pytest.raises(
+        ValueError, match=r"samples differ in shape.*collate_fn=.*\(stack expects each tensor"
+    ):
+        wb.plan(model=lambda: torch.nn.EmbeddingBag(8, 2), data=VariableLength(), batch_size=4)
+
+
 def test_list_datasets():
     table = list_datasets()
     assert list(table.name) == list(BUILTIN_DATA)

@@ -482,11 +482,16 @@ def _cycle(
     served = 0
     while True:
         before = served
-        for batch in iterable:
-            if served == 0:
-                _check_batch(batch)
-            served += 1
-            yield batch
+        try:
+            for batch in iterable:
+                if served == 0:
+                    _check_batch(batch)
+                served += 1
+                yield batch
+        except RuntimeError as error:
+            if "stack expects each tensor to be equal size" not in str(error):
+                raise
+            raise ValueError(UNEQUAL_SAMPLES + f" ({str(error).strip().splitlines()[-1]})") from None
         if served == before:
             raise ValueError(
                 f"the data yielded {no_batch}" if served == 0 else "the data stopped yielding batches"
@@ -594,6 +599,13 @@ def _check_batch(batch: object) -> None:
             f"got {type(targets).__name__}"
         )
 
+
+# The default collate stacks a batch's samples into one tensor: samples of different shapes fail there.
+UNEQUAL_SAMPLES = (
+    "the Dataset's samples differ in shape, so they cannot be stacked into a batch: pad them to one "
+    "shape in __getitem__, or batch them yourself and pass the batches ready-made, e.g. "
+    "data=lambda: DataLoader(dataset, batch_size=32, collate_fn=pad_and_stack)"
+)
 
 # What a mistaken batch's message adds: how workbench read the data, and what to pass instead.
 READY_MADE = (
