@@ -392,6 +392,35 @@ def test_grad_accum_repeats_what_is_not_per_sample_and_refuses_to_cut_a_sequence
         MicroBatches(2)(time_major, targets)
 
 
+class _UnusedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: the check runs on meta tensors
+def test_a_parameter_the_loss_never_reaches_is_refused_before_ddp_fails_every_rank(device):
+    from workbench.loop import check_the_loss
+
+    def check(model, world_size):
+        check_the_loss(model, _PAIRS[0], None, torch.device(device), world_size)
+
+    with pytest.raises(
+        ValueError, match=r"world_size=2, DDP needs a gradient.*unused\.weight, unused\.bias get none"
+    ):
+        check(_UnusedHead, 2)
+    check(_UnusedHead, 1)  # one rank: no DDP, nothing waits for those gradients
+    check(lambda: _frozen_unused(_UnusedHead()), 2)  # frozen: nothing to wait for
+
+
+def _frozen_unused(model: _UnusedHead) -> _UnusedHead:
+    model.unused.requires_grad_(False)
+    return model
+
+
 def test_channels_last_converts_images_inside_tuples_and_dicts():
     image, mask = torch.randn(2, 3, 8, 8), torch.ones(2, 8)
     converted = to_channels_last({"pixels": image, "mask": mask, "pair": (image, 1)})

@@ -151,7 +151,7 @@ def prepare(
     if first_batch is None and (own_model or isinstance(source.user, (Dataset, list, tuple))):
         first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
     if own_model:
-        check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn, device)
+        check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn, device, run.world_size)
     ctx = technique_context(run, model, source, inspected=inspected)
     label = ctx.model_name
     runnable, runnable_names, unavailable = [], [], []

@@ -126,7 +126,11 @@ CPU_CHECK_MAX_PARAMETERS = 100_000_000
 
 
 def check_the_loss(
-    build: Callable[[], nn.Module], batch: Any, loss_fn: Callable | None, device: torch.device
+    build: Callable[[], nn.Module],
+    batch: Any,
+    loss_fn: Callable | None,
+    device: torch.device,
+    world_size: int = 1,
 ) -> None:
     """One forward and loss before any arm starts, so that a mistake every arm would make fails
     in one line that says what to change: a model with nothing to train, a ``loss_fn`` that
@@ -140,7 +144,8 @@ def check_the_loss(
     Hugging Face's masks do) runs two samples on the CPU instead, and a failure there is not
     judged: the arms, on their own device, will say what went wrong. A factory that cannot build
     on meta is built for real on a CPU run, as each arm will build it; elsewhere it is not
-    checked, nor is a model too large to build twice.
+    checked, nor is a model too large to build twice. With several ranks, a trainable parameter
+    the loss does not reach is refused too (``_check_every_parameter_learns``).
     """
     inputs, targets = inputs_and_targets(batch)
     if loss_fn is not None:
@@ -161,9 +166,11 @@ def check_the_loss(
             if not judged:
                 trial.run_on(model, torch.device("meta"), inputs, targets)
         if loss_fn is None:
-            _check_the_default_loss(trial)
+            loss = _check_the_default_loss(trial)
         else:
-            _check_the_users_loss(trial, loss_fn, isinstance(batch, Mapping))
+            loss = _check_the_users_loss(trial, loss_fn, isinstance(batch, Mapping))
+        if world_size > 1 and loss is not None:
+            _check_every_parameter_learns(trial.model, loss, world_size)
 
 
 class _Trial:
@@ -176,6 +183,7 @@ class _Trial:
         self.outputs: Any = None
         self.outputs_targets: Any = None
         self.cpu_model: nn.Module | None = None
+        self.model: nn.Module | None = None  # the one whose forward gave ``outputs``
         self.on_cpu = False
 
     def run_on(self, model: nn.Module, device: torch.device, inputs: Any, targets: Any) -> bool:
@@ -186,6 +194,7 @@ class _Trial:
                 raise
             return False
         self.outputs_targets = to_device(targets, device, False)
+        self.model = model
         return True
 
     def build_on_cpu(self) -> nn.Module | None:
@@ -226,9 +235,10 @@ class _Trial:
             ) from None
 
 
-def _check_the_default_loss(trial: _Trial) -> None:
+def _check_the_default_loss(trial: _Trial) -> torch.Tensor | None:
+    """The default loss on the trial's outputs, checked; None where it could not be computed."""
     if trial.outputs is None and not trial.run_on_cpu():
-        return
+        return None
     outputs, targets = trial.outputs, trial.outputs_targets
     own = isinstance(_field(outputs, "loss"), torch.Tensor)
     if not own and isinstance(targets, torch.Tensor) and targets.dtype in NOT_CLASS_LABELS:
@@ -248,11 +258,13 @@ def _check_the_default_loss(trial: _Trial) -> None:
             "pass loss_fn=lambda outputs, targets: ... returning a scalar tensor"
         ) from None
     _check_it_has_a_gradient(loss, "the model's own loss" if own else "the loss")
+    return loss
 
 
-def _check_the_users_loss(trial: _Trial, loss_fn: Callable, dict_batch: bool) -> None:
+def _check_the_users_loss(trial: _Trial, loss_fn: Callable, dict_batch: bool) -> torch.Tensor | None:
+    """``loss_fn`` on the trial's outputs, checked; None where it could not be judged."""
     if trial.outputs is None and not trial.run_on_cpu():
-        return
+        return None
     try:
         loss = loss_fn(trial.outputs, trial.outputs_targets)
     except Exception as error:
@@ -285,7 +297,7 @@ def _check_the_users_loss(trial: _Trial, loss_fn: Callable, dict_batch: bool) ->
             )
         )
     _check_it_has_a_gradient(loss, "loss_fn's loss")
-    return None
+    return loss
 
 
 # Integer dtypes cross-entropy refuses as class labels (it takes int64 and uint8).
@@ -314,6 +326,28 @@ def _check_something_trains(model: nn.Module) -> None:
             f"the model has nothing to train: {'all of its' if parameters else 'it has no'} parameters"
             + (f" ({len(parameters)}) have requires_grad=False" if parameters else "")
             + "; an optimizer step needs at least one parameter with requires_grad=True"
+        )
+
+
+def _check_every_parameter_learns(model: nn.Module | None, loss: torch.Tensor, world_size: int) -> None:
+    """Under DDP every rank waits, at each step, for the gradient of every trainable parameter;
+    one the loss never reaches (an unused head, a pooler) fails every arm after its process
+    started, with DDP's advice to set an option workbench does not expose. So: one backward of
+    the first batch's loss, before any arm starts (on meta tensors, for a run elsewhere)."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if model else []
+    if not trainable:
+        return
+    try:
+        gradients = torch.autograd.grad(loss, [p for _, p in trainable], allow_unused=True)
+    except Exception:  # a backward the check cannot run here (an op without a meta kernel): the arms will
+        return
+    unused = [name for (name, _), gradient in zip(trainable, gradients, strict=True) if gradient is None]
+    if unused:
+        raise ValueError(
+            f"with world_size={world_size}, DDP needs a gradient for every trainable parameter at each step, "
+            f"and {', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''} get{'s' * (len(unused) == 1)} none "
+            "from the first batch's loss: every rank would fail. Freeze them (requires_grad_(False)), "
+            "or leave them out of the model"
         )
 
 
