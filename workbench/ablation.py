@@ -804,21 +804,36 @@ def _refuse_traces_not_ours(prepared: Prepared, owner: str | None) -> None:
             for rank in ranks
         }  # fmt: skip
     )
+    listed = _listed_in(owner)
     problems = []
     for name in names:
         if not (folder / name).is_file():
             continue
         marked, written_for = trace_owner(folder / name)
-        if not marked:
-            problems.append(f"{name} (workbench did not write it)")
-        elif not _same_run(written_for, owner):
+        if marked and not _same_run(written_for, owner):
             problems.append(f"{name} (the trace of the run in {written_for!r})")
+        elif not marked and not listed(folder / name):  # unmarked: an older workbench's, inside out
+            problems.append(f"{name} (workbench did not write it)")
     if problems:
         raise ValueError(
             f"ablate: trace_dir={run.trace_dir!r} holds {', '.join(problems[:3])}"
             f"{f' and {len(problems) - 3} more' if len(problems) > 3 else ''}, which this run would "
             "replace; workbench replaces only its own files: choose another trace_dir, or move them away"
         )
+
+
+def _listed_in(owner: str | None) -> Callable[[Path], bool]:
+    """Whether the manifest of results folder ``owner`` lists a file (False outside it, or with none)."""
+
+    def listed(path: Path) -> bool:
+        if owner is None or not path.resolve().is_relative_to(owner):
+            return False
+        try:
+            return ResultsFolder(owner).wrote(path.resolve().relative_to(owner).as_posix())
+        except ValueError:  # a damaged manifest vouches for nothing
+            return False
+
+    return listed
 
 
 def _same_run(written_for: str | None, owner: str | None) -> bool:

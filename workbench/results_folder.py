@@ -313,6 +313,10 @@ class ResultsFolder:
         judge = judges[folder]
         return judge is not None and judge(name.as_posix())
 
+    def wrote(self, relative: str) -> bool:
+        """Whether workbench wrote this folder's file ``relative`` (a path inside it), by its manifest."""
+        return self._wrote_by()(relative)
+
     def _wrote_by(self) -> Callable[[str], bool]:
         """Whether workbench wrote a file of this folder (a path relative to it), by its manifest,
         its trees' and its nested runs' (what ``foreign_files`` leaves out), as a function for many
