@@ -60,9 +60,10 @@ def test_a_known_sleep_is_timed_right():
     row = res.table.iloc[0]
     assert row.status == "ok"
     # A sleep never ends early, so 20 ms is a hard floor. The ceiling only has to catch a clock
-    # that counts the forward twice (40 ms) or takes in the warm-up: a busy machine wakes a
-    # sleeper late by a few ms (27 ms seen in CI), never by 15.
-    assert 20.0 <= row.forward_ms <= row.step_ms < 35.0, (row.forward_ms, row.step_ms)
+    # that counts the forward twice: relative to the forward as measured, since a machine busy
+    # with other work wakes a sleeper late and slows the rest of the step too (27 ms forwards in
+    # 42 ms steps seen in CI, beside another test run: an absolute 35 ms ceiling failed there).
+    assert 20.0 <= row.forward_ms <= row.step_ms < 2 * row.forward_ms, (row.forward_ms, row.step_ms)
     assert row.samples_per_s == pytest.approx(8 / (row.step_ms / 1000), rel=0.01)
 
 
