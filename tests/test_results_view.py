@@ -284,6 +284,7 @@ def test_a_table_too_wide_for_the_terminal_leaves_out_columns_rather_than_cut_na
         results.summary(width=80, spell=ablate_spelling(_parser().parse_args(["show", "x"]))).split()
     )
     assert "step ms, MFU %; table.csv and `workbench report` show them." in said
+    assert "communication) is in table.csv and `workbench report`." in said and "Results.table" not in said
     wide = results.summary(width=120)
     assert all(heading in wide.splitlines()[0] for heading in ("step", "MFU", "activ."))
     assert "Left out" not in wide

@@ -698,12 +698,13 @@ def ablate_spelling(args: argparse.Namespace) -> Callable[[str], str]:
     """How a run's warnings and the notes under its table read on the command line, whichever command shows it:
     the API's keywords as ablate's flags (``blocks=9`` as ``--blocks 9``, ``threads=1`` as
     ``--threads 1``), the flags a rerun would take."""
-    from workbench.results_view import WHERE_ALL_COLUMNS_ARE
+    from workbench.results_view import WHERE_ALL_COLUMNS_ARE, WHERE_OTHER_COLUMNS_ARE
 
     as_ablate = argparse.Namespace(command="ablate", command_parsers=args.command_parsers)
 
     def spell(message: str) -> str:
         message = message.replace(WHERE_ALL_COLUMNS_ARE, "table.csv and `workbench report` show them")
+        message = message.replace(WHERE_OTHER_COLUMNS_ARE, "is in table.csv and `workbench report`")
         return in_cli_terms(message, as_ablate)
 
     return spell

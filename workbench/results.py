@@ -25,6 +25,7 @@ from workbench.results_folder import ResultsFolder, json_values, write_json_atom
 from workbench.results_view import (
     LOSS_DRIFT,
     TERMINAL_WIDTH,
+    WHERE_OTHER_COLUMNS_ARE,
     loss_drifted,
     results_html,
     results_text,
@@ -807,9 +808,12 @@ class Results:
         )
         text += results_text(table, width, colour, self.path, spell)
         text += "\n" + textwrap.fill(
-            "activations: what autograd saved for backward (MiB). Every other column (peak memory, the "
-            "step's phases, utilization, communication) is in Results.table and table.csv.",
+            spell(
+                "activations: what autograd saved for backward (MiB). Every other column (peak memory, the "
+                f"step's phases, utilization, communication) {WHERE_OTHER_COLUMNS_ARE}."
+            ),
             width,
+            break_on_hyphens=False,
         )
         problems = [(row.arm, f"{row.status}: {row.reason}") for row in table.itertuples() if row.reason]
         flagged = [(row.arm, row.notes) for row in table.itertuples() if row.notes]

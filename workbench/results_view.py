@@ -567,6 +567,8 @@ def _columns_that_fit(columns: list[str], rows: list[ReaderRow], width: int) -> 
 
 # Where the columns a narrow table leaves out can be read (the CLI names its own: cli.ablate_spelling).
 WHERE_ALL_COLUMNS_ARE = "table.csv, Results.table and summary(width=120) show them"
+# Where the columns the reader's table never shows are; the CLI says it in its own terms.
+WHERE_OTHER_COLUMNS_ARE = "is in Results.table and table.csv"
 
 
 def results_text(
