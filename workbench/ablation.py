@@ -235,8 +235,9 @@ def _check_loss_fn(loss_fn: Any) -> None:
         raise ValueError(
             f"loss_fn is the class {loss_fn.__name__}; pass an instance: loss_fn={loss_fn.__name__}()"
         )
-    trained = [name for name, p in loss_fn.named_parameters() if p.requires_grad] if isinstance(
-        loss_fn, torch.nn.Module) else []  # fmt: skip
+    if not isinstance(loss_fn, torch.nn.Module):
+        return
+    trained = [name for name, p in loss_fn.named_parameters() if p.requires_grad]
     if trained:  # an ArcFace-style head, a learned weight: it would keep its first values, unsaid
         raise ValueError(
             f"loss_fn holds parameters to train ({', '.join(trained[:4])}{', ...' if len(trained) > 4 else ''}), "
@@ -838,10 +839,10 @@ def _listed_in(owner: str | None) -> Callable[[Path], bool]:
 
 def _same_run(written_for: str | None, owner: str | None) -> bool:
     """Whether a trace written for results folder ``written_for`` is this run's (``owner``) to replace:
-    the same folder, one nested in it (a Slurm job's) or around it; or neither kept a folder."""
+    the same folder, or one nested in it (a Slurm job's); or neither kept a folder."""
     if written_for is None or owner is None:
         return written_for == owner
-    return Path(written_for).is_relative_to(owner) or Path(owner).is_relative_to(written_for)
+    return Path(written_for).is_relative_to(owner)
 
 
 def run_slurm_block(prepared: Prepared, folder: str, block: int) -> str:

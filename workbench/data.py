@@ -171,31 +171,30 @@ def arms_own(data: object) -> object:
     if not isinstance(data, (DataLoader, IterableDataset)):
         return data
     samples = data.dataset if isinstance(data, DataLoader) else data
-    if isinstance(samples, IterableDataset):
-        shared = _arrays_held_by(samples)
-    else:
-        shared = [samples]
     try:
+        shared = _arrays_held_by(samples) if isinstance(samples, IterableDataset) else [samples]
         return copy.deepcopy(data, {id(held): held for held in shared})
-    except Exception:  # an open file, a lock: shared, as before
+    except Exception:  # an open file, a lock, attributes in __slots__: shared, as before
         return data
 
 
 def _arrays_held_by(dataset: object) -> list[object]:
     """The tensors, arrays and map-style Datasets that ``dataset``'s attributes hold, directly or
     in a list, tuple or dict: its samples, which a copy for one arm may share."""
-    found = []
+    values = []
     for value in vars(dataset).values():
-        inner = (
-            value.values()
-            if isinstance(value, dict)
-            else value
-            if isinstance(value, (list, tuple))
-            else [value]
-        )
-        found += [held for held in inner if isinstance(held, (torch.Tensor, np.ndarray)) or (
-            isinstance(held, Dataset) and not isinstance(held, IterableDataset))]  # fmt: skip
-    return found
+        if isinstance(value, dict):
+            values += value.values()
+        elif isinstance(value, (list, tuple)):
+            values += value
+        else:
+            values.append(value)
+    return [
+        held
+        for held in values
+        if isinstance(held, (torch.Tensor, np.ndarray))
+        or (isinstance(held, Dataset) and not isinstance(held, IterableDataset))
+    ]
 
 
 def _is_data(obj: object) -> bool:

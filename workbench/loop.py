@@ -329,14 +329,12 @@ def _check_something_trains(model: nn.Module) -> None:
         )
 
 
-def _check_every_parameter_learns(model: nn.Module | None, loss: torch.Tensor, world_size: int) -> None:
+def _check_every_parameter_learns(model: nn.Module, loss: torch.Tensor, world_size: int) -> None:
     """Under DDP every rank waits, at each step, for the gradient of every trainable parameter;
     one the loss never reaches (an unused head, a pooler) fails every arm after its process
     started, with DDP's advice to set an option workbench does not expose. So: one backward of
     the first batch's loss, before any arm starts (on meta tensors, for a run elsewhere)."""
-    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if model else []
-    if not trainable:
-        return
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     try:
         gradients = torch.autograd.grad(loss, [p for _, p in trainable], allow_unused=True)
     except Exception:  # a backward the check cannot run here (an op without a meta kernel): the arms will
