@@ -1007,16 +1007,13 @@ class _Runner:
             table=summarize(arms, self.units, self.run_config.blocks, complete, self._telemetry()),
         )
         results = Results(self.record, self.folder)
-        # The verdicts as shown, for whoever reads results.json; Results.table derives them again.
-        for row, verdict in zip(results.record["table"], results.table["verdict"], strict=True):
-            row["verdict"] = verdict
         # The last save writes the tables and the plot too; but not a Slurm job's (only_block): the
         # submitting process reads its results.json the moment it appears, makes the run's own
         # tables and plot, and may remove a temporary folder (out=False) while the job still wrote.
         if self.kept and (complete or self.stopped) and self.only_block is None:
             results.save(self.files)
         else:
-            write_json_atomic(self.files.file("results.json"), results.record)
+            write_json_atomic(self.files.file("results.json"), self.record)
         return results
 
     def _telemetry(self) -> list[dict]:

@@ -48,7 +48,7 @@ TABLE_COLUMNS = [
     "status",
     # faster / slower / within noise: the speedup's interval against the control arm's band
     # (workbench.results_view); derived from the columns here, again whenever a record is read,
-    # and stored in it as it was shown, for readers of results.json.
+    # and stored in it as shown whenever its files are saved (Results.save), for readers of results.json.
     "verdict",
     "reason",
     "samples_per_s",
@@ -740,8 +740,12 @@ class Results:
 
     def _write(self, folder: ResultsFolder) -> Path:
         folder.path.mkdir(parents=True, exist_ok=True)
+        table = self.table
+        # The verdicts as shown, for whoever reads results.json; Results.table derives them again.
+        for row, verdict in zip(self.record["table"], table["verdict"], strict=True):
+            row["verdict"] = verdict
         write_json_atomic(folder.file("results.json"), self.record)
-        self.table.to_csv(folder.file("table.csv"), index=False)
+        table.to_csv(folder.file("table.csv"), index=False)
         self.losses.to_csv(folder.file("losses.csv"), index=False)
         self.telemetry.to_csv(folder.file("telemetry.csv"), index=False)
         figure = self.plot()
