@@ -413,3 +413,24 @@ def plan_event(treatment_unavailable: str = "") -> dict:
         "rounds": None,
         "out": None,
     }
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Token sequences of different lengths: the default collate cannot stack them."""
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, index):
+        return torch.arange(3 + index % 5) % 8, index % 2
+
+
+def pad_to_longest(samples):
+    """Pads each batch to its longest sentence: batches differ in length from one to the next."""
+    longest = max(len(tokens) for tokens, _ in samples)
+    tokens = torch.stack([torch.nn.functional.pad(t, (0, longest - len(t))) for t, _ in samples])
+    return tokens, torch.tensor([label for _, label in samples])
+
+
+def bag_of_words():
+    return torch.nn.EmbeddingBag(8, 2)

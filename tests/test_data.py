@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers import Sentences, bag_of_words, pad_to_longest
 from workbench.datasets import builders, ensure_built, load
 
 import workbench as wb
@@ -249,6 +250,44 @@ def test_samples_of_different_shapes_are_told_how_to_be_batched():
         ValueError, match=r"samples differ in shape.*collate_fn=.*\(stack expects each tensor"
     ):
         wb.plan(model=lambda: torch.nn.EmbeddingBag(8, 2), data=VariableLength(), batch_size=4)
+
+
+def test_collate_fn_batches_the_users_samples_in_every_dataloader_workbench_makes(tmp_path):
+    """Without collate_fn, samples of different lengths needed a DataLoader of the user's own,
+    which made the dataloader technique unavailable. With it, workers batch them too."""
+    results = wb.ablate(
+        bag_of_words, Sentences(), techniques={"dataloader": {"num_workers": 1}}, collate_fn=pad_to_longest,
+        steps=6, warmup=1, blocks=1, batch_size=4, out=tmp_path / "r", progress=False, loader_arms=False,
+    )  # fmt: skip
+    table = results.table.set_index("arm")
+    assert (table.status == "ok").all() and table.final_loss.notna().all()
+    assert "dataloader" in table.index  # the workers ran the collate_fn too
+    assert results.record["config"]["collate_fn"] == "pad_to_longest"
+    # resuming with another collate_fn is another job: refused, naming what differs
+    with pytest.raises(ValueError, match="differs in: .*collate"):
+        wb.ablate(
+            bag_of_words, Sentences(), techniques={}, collate_fn=lambda samples: pad_to_longest(samples[::-1]),
+            steps=6, warmup=1, blocks=1, batch_size=4, out=tmp_path / "r", progress=False,
+        )  # fmt: skip
+
+
+def test_collate_fn_is_refused_where_workbench_does_not_batch_samples():
+    sentences, model = Sentences(), bag_of_words
+    with pytest.raises(ValueError, match="collate_fn must be a function .* got 3"):
+        wb.plan(model, sentences, collate_fn=3)
+    batches = [pad_to_longest([sentences[i] for i in range(4)])]
+    with pytest.raises(ValueError, match="ready-made batches .* pass the Dataset itself with collate_fn"):
+        wb.plan(model, batches, collate_fn=pad_to_longest)
+    with pytest.raises(ValueError, match="'digits' is built-in data, which workbench batches itself"):
+        wb.plan("mlp", collate_fn=pad_to_longest)
+
+
+def test_an_error_in_the_users_collate_fn_is_its_own_not_the_default_collates():
+    def stacks_unequal(samples):
+        return torch.stack([tokens for tokens, _ in samples]), torch.zeros(len(samples), dtype=torch.long)
+
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        wb.plan(bag_of_words, Sentences(), collate_fn=stacks_unequal, batch_size=4)
 
 
 def test_list_datasets():

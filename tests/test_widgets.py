@@ -10,10 +10,19 @@ from dataclasses import dataclass, field
 import ipywidgets as w
 import pytest
 import torch
-from helpers import RUN_SETTINGS, result_row, synthetic_results, two_layers
+from helpers import (
+    RUN_SETTINGS,
+    Sentences,
+    bag_of_words,
+    pad_to_longest,
+    result_row,
+    synthetic_results,
+    two_layers,
+)
 
 import workbench as wb
 from workbench import live_run, optional
+from workbench.ablation import check_before_run
 from workbench.config import RunConfig, run_options
 from workbench.plots import plot_live
 from workbench.techniques import Technique, all_techniques, register_technique, unregister_technique
@@ -165,6 +174,14 @@ def test_the_data_control_names_the_dataset_the_run_uses():
     panel.data.value = "jpeg"
     panel.model.value = "mlp"  # a dataset chosen by name stays chosen
     assert panel.data.label == "jpeg" and panel.arguments()["data"] == "jpeg"
+
+
+def test_the_panel_batches_custom_data_with_its_collate_fn():
+    panel = wb.panel(model=bag_of_words, data=Sentences(), collate_fn=pad_to_longest, batch_size=4)
+    assert panel.data.label == "custom: Sentences"
+    arguments = panel.arguments()
+    assert not check_before_run(arguments).empty  # the default collate would refuse its sentences
+    assert panel.advise_arguments()["data"] is arguments["data"]
 
 
 class ClockedRun:

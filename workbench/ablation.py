@@ -88,6 +88,7 @@ from workbench.data import (
     rows_of,
     sample_count,
     tensors_of,
+    with_collate_fn,
 )
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun, ranks_on_this_machine
@@ -179,16 +180,24 @@ def prepare(
     elif loader_arms:
         arms += loader_twins(arms)
     arms = assign_processes(arms, ctx, run.isolate) + unavailable
-    config = {
+    config = _config_of(label, source, loss_fn, chosen, run, device)
+    identity = job_identity(model, inspected[0], source, first_batch, loss_fn)
+    return Prepared(run, model, source, loss_fn, arms, config, identity)
+
+
+def _config_of(
+    label: str, source: DataSource, loss_fn: Callable | None, chosen: list, run: RunConfig, device
+) -> dict:
+    """The job as results.json records it, by name: what it trains, on what, and how."""
+    return {
         "model": label,
         "data": source.label,
         "loss_fn": model_label(loss_fn) if loss_fn else "cross_entropy",
+        **({"collate_fn": model_label(source.collate_fn)} if source.collate_fn is not None else {}),
         "techniques": _described(chosen),
         **run.to_json(),
         "device": str(device),
     }
-    identity = job_identity(model, inspected[0], source, first_batch, loss_fn)
-    return Prepared(run, model, source, loss_fn, arms, config, identity)
 
 
 def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any]:
@@ -299,8 +308,8 @@ def job_identity(
     tensors' names and shapes, and the source of its factory and of each layer class's
     ``forward``; user data's length and first batch's shapes and dtypes, and for a list of
     batches its first batch's values (not a Dataset's, which random augmentations change from
-    run to run); the loss (``_loss_text``); and the
-    torch and workbench versions that measure it. Each part is a short digest, named in the
+    run to run); a ``collate_fn``'s source; the loss (``_loss_text``); and the torch and
+    workbench versions that measure it. Each part is a short digest, named in the
     "differs in" message when it changes.
     """
     from workbench import __version__
@@ -325,6 +334,8 @@ def job_identity(
         identity["data_shape"] = _digest([str(size), repr(_shapes_of(first_batch))])
         if isinstance(source.user, (list, tuple)):  # batches given as they are: no augmentation moves them
             identity["data_values"] = _digest([_tensor_digest(t) for t in tensors_of(first_batch)])
+    if source.collate_fn is not None:  # padding to another length, say, is another job
+        identity["collate_source"] = _digest(_factory_text(source.collate_fn))
     return identity
 
 
@@ -628,6 +639,7 @@ def ablate(
     loss_fn: Callable | None = None,
     techniques: Mapping[str, Any] | None = None,
     *,
+    collate_fn: Callable[[list], Any] | None = None,
     out: str | Path | None | bool = None,
     progress: bool = True,
     overwrite: bool = False,
@@ -649,6 +661,8 @@ def ablate(
                 micro-batches by their share, right for a mean); default cross-entropy
     techniques  ``{"amp": {"dtype": "bfloat16"}, "compile": True, ...}``, or names with their
                 defaults (``["amp", "tf32"]``); None = all, defaults; a list of values sweeps a setting: ``{"dataloader": {"num_workers": [0, 2]}}``
+    collate_fn  ``(list of samples) -> batch``, as DataLoader's: how workbench batches your
+                Dataset's samples (e.g. padding them to one length); default torch's stacking
 
     How each arm is trained and timed (workbench.config.RunConfig, the same for the CLI's flags
     and the panel's controls):
@@ -675,7 +689,7 @@ def ablate(
     alone keeps the results and shows progress.
     """
     return run_ablation(
-        model, data, loss_fn, techniques, settings, out=out, progress=progress, overwrite=overwrite,
+        model, with_collate_fn(data, collate_fn), loss_fn, techniques, settings, out=out, progress=progress, overwrite=overwrite,
         retry_failed=retry_failed, on_event=on_event, stop=stop, repeats=repeats,
     )  # fmt: skip
 
@@ -867,6 +881,7 @@ def plan(
     loss_fn: Callable | None = None,
     techniques: Mapping[str, Any] | None = None,
     *,
+    collate_fn: Callable[[list], Any] | None = None,
     repeats: int | None = None,
     **settings: Any,
 ):
@@ -881,7 +896,8 @@ def plan(
     {run_options}
     """
     # repeats= warned of here, so that the warning names the caller's line (stacklevel)
-    return _plan_table(_prepare_plan(model, data, loss_fn, techniques, **_blocks_from(settings, repeats)))
+    settings = _blocks_from(settings, repeats)
+    return _plan_table(_prepare_plan(model, data, loss_fn, techniques, collate_fn=collate_fn, **settings))
 
 
 def _plan_table(prepared: Prepared):
@@ -908,13 +924,14 @@ def _prepare_plan(
     loss_fn: Callable | None = None,
     techniques: Mapping[str, Any] | None = None,
     *,
+    collate_fn: Callable[[list], Any] | None = None,
     repeats: int | None = None,
     **settings: Any,
 ) -> Prepared:
     """``plan``'s checks and arms, as ``prepare`` gives them (``check_before_run`` needs the job's
     fingerprint too)."""
     run = RunConfig.from_options("plan", _blocks_from(settings, repeats), also=PLAN_ONLY)
-    return prepare(model, data, loss_fn, techniques, run)
+    return prepare(model, with_collate_fn(data, collate_fn), loss_fn, techniques, run)
 
 
 def plan_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:

@@ -42,13 +42,14 @@ import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from workbench.ablation import run_ablation
 from workbench.config import ADVISOR_FIXES, MEMORY_LIMIT, NothingMeasured, RunConfig, takes_run_options
-from workbench.data import resolve_data
+from workbench.data import resolve_data, with_collate_fn
 from workbench.devices import cpu_lacks_native
 from workbench.results import Results
 from workbench.results_folder import json_values
@@ -622,6 +623,7 @@ def advise(
     data=None,
     loss_fn=None,
     *,
+    collate_fn: Callable[[list], Any] | None = None,
     progress: bool = True,
     on_event: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
@@ -637,11 +639,13 @@ def advise(
     ``.evidence`` (the figures), ``.recommended`` (a techniques mapping for ``wb.ablate``,
     best first, each with a reason in ``.recommendations``), ``.not_recommended`` and
     ``.plot()``. ``trace_dir`` writes the profiler trace (Perfetto, chrome://tracing).
-    ``on_event`` and ``stop`` are ablate's: its events as the run goes, and a way to end it.
+    ``collate_fn``, ``on_event`` and ``stop`` are ablate's: how a Dataset's samples are batched,
+    its events as the run goes, and a way to end it.
 
     Every other keyword is a run setting, as for ``ablate``:
     {run_options}
     """
+    data = with_collate_fn(data, collate_fn)  # how the Dataset's samples are batched, as for ablate
     for name, value in ADVISOR_FIXES.items():
         if name in settings and settings[name] != value:
             raise ValueError(f"advise: {name} is fixed at {value!r} (one block of the baseline alone)")

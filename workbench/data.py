@@ -12,6 +12,10 @@
 - a zero-argument callable returning either of the above (it runs in each arm's process,
   which is how to pass data that cannot be pickled, such as a generator).
 
+A Dataset's samples are stacked into batches by torch's default collate; ``collate_fn=`` (of
+ablate, plan, tune and advise, as DataLoader's) batches them otherwise, e.g. padding samples of
+different lengths. It reaches every DataLoader workbench makes, so ``dataloader`` stays an arm.
+
 Every arm sees the same samples in the same order: shuffling uses a generator seeded
 from the run's seed, and batches are always full (drop_last) so shapes never change.
 """
@@ -139,6 +143,7 @@ class DataSource:
     # An IterableDataset that gives every DataLoader worker the whole stream (see
     # whole_stream_per_worker): with several workers each sample would arrive once per worker.
     whole_stream_per_worker: bool = False
+    collate_fn: Callable[[list], Any] | None = None  # the user's, for the DataLoaders workbench makes
 
     def for_one_arm(self) -> DataSource:
         """This source with the user's data as one arm's own: see ``arms_own``."""
@@ -197,6 +202,27 @@ def _arrays_held_by(dataset: object) -> list[object]:
     ]
 
 
+@dataclass(frozen=True)
+class Collated:
+    """The user's Dataset (or a factory of one) with the ``collate_fn`` that batches its samples:
+    what ``collate_fn=`` makes of ``data``, carried as data through the tuner and the advisor."""
+
+    data: Any
+    collate_fn: Callable[[list], Any]
+
+
+def with_collate_fn(data: object, collate_fn: Callable[[list], Any] | None) -> object:
+    """``data`` as the public functions take it, with their ``collate_fn=`` argument."""
+    if collate_fn is None:
+        return data
+    if not callable(collate_fn) or isinstance(collate_fn, type):
+        raise ValueError(
+            "collate_fn must be a function that makes one batch from a list of samples, as DataLoader's "
+            f"collate_fn; got {collate_fn!r}"
+        )
+    return Collated(data, collate_fn)
+
+
 def _is_data(obj: object) -> bool:
     return isinstance(obj, Dataset) or (isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)))
 
@@ -216,6 +242,8 @@ def data_label(data: object, model: object = None) -> str:
     """A short name for ``data`` (the model's own dataset when None), without loading anything."""
     if data is None and isinstance(model, str):
         return get_builtin_model(model).default_data
+    if isinstance(data, Collated):
+        return data_label(data.data)
     if isinstance(data, JpegFolder):
         return f"{JPEG_FOLDER_PREFIX}{data.root}"
     if isinstance(data, str):
@@ -237,6 +265,8 @@ def _resolve_jpeg_folder(folder: JpegFolder, label: str, builtin_model: Any) -> 
 
 def resolve_data(data: object, model: object) -> DataSource:
     """Check ``data`` against ``model`` and describe how each arm will load it."""
+    if isinstance(data, Collated):
+        return _with_collate_fn(resolve_data(data.data, model), data.collate_fn)
     builtin_model = get_builtin_model(model) if isinstance(model, str) else None
     if data is None:
         if builtin_model is None:
@@ -292,6 +322,21 @@ def resolve_data(data: object, model: object) -> DataSource:
         f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), '{JPEG_FOLDER_PREFIX}PATH', a Dataset, an iterable of "
         f"(inputs, targets) batches, or a callable returning one; got {data!r}"
     )
+
+
+def _with_collate_fn(source: DataSource, collate_fn: Callable[[list], Any]) -> DataSource:
+    if source.user is None:
+        raise ValueError(
+            f"collate_fn batches your own Dataset's samples; {source.label!r} is built-in data, which "
+            "workbench batches itself: leave collate_fn out, or pass your own Dataset and model"
+        )
+    if not source.is_dataset:
+        raise ValueError(
+            "collate_fn batches a Dataset's samples, but this data gives ready-made batches (a list, an "
+            "iterable or a DataLoader), which workbench uses as they are: pass the Dataset itself with "
+            "collate_fn, or leave collate_fn out"
+        )
+    return replace(source, collate_fn=collate_fn)
 
 
 def _user_source(label: str, user: object, data: object) -> DataSource:
@@ -434,6 +479,7 @@ def endless_batches(
             drop_last=True,
             worker_init_fn=_seed_worker,
             **order,
+            **({"collate_fn": source.collate_fn} if source.collate_fn is not None else {}),
             **loader_options,
         )
         # batches are full (drop_last): a Dataset of fewer samples than one yields none at all
@@ -441,6 +487,7 @@ def endless_batches(
             loader,
             lambda: loader,
             f"no full batch of batch_size={batch_size} samples; pass a smaller batch_size or more data",
+            default_collate=source.collate_fn is None,
         )
         if isinstance(data, IterableDataset) and world_size > 1:  # no sampler shards a stream: deal it out
             return (batch for index, batch in enumerate(batches) if index % world_size == rank)
@@ -476,7 +523,10 @@ def _next_pass(source: DataSource, data: Iterable, seed: int) -> Callable[[], It
 
 
 def _cycle(
-    iterable: Iterable, next_pass: Callable[[], Iterable] | None, no_batch: str = "no batches"
+    iterable: Iterable,
+    next_pass: Callable[[], Iterable] | None,
+    no_batch: str = "no batches",
+    default_collate: bool = True,
 ) -> Iterator[tuple[Any, Any]]:
     served = 0
     while True:
@@ -488,7 +538,8 @@ def _cycle(
                 served += 1
                 yield batch
         except RuntimeError as error:
-            if "stack expects each tensor to be equal size" not in str(error):
+            # torch's default collate failed to stack samples (not the user's own collate_fn)
+            if not default_collate or "stack expects each tensor to be equal size" not in str(error):
                 raise
             raise ValueError(UNEQUAL_SAMPLES + f" ({str(error).strip().splitlines()[-1]})") from None
         if served == before:
@@ -601,9 +652,9 @@ def _check_batch(batch: object) -> None:
 
 # The default collate stacks a batch's samples into one tensor: samples of different shapes fail there.
 UNEQUAL_SAMPLES = (
-    "the Dataset's samples differ in shape, so they cannot be stacked into a batch: pad them to one "
-    "shape in __getitem__, or batch them yourself and pass the batches ready-made, e.g. "
-    "data=lambda: DataLoader(dataset, batch_size=32, collate_fn=pad_and_stack)"
+    "the Dataset's samples differ in shape, so torch's default collate cannot stack them into a "
+    "batch: pass collate_fn= (as DataLoader's) to batch them your way, e.g. padding them to one "
+    "length, or pad them to one shape in __getitem__"
 )
 
 # What a mistaken batch's message adds: how workbench read the data, and what to pass instead.

@@ -77,6 +77,7 @@ from workbench.config import (
     smoke_test,
     takes_run_options,
 )
+from workbench.data import with_collate_fn
 from workbench.results import Results, loss_drifted
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.results_view import against_noise, noise_band, with_roles
@@ -303,6 +304,7 @@ def tune(
     loss_fn: Callable | None = None,
     *,
     budget_s: float,
+    collate_fn: Callable[[list], Any] | None = None,
     techniques: Mapping[str, Any] | list[str] | None = None,
     advice: Any = None,
     max_candidates: int = MAX_CANDIDATES,
@@ -319,6 +321,7 @@ def tune(
     techniques      what to search (as for ``ablate``; a list of values sweeps a setting); None:
                     the advisor's recommendations with each one's main settings
     advice          an Advice from ``wb.advise`` for this same job, to skip the advisor's run
+    collate_fn      how your Dataset's samples are batched, as for ``ablate``
     max_candidates  combinations screened at most (the best-ranked, fewest techniques first)
     out             the search's folder (rounds in ``round-N``; rerun with the same out to
                     resume); None: a new folder under ./workbench-results; False: keep nothing
@@ -342,11 +345,12 @@ def tune(
         if name in settings:
             raise ValueError(f"tune: {name} is decided by the tuner, round by round; leave it out")
     run = RunConfig.from_options(
-        "tune", settings, also=("model", "data", "loss_fn", "budget_s", "techniques", "advice",
+        "tune", settings, also=("model", "data", "loss_fn", "budget_s", "collate_fn", "techniques", "advice",
                                 "max_candidates", "out", "overwrite", "progress", "on_event", "stop"),
     )  # fmt: skip
     if techniques is not None and advice is not None:
         raise ValueError("tune: pass techniques (what to search) or advice (the advisor's ranking), not both")
+    data = with_collate_fn(data, collate_fn)  # as data from here on: the advisor and every round take it
     checked = prepare(
         model, data, loss_fn, {}, run
     )  # bad model, data or settings: refused before anything runs

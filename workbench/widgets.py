@@ -31,7 +31,7 @@ import ipywidgets as w
 from workbench.ablation import ablate, check_before_run
 from workbench.advisor import ADVISOR_FIXES, Advice, advise
 from workbench.config import TUNER_DECIDES, Option, RunConfig, run_options, unknown_name_error
-from workbench.data import BUILTIN_DATA, data_label, resolve_data
+from workbench.data import BUILTIN_DATA, data_label, resolve_data, with_collate_fn
 from workbench.live_run import LiveRun, progress_line
 from workbench.models import BUILTIN_MODELS, get_builtin_model, model_label
 from workbench.panel_controls import (
@@ -89,18 +89,17 @@ class AblationPanel(w.VBox):
         loss_fn: Any = None,
         techniques: Any = None,
         out: Any = None,
+        collate_fn: Any = None,
         **options: Any,
     ):
+        data = with_collate_fn(data, collate_fn)  # the custom data choice carries it (ablate's argument)
         self.custom_model = None if isinstance(model, str) else model
         # Anything but a built-in name ("jpeg-folder:PATH", a JpegFolder, a Dataset...) is "custom".
         self.custom_data = None if data is None or (isinstance(data, str) and data in BUILTIN_DATA) else data
         self.loss_fn = loss_fn
         self.keep_on_disk = out is not False  # out=False: results live in memory only
         rules = run_options()
-        self.ablate_kwargs = {k: v for k, v in options.items() if k not in rules}
-        for key in self.ablate_kwargs:
-            if key not in PANEL_PASSES_ON:
-                raise unknown_name_error("panel argument", key, [*PANEL_PASSES_ON, *rules])
+        self.ablate_kwargs = _passed_on(options, rules)
         overwrite = self.ablate_kwargs.pop("overwrite", False)
         self.results = None
         self.error: str | None = None
@@ -566,6 +565,16 @@ class AblationPanel(w.VBox):
     def _show_progress(self, snapshot: dict) -> None:
         if snapshot["state"] == "running" and self.running:
             self.status.value = f"<b>Running:</b> {html.escape(progress_line(snapshot))}"
+
+
+def _passed_on(options: dict[str, Any], rules: dict) -> dict[str, Any]:
+    """Of the panel's keyword arguments, those it passes on to ablate as they are: not run settings
+    (``rules``, which its controls hold), and only those in PANEL_PASSES_ON."""
+    passed = {key: value for key, value in options.items() if key not in rules}
+    for key in passed:
+        if key not in PANEL_PASSES_ON:
+            raise unknown_name_error("panel argument", key, [*PANEL_PASSES_ON, *rules])
+    return passed
 
 
 def _short_label(data: Any) -> str:
