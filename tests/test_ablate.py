@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -659,7 +660,8 @@ def test_ctrl_c_keeps_finished_blocks_on_disk_and_leaves_no_orphans(tmp_path):
         command, output, still_running, code, children = _interrupt_after_the_first_block(out, steps=400)
     assert still_running, f"the run ended before Ctrl-C could reach it:\n{output}"
     assert code == 130, output  # a running ablation that ignored Ctrl-C would fail here
-    assert "Stopped:" in output and f"Run again with out={str(out)!r}" in output and "to resume" in output
+    # the command line's own flag (it said out='...' (--out on the command line) before)
+    assert "Stopped:" in output and f"Run again with --out {shlex.quote(str(out))} to resume" in output
     finished = len(list((out / "units").glob("*.json")))
     assert finished >= 1
     assert not wb.load_results(out).complete
@@ -684,6 +686,22 @@ def test_a_second_ctrl_c_waits_while_what_finished_is_saved(capsys):
         time.sleep(0.1)  # delivered here, and it must not raise
     assert "saving what finished" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_signal_while_a_process_record_is_kept_comes_after_it_is_counted():
+    """SIGTERM between writing a finished process's record and counting it made the run say
+    "Stopped before any process finished: nothing was measured" with the record on disk."""
+    from workbench.ablation import _signals_held
+
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with _signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # delivered here: held, not raised
+            steps.append("written")
+            steps.append("counted")
+    assert steps == ["written", "counted"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sigterm_is_handled_as_ctrl_c(tmp_path):

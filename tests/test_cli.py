@@ -407,6 +407,37 @@ def test_progress_into_a_log_is_a_line_per_finished_process(capsys, monkeypatch)
     assert "ablate: 100%" in drawn and "done" in drawn  # its last frame says done, not the last phase
 
 
+def test_what_a_run_says_as_it_goes_names_the_commands_flags_and_only_while_it_runs(capsys):
+    """After Ctrl-C the command line said "Run again with out='runs/x' (--out on the command line)",
+    and the tuner's rounds named its keywords (budget_s=)."""
+    from workbench.cli import _lines_in_flags, _parser
+    from workbench.progress import say
+
+    args = _parser().parse_args(["tune", "--budget", "60"])
+    with _lines_in_flags(args):
+        say("Run again with out='runs/x' to resume; or pass budget_s=600.")
+    say("Run again with out='runs/x' to resume.")  # from Python again: the API's keywords
+    assert capsys.readouterr().out.splitlines() == [
+        "Run again with --out runs/x to resume; or pass --budget 600.",
+        "Run again with out='runs/x' to resume.",
+    ]
+
+
+def test_why_an_arm_ran_out_of_memory_names_the_flag_not_the_keyword(tmp_path, capsys):
+    from helpers import result_row, synthetic_results
+
+    from workbench.cli import main
+
+    cap = "amp needs 5 MiB at its peak, more than memory_cap_mb=2 allows"
+    user_error = "ValueError: my_model wants batch_size=3"  # the user's own words: kept
+    rows = [result_row("baseline", speedup=1.0, low=1.0, high=1.0), result_row("amp", "oom", cap),
+            result_row("compile", "failed", user_error)]  # fmt: skip
+    synthetic_results(rows).save(tmp_path / "run")
+    assert main(["show", str(tmp_path / "run")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "more than --memory-cap-mb 2 allows" in said and user_error in said
+
+
 def test_the_help_names_flags_where_the_api_names_keywords(capsys):
     """--help said "with profile_steps" and "batch_size samples per step": the API's words."""
     from workbench.cli import main

@@ -97,7 +97,7 @@ from workbench.loop import check_the_loss
 from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
 from workbench.profiling import trace_owner
-from workbench.progress import Progress, print_plan
+from workbench.progress import Progress, print_plan, say
 from workbench.results import DID_NOT_RUN, SCHEMA, Results, summarize
 from workbench.results_folder import ResultsFolder, write_json_atomic
 from workbench.slurm import SlurmBlocks, attempt_folder, check_cluster, job_gpus
@@ -447,6 +447,31 @@ def _ctrl_c_waits():
         signal.signal(signal.SIGINT, previous)
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM held back for the few milliseconds inside, then delivered as they came.
+
+    A finished process's record is written, then counted: a signal between the two left the
+    record on disk (and resumed later) while the stopped line said "nothing was measured"."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    # a handler that C code installed (getsignal gives None) could not be put back: left as it is
+    holdable = [number for number in HELD_SIGNALS if signal.getsignal(number) is not None]
+    previous = {number: signal.signal(number, lambda n, frame: held.append(n)) for number in holdable}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if held:
+            signal.raise_signal(held[0])  # to the handler it would have reached
+
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _default_out(label: str) -> Path:
     """A new folder under ./workbench-results, named by the time and the model. Made here, at
     once and exclusively: two runs started in the same second (a sweep launched in parallel)
@@ -475,7 +500,7 @@ def _open_out(
     taken_over = folder.lock()
     try:
         if taken_over:
-            print(f"workbench: {taken_over}", file=sys.stderr, flush=True)
+            say(f"workbench: {taken_over}", error=True)
         fingerprint = _fingerprint(prepared)
         if overwrite:
             folder.clear()  # only what workbench wrote; refuses if the user's files are there
@@ -1123,7 +1148,7 @@ class _Runner:
             results = self.save(complete=False)
             line = self._stopped_line(planned)
             if line is not None:
-                print(f"\n{line}", flush=True)
+                say(f"\n{line}")
         self.on_event({"type": "stopped", "out": str(self.folder)})
         if self.stop is not None and self.stop.is_set():
             return results
@@ -1146,10 +1171,10 @@ class _Runner:
         elif self.nested:  # its own out would be refused: the run around it resumes it
             where = (
                 f"are saved in {self.folder}. Run the command that started it again, with "
-                f"out={str(self.folder.parent)!r} (--out on the command line), to resume."
+                f"out={str(self.folder.parent)!r}, to resume."
             )
         else:  # named in full: out=None made a new folder, and the same call would make another
-            where = f"are saved in {self.folder}. Run again with out={str(self.folder)!r} (--out on the command line) to resume."
+            where = f"are saved in {self.folder}. Run again with out={str(self.folder)!r} to resume."
         if self._on_slurm():  # this run's Slurm jobs were cancelled (workbench.slurm)
             done = run.blocks - len(self._blocks_not_done())
             return f"Stopped, its Slurm jobs cancelled: {done} of {run.blocks} blocks {where}"
@@ -1365,8 +1390,9 @@ class _Runner:
             "process": block_record,
             "finished_at": time.time(),
         }
-        write_json_atomic(self.files.file(job.file), record)
-        self._keep(record)
+        with _signals_held():  # on disk and counted, or neither (the stopped line counts it)
+            write_json_atomic(self.files.file(job.file), record)
+            self._keep(record)
         self.save(complete=False)
         bar.advance()
         for unit in units:

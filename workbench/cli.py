@@ -19,7 +19,7 @@ import sys
 import textwrap
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -822,6 +822,19 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _lines_in_flags(args: argparse.Namespace) -> Iterator[None]:
+    """While a command runs, the lines the run prints as it goes (how to resume after Ctrl-C, the
+    tuner's rounds) name this command's flags, not the API's keywords (progress.SPELLING)."""
+    from workbench.progress import SPELLING
+
+    token = SPELLING.set(lambda text: in_cli_terms(text, args))
+    try:
+        yield
+    finally:  # main() called from Python (a test, a notebook) leaves the API's spelling behind
+        SPELLING.reset(token)
+
+
 def _main(argv: list[str] | None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(
@@ -847,11 +860,12 @@ def _main(argv: list[str] | None) -> int:
             written = load_results(args.path).to_html(args.out)
             print(f"Wrote {written}")
             return 0
-        if args.command == "advise":
-            return _run_advise(args)
-        if args.command == "tune":
-            return _run_tune(args)
-        return _run_ablate(args)
+        with _lines_in_flags(args):
+            if args.command == "advise":
+                return _run_advise(args)
+            if args.command == "tune":
+                return _run_tune(args)
+            return _run_ablate(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"workbench: error: {in_cli_terms(str(error), args)}", file=sys.stderr)
         return 2

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 
 from workbench.worker import WINDOW_TARGET_S
+
+# How the lines a run prints as it goes name its settings: the API's keywords (out='runs/x'),
+# or, while the command line runs a command, its flags (--out runs/x; cli.ablate_spelling).
+SPELLING: ContextVar[Callable[[str], str]] = ContextVar("SPELLING", default=lambda text: text)
+
+
+def say(text: str, error: bool = False) -> None:
+    """Print a line of the run's own, in the caller's spelling (SPELLING); to stderr if ``error``."""
+    print(SPELLING.get()(text), file=sys.stderr if error else sys.stdout, flush=True)
 
 
 def no_technique(arms: Iterable[Mapping]) -> str | None:

@@ -798,8 +798,9 @@ class Results:
         """The reader's table as text within ``width`` columns (80 unless given): each arm's
         verdict, speedup with its interval, throughput, step time, activations and loss parity;
         then why an arm did not run, and each arm's notes. ``colour``: ANSI colours for the verdicts.
-        ``spell``: rewords the warnings and the notes under the table (not an arm's own reasons and
-        notes, which may name its technique's options) before they are wrapped; the CLI's
+        ``spell``: rewords the warnings and the notes under the table, and why an arm ran out of
+        memory (not an arm's other reasons and notes, which may quote a technique's options or the
+        user's own error) before they are wrapped; the CLI's
         ``ablate`` and ``show`` pass one that names its flags (``--blocks 9``) for the API's
         keywords (``blocks=9``)."""
         width = width or TERMINAL_WIDTH
@@ -819,7 +820,9 @@ class Results:
             width,
             break_on_hyphens=False,
         )
-        problems = [(row.arm, f"{row.status}: {row.reason}") for row in table.itertuples() if row.reason]
+        problems = [
+            (row.arm, f"{row.status}: {_reason(row, spell)}") for row in table.itertuples() if row.reason
+        ]
         flagged = [(row.arm, row.notes) for row in table.itertuples() if row.notes]
         for heading, entries in (("Not run or not ok", problems), ("Notes", flagged)):
             if entries:
@@ -1202,3 +1205,9 @@ def tune_verdict(record: dict) -> str:
     text += f" ({spent}"
     text += f"; {record['stopped']})" if record.get("stopped") else ")"
     return text
+
+
+def _reason(row, spell: Callable[[str], str]) -> str:
+    """Why an arm did not run or is not ok, as ``summary`` shows it: an out-of-memory reason is
+    workbench's own words (a run setting, ``memory_cap_mb=``, named as ``spell`` names it)."""
+    return spell(row.reason) if row.status == "oom" else row.reason

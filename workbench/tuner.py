@@ -78,6 +78,7 @@ from workbench.config import (
     takes_run_options,
 )
 from workbench.data import with_collate_fn
+from workbench.progress import say
 from workbench.results import Results, loss_drifted
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.results_view import against_noise, noise_band, with_roles
@@ -494,7 +495,7 @@ class _Search:
 
     def _say(self, text: str) -> None:
         if self.progress:
-            print(f"tune: {text}", flush=True)
+            say(f"tune: {text}")
 
     # --- calibration ------------------------------------------------------------------------------
 
