@@ -444,6 +444,10 @@ def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     assert second.complete
     assert [(e["block"], e["arms"]) for e in started] == [(1, ["baseline", "baseline (control)", "amp"])]
     assert set(second.table.status) == {"ok"} and set(second.table.blocks) == {2}
+    # the machine's samples while block 1 ran stay with it (a resume kept only its own, and with
+    # them went a warning of the load block 1 was measured under)
+    sampled_first = {sample["time"] for sample in first.record["telemetry"]}
+    assert sampled_first and sampled_first <= {sample["time"] for sample in second.record["telemetry"]}
 
     # More blocks add to the run (the noise note's advice): only the new block runs, and all three count.
     started.clear()
@@ -778,6 +782,11 @@ def test_without_timeout_s_the_limit_follows_the_warm_up(monkeypatch):
     timer.expect({"amp": 0.5, "slow": 60.0})
     assert process.MEASURE_FLOOR_S <= timer.limit("amp") < process.MEASURE_FLOOR_S + 5  # the floor
     assert timer.limit("slow") >= process.MEASURE_MARGIN * 60.0
+    # amp's hang was ended by the floor, not by 10x its 0.5 s (which it was said to be)
+    assert f"get at least {process.MEASURE_FLOOR_S:.0f} s, though its warm-up steps predicted 0.5 s" in (
+        timer.describe()
+    )
+    timer.switch("slow")
     assert "10x what its warm-up steps predicted" in timer.describe()
     fixed = process.ArmTimer(20.0)
     fixed.expect({"amp": 500.0})

@@ -167,10 +167,26 @@ def test_a_run_whose_cpu_blocks_ran_more_threads_than_cores_warns_once_naming_th
     assert warning.startswith("blocks 1, 3 ran 3 intra-op threads on 2 usable cores")
     assert "at most the cores per rank" in warning
     assert oversubscribed_blocks([block(0, 2), block(1, 1, ranks=2)]) == []
+    # more ranks than cores: one thread each is the least there is, so the ranks are what to cut
+    (warning,) = oversubscribed_blocks([block(0, 1, ranks=4)])
+    assert "Run at most 2 ranks on this machine (world_size)" in warning and "threads at" not in warning
     assert oversubscribed_blocks([block(0, 8, device_type="cuda")]) == []  # a GPU's steps do not wait on them
     assert (
         oversubscribed_blocks([{"block": 0, "arms": ["baseline"], "torch_threads": 8}]) == []
     )  # older records
+
+
+def test_more_ranks_than_cores_are_warned_of_before_the_run_at_default_threads(monkeypatch):
+    """The plan line (and the dry run) warned only when threads was set: 4 ranks on 2 cores, at
+    one thread each by default, went unwarned until the results."""
+    import workbench as wb
+    from workbench import ablation
+
+    monkeypatch.setattr(ablation, "usable_cores", lambda: 2)
+    plan = wb.plan("mlp", techniques={}, world_size=4, device="cpu")
+    assert plan.attrs["oversubscribed"] == "4 ranks x 1 intra-op threads on 2 usable cores"
+    assert wb.plan("mlp", techniques={}, world_size=2, device="cpu").attrs["oversubscribed"] is None
+    assert wb.plan("mlp", techniques={}, threads=3, device="cpu").attrs["oversubscribed"] is not None
 
 
 def test_the_plan_line_warns_before_an_oversubscribed_run_and_counts_in_the_singular():

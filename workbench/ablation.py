@@ -826,6 +826,17 @@ def _run_in_folder(
     return results
 
 
+def _earlier_samples(folder: Path) -> list[dict]:
+    """The telemetry an earlier run of this ablation saved in ``folder`` (results.json), which a
+    resumed run keeps beside its own: its blocks were measured under that load. None when the
+    file is missing or unreadable (the finished processes themselves are in units/)."""
+    try:
+        samples = json.loads((folder / "results.json").read_text()).get("telemetry")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [sample for sample in samples if isinstance(sample, dict)] if isinstance(samples, list) else []
+
+
 def _refuse_traces_not_ours(prepared: Prepared, owner: str | None) -> None:
     """Before anything runs: the trace files this run would write may replace only its own
     (a resumed run's, a Slurm job's of this run) or those of an earlier run that kept no results
@@ -940,7 +951,17 @@ def _plan_table(prepared: Prepared):
     table = pd.DataFrame(rows)[columns]
     # the settings as the run would take them (a preset's, the device), for the CLI's dry run
     table.attrs["config"] = prepared.config
+    table.attrs["oversubscribed"] = _oversubscribed_here(prepared)
     return table
+
+
+def _oversubscribed_here(prepared: Prepared) -> str | None:
+    """What is wrong when a CPU run's ranks x threads outnumber this machine's cores, or None."""
+    if prepared.config["device"] != "cpu" or prepared.run.executor == "slurm":  # a node's cores, not ours
+        return None
+    ranks, cores = ranks_on_this_machine(prepared.run.world_size), usable_cores()
+    threads = prepared.run.threads or max(1, cores // ranks)  # each rank's default (worker.prepare_process)
+    return oversubscription(threads, cores, ranks)
 
 
 def _prepare_plan(
@@ -1007,6 +1028,8 @@ class _Runner:
         self.node_telemetry: dict[int, list[dict]] = {}
         self.node_loads: dict[int, dict] = {}
         self.sampler = Sampler(on_sample=lambda sample: on_event({"type": "telemetry", **sample}))
+        # resuming: the machine's samples while the finished processes ran (and its load then)
+        self.earlier_samples = _earlier_samples(self.folder) if finished else []
         self.record = {
             "schema": SCHEMA,
             "created": datetime.now().isoformat(timespec="seconds"),
@@ -1061,13 +1084,13 @@ class _Runner:
     def _telemetry(self) -> list[dict]:
         """The machine's samples; on Slurm, those of the nodes, as each job's run took them."""
         if not self._on_slurm():
-            return self.sampler.samples
+            return self.earlier_samples + self.sampler.samples
         return [sample for block in sorted(self.node_telemetry) for sample in self.node_telemetry[block]]
 
     def _load(self) -> dict:
         """The competing load; on Slurm, the busiest node's, saying which block and node it was."""
         if not self._on_slurm():
-            return competing_load(self.sampler.samples, usable_cores())
+            return competing_load(self._telemetry(), usable_cores())
         loads = {block: load for block, load in self.node_loads.items() if load}
         if not loads:
             return {}
@@ -1105,10 +1128,8 @@ class _Runner:
         }
         if self._on_slurm():
             plan_event["executor"] = "slurm"
-        elif run.threads is not None and self.prepared.config["device"] == "cpu":
-            # Said before anything runs; each block's record carries what it found (Results.warnings).
-            ranks = ranks_on_this_machine(run.world_size)
-            plan_event["oversubscribed"] = oversubscription(run.threads, usable_cores(), ranks)
+        else:  # said before anything runs; each block's record carries what it found (Results.warnings)
+            plan_event["oversubscribed"] = _oversubscribed_here(self.prepared)
         self.on_event(plan_event)
         if progress:  # before the bar exists, so that the two never share a line
             print_plan(plan_event)

@@ -380,6 +380,8 @@ def format_plan(table, spell: Callable[[str], str] = str) -> str:
         ]
     if skipped:
         lines += ["", "Unavailable here:", *skipped]
+    if oversubscribed := table.attrs.get("oversubscribed"):  # as the run's plan line would warn
+        lines += ["", f"WARNING: {oversubscribed}: threads will wait for cores, and steps measure that."]
     from workbench.progress import no_technique
 
     if nothing_applied := no_technique(table.to_dict(orient="records")):

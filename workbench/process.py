@@ -59,6 +59,7 @@ class ArmTimer:
     def __init__(self, timeout_s: float | None):
         self.timeout_s = timeout_s
         self.limits: dict[str | None, float] = {}
+        self.predicted: dict[str, float] = {}  # what the warm-up predicted for each arm's timed steps
         self.spent: dict[str, float] = {}
         self.current: str | None = None
         self.since = time.monotonic()
@@ -75,6 +76,7 @@ class ArmTimer:
             return
         self.switch(self.current)  # bring the spent times up to now
         for arm, seconds in expected_s.items():
+            self.predicted[arm] = seconds
             self.limits[arm] = self.spent.get(arm, 0.0) + max(MEASURE_FLOOR_S, MEASURE_MARGIN * seconds)
 
     def limit(self, arm: str | None) -> float:
@@ -92,6 +94,13 @@ class ArmTimer:
         if self.timeout_s is not None:
             return f"timed out after {limit:.0f} s (timeout_s)"
         if self.current in self.limits:
+            predicted = self.predicted[self.current]
+            if MEASURE_MARGIN * predicted < MEASURE_FLOOR_S:  # a hang in a fast arm: the floor ended it
+                return (
+                    f"timed out after {limit:.0f} s: its timed steps get at least {MEASURE_FLOOR_S:.0f} s, "
+                    f"though its warm-up steps predicted {predicted:.2g} s for them "
+                    "(pass timeout_s to set the limit yourself)"
+                )
             return (
                 f"timed out after {limit:.0f} s: {MEASURE_MARGIN:.0f}x what its warm-up steps predicted "
                 "for its timed steps (pass timeout_s to set the limit yourself)"

@@ -876,19 +876,30 @@ def _baseline_did_not_run(table) -> list[str]:
 def oversubscribed_blocks(blocks: list[dict]) -> list[str]:
     """A warning when a CPU block ran more intra-op threads than it had cores
     (workbench.core_sync.oversubscription): its steps measured threads waiting for cores."""
-    where: dict[str, list[int]] = {}
+    where: dict[tuple[str, str], list[int]] = {}
     for block in blocks:
         what = _oversubscribed(block)
         if what:
-            where.setdefault(what, []).append(block["block"] + 1)
+            where.setdefault((what, _remedy(block)), []).append(block["block"] + 1)
     return [
-        f"block{'s' * (len(set(numbers)) > 1)} {', '.join(map(str, sorted(set(numbers))))} ran {what} (the threads setting, or "
-        "OMP_NUM_THREADS): a parallel operation ends when its slowest thread does, and threads without a core "
-        "wait for one, so every arm's steps ran slower and noisier than the same job with a thread per core, "
-        "and the speedups describe that oversubscribed job. Leave threads at its default, or set it to at most "
-        "the cores per rank"
-        for what, numbers in where.items()
+        f"block{'s' * (len(set(numbers)) > 1)} {', '.join(map(str, sorted(set(numbers))))} ran {what}: a "
+        "parallel operation ends when its slowest thread does, and threads without a core wait for one, so "
+        "every arm's steps ran slower and noisier than the same job with a thread per core, and the speedups "
+        f"describe that oversubscribed job. {remedy}"
+        for (what, remedy), numbers in where.items()
     ]
+
+
+def _remedy(block: dict) -> str:
+    """What to change when a block's threads outnumbered its cores: with more ranks than cores,
+    one thread each (the fewest) is still too many, so the ranks are what to cut."""
+    ranks, cores = block.get("ranks_here") or 1, block["usable_cores"]
+    if ranks > cores:
+        return (
+            f"Run at most {cores} ranks on this machine (world_size), or spread them over machines "
+            "(torchrun, or Slurm)"
+        )
+    return "Leave threads at its default, or set it (or OMP_NUM_THREADS) to at most the cores per rank"
 
 
 def _oversubscribed(block: dict) -> str | None:
