@@ -129,12 +129,49 @@ def test_a_stop_during_a_long_submission_ends_it_and_cancels_what_was_submitted(
             stop.set()  # Stop pressed while the third job was submitted
 
     monkeypatch.setattr(blocks, "_submit", submit)
-    monkeypatch.setattr(workbench.slurm, "job_states", lambda ids: {})
+    monkeypatch.setattr(workbench.slurm, "ask_squeue", lambda ids: ({}, ""))
     monkeypatch.setattr(workbench.slurm, "cancel", lambda ids: cancelled.extend(ids))
     with pytest.raises(KeyboardInterrupt):
         blocks.run()
     assert len(blocks.attempts) == 3 and cancelled == ["1000", "1001", "1002"]
     assert all(a["cancelled_by_run"] for a in blocks.attempts)
+
+
+def test_a_slurm_that_stops_answering_is_said_while_it_lasts_and_ends_the_run_leaving_its_jobs(
+    tmp_path, monkeypatch
+):
+    """squeue failing (a controller down) made the run wait without a word, forever."""
+    pytest.importorskip("submitit")
+    import workbench.slurm
+    from workbench.results_folder import ResultsFolder
+    from workbench.slurm import SILENT_GIVE_UP_S, SILENT_REPEAT_S, SILENT_WARN_S, SlurmBlocks, SlurmSilent
+
+    notes, cancelled, clock = [], [], [0.0]
+    bar = type("Bar", (), {"note": lambda self, text: notes.append(text), "show": lambda self, text: None})()
+    blocks = SlurmBlocks(SlurmOptions(), 0, ResultsFolder(tmp_path), [0], None, None, None,
+                         lambda event: None, None, bar)  # fmt: skip
+    blocks.attempts.append({"block": 0, "job_id": "1000", "state": "RUNNING", "reason": "", "node": "n1",
+                            "ended": None, "attempt": 1, "folder": "slurm/b0-1"})  # fmt: skip
+    answers = {"squeue": (None, "squeue: Unable to contact slurm controller (connect failure)")}
+    monkeypatch.setattr(workbench.slurm, "ask_squeue", lambda ids: answers["squeue"])
+    monkeypatch.setattr(workbench.slurm, "cancel", lambda ids: cancelled.extend(ids))
+    monkeypatch.setattr(workbench.slurm.time, "monotonic", lambda: clock[0])
+    for clock[0] in (0.0, SILENT_WARN_S - 1):
+        blocks._poll()
+    assert notes == []  # a poll or two unanswered is no news
+    for clock[0] in (SILENT_WARN_S, SILENT_WARN_S + 10, SILENT_WARN_S + SILENT_REPEAT_S):
+        blocks._poll()
+    assert len(notes) == 2 and "has not answered for 60 s (squeue: Unable to contact slurm" in notes[0]
+    answers["squeue"] = ({"1000": workbench.slurm.JobState("RUNNING", "", "n1")}, "")
+    blocks._poll()
+    assert notes[-1].startswith("slurm: squeue answers again")
+    answers["squeue"] = (None, "squeue took more than 60 s")
+    clock[0] += 1
+    blocks._poll()
+    clock[0] += SILENT_GIVE_UP_S
+    with pytest.raises(SlurmSilent, match=r"has not answered for 30 min .*run the same command again"):
+        blocks.run()
+    assert cancelled == [] and blocks.attempts[0]["ended"] is None  # left for the rerun to follow
 
 
 def test_a_submission_sbatch_refuses_is_one_line_naming_its_complaint(tmp_path, monkeypatch):

@@ -102,6 +102,15 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)  # tqdm redraws at most 10 times a second
 
+    def note(self, text: str) -> None:
+        """A line that stays (a warning while the run waits), above the bar when there is one;
+        shown with the bar switched off too, in the caller's spelling (SPELLING)."""
+        text = SPELLING.get()(text)
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def at_least(self, total: int) -> None:
         """Raise the total (an arm moved to a process of its own adds processes)."""
         self.total = max(self.total, total)

@@ -59,6 +59,15 @@ from workbench.telemetry import usable_cores
 POLL_S = 2.0  # how often the submitting process asks Slurm about its jobs
 SLURM_TIMEOUT_S = 60.0  # one squeue / scontrol / scancel call; a slow controller is waited for
 VANISHED_AFTER = 3  # polls before a job Slurm forgot, or one completed without its results, counts as ended
+# squeue silent (a controller down or unreachable): said after SILENT_WARN_S, again every
+# SILENT_REPEAT_S, and the run ends after SILENT_GIVE_UP_S, leaving its jobs for a rerun to follow.
+SILENT_WARN_S, SILENT_REPEAT_S, SILENT_GIVE_UP_S = 60.0, 300.0, 1800.0
+
+
+class SlurmSilent(ValueError):
+    """Slurm did not answer for SILENT_GIVE_UP_S: the run ends, and its jobs are left to a rerun."""
+
+
 LIVE = frozenset(
     "PENDING CONFIGURING RUNNING COMPLETING REQUEUED REQUEUE_HOLD REQUEUE_FED RESIZING SUSPENDED "
     "STOPPED SIGNALING STAGE_OUT RESV_DEL_HOLD".split()
@@ -101,8 +110,13 @@ class JobState:
 
 def job_states(job_ids: list[str]) -> dict[str, JobState] | None:
     """What Slurm says about these jobs now; a job it has forgotten is absent; None: Slurm did not answer."""
+    return ask_squeue(job_ids)[0]
+
+
+def ask_squeue(job_ids: list[str]) -> tuple[dict[str, JobState] | None, str]:
+    """``job_states``, and when Slurm did not answer (None), why: squeue's own words."""
     if not job_ids:
-        return {}
+        return {}, ""
     try:
         answer = subprocess.run(
             ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"],
@@ -110,18 +124,23 @@ def job_states(job_ids: list[str]) -> dict[str, JobState] | None:
             text=True,
             timeout=SLURM_TIMEOUT_S,
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    except subprocess.TimeoutExpired:
+        return None, f"squeue took more than {SLURM_TIMEOUT_S:.0f} s"
+    except OSError as error:
+        return None, f"squeue could not run: {error.strerror or error}"
     if answer.returncode != 0:
         # squeue refuses a list in which it knows no job at all: every one of them is forgotten.
-        return {} if "Invalid job id" in answer.stderr else None
+        if "Invalid job id" in answer.stderr:
+            return {}, ""
+        said = " ".join(answer.stderr.split())[:200] or f"exit status {answer.returncode}"
+        return None, f"squeue: {said}"
     states = {}
     for line in answer.stdout.splitlines():
         job_id, state, reason, node = (line.split("|") + ["", "", ""])[:4]
         states[job_id.strip()] = JobState(
             state.strip().split()[0] if state.strip() else "", reason.strip(), node.strip()
         )
-    return states
+    return states, ""
 
 
 def exit_code(job_id: str) -> str:
@@ -194,6 +213,8 @@ class SlurmBlocks:
         self.state_file = files.file(f"{FOLDER}/state.json")
         self.attempts: list[dict] = self._read_state()
         self.unseen: dict[str, int] = {}  # job ID -> polls in a row that Slurm did not know it
+        self.silent_since: float | None = None  # since when squeue has not answered (time.monotonic)
+        self.silence_said_at: float | None = None
         self.executor = None
 
     # --- state ------------------------------------------------------------------------------
@@ -286,13 +307,16 @@ class SlurmBlocks:
                 if stop.wait(POLL_S):
                     raise KeyboardInterrupt
                 self._poll()
+        except SlurmSilent:  # scancel would go unheard too: the jobs are left for a rerun to follow
+            raise
         except BaseException:
             self._cancel_own()
             raise
 
     def _poll(self) -> None:
         live = [a["job_id"] for a in self.attempts if a["block"] in self.todo and a["ended"] is None]
-        states = job_states(live)
+        states, why = ask_squeue(live)
+        self._heard(states is not None, why)
         for block in list(self.todo):
             # A poll can submit hundreds of jobs (sbatch takes about 0.2 s each): a Stop pressed
             # meanwhile ends it here, not after the last submission.
@@ -308,6 +332,32 @@ class SlurmBlocks:
             elif attempt["ended"] is not None:
                 self._retry_or_give_up(block, attempt)
         self._report()
+
+    def _heard(self, answered: bool, why: str) -> None:
+        """Whether Slurm answered this poll. A silence is said while it lasts, with squeue's own
+        words (the run would otherwise wait without a word), and ends the run after SILENT_GIVE_UP_S."""
+        now = time.monotonic()
+        if answered:
+            if self.silence_said_at is not None:
+                self.bar.note("slurm: squeue answers again; following this run's jobs")
+            self.silent_since = self.silence_said_at = None
+            return
+        if self.silent_since is None:
+            self.silent_since = now
+        silent_s = now - self.silent_since
+        if silent_s >= SILENT_GIVE_UP_S:
+            raise SlurmSilent(
+                f"slurm: squeue has not answered for {silent_s / 60:.0f} min ({why}); this run's jobs are "
+                "left as they are: run the same command again once Slurm answers, to follow them and resume"
+            )
+        if silent_s >= SILENT_WARN_S and (
+            self.silence_said_at is None or now - self.silence_said_at >= SILENT_REPEAT_S
+        ):
+            self.silence_said_at = now
+            self.bar.note(
+                f"slurm: squeue has not answered for {silent_s:.0f} s ({why}); still waiting, for up to "
+                f"{SILENT_GIVE_UP_S / 60:.0f} min. Ctrl-C cancels this run's jobs; the same command resumes"
+            )
 
     def _follow(self, block: int, attempt: dict, seen: JobState | None) -> None:
         if seen is None:  # Slurm forgot the job (it ended a while ago), or has not listed it yet
@@ -378,8 +428,11 @@ class SlurmBlocks:
         )
         pending = len(self.todo) - running
         done = sum(1 for a in self.attempts if a["state"] == "MERGED")
-        jobs = ", ".join(
-            f"b{a['block']}: {a['job_id']} {a['state'].lower()}" for a in latest if a is not None
+        jobs = ", ".join(  # a pending job's reason too: ReqNodeNotAvail is no ordinary queue
+            f"b{a['block']}: {a['job_id']} {a['state'].lower()}"
+            + (f" ({a['reason']})" if a["state"] == "PENDING" and a.get("reason") else "")
+            for a in latest
+            if a is not None
         )
         self.bar.show(f"Slurm: {done} done, {running} running, {pending} pending ({jobs})")
         self.on_event({"type": "slurm", "done": done, "running": running, "pending": pending,
