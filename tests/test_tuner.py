@@ -214,6 +214,19 @@ def test_a_faster_finalist_inside_the_noise_does_not_leave_the_search_without_a_
     assert best is wide and runner_up is narrow and undecided.startswith("not measurably faster")
 
 
+def test_a_candidate_the_search_dropped_is_never_its_runner_up():
+    """amp+grad_accum, dropped in the final round as clearly slower than amp, was called the
+    runner-up, on the terminal and in the verdict, and its drop reason was not shown."""
+    from workbench.tuner import Candidate, _answer
+
+    leader = Candidate("amp", [], 0, [_figures(1.30, 1.20, 1.40)])
+    slower = Candidate("amp+grad_accum", [], 1, [_figures(0.40, 0.29, 0.54, verdict="slower")])
+    slower.drop(0, "clearly slower than amp")
+    assert _answer([leader, slower])[:2] == (leader, None)
+    kept = Candidate("grad_accum", [], 2, [_figures(1.10, 1.00, 1.20, verdict="within noise")])
+    assert _answer([leader, slower, kept])[:2] == (leader, kept)
+
+
 def test_clearly_slower_needs_a_gap_wider_than_the_control_band():
     from workbench.tuner import _clearly_slower
 
@@ -377,10 +390,11 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
     assert again.best == {"no_pause": {}}
     assert json.loads((out / "tune.json").read_text())["rounds"][: len(rounds_before)] == rounds_before
     assert sorted(p.name for p in (out / "round-1" / "units").iterdir()) == units
-    with pytest.raises(ValueError, match="holds a different search"):
+    with pytest.raises(ValueError, match=r"holds a different search \(differs in: run\)"):
         wb.tune(
-            PausingNet, batches(), budget_s=2 * budget, techniques=known_techniques, out=out, **RUN, **QUIET
-        )
+            PausingNet, batches(), budget_s=budget, techniques=known_techniques, out=out,
+            **{**RUN, "steps": 30}, **QUIET,
+        )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -416,7 +430,9 @@ def test_ctrl_c_in_a_round_keeps_the_time_it_took_spent(known_techniques, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timing
-def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_work(known_techniques):
+def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_work(
+    known_techniques, tmp_path
+):
     with pytest.raises(ValueError, match=r"budget_s=1 is too small.*Pass budget_s=\d+ or more") as refused:
         wb.tune(PausingNet, batches(), budget_s=1, techniques=known_techniques, out=False, **RUN, **QUIET)
     # The suggestion leaves a margin over what the least search needs, calibration included: 1.2x
@@ -424,6 +440,16 @@ def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_wo
     needs = int(re.search(r"needs about (\d+) s in all", str(refused.value))[1])
     suggested = int(re.search(r"Pass budget_s=(\d+) or more", str(refused.value))[1])
     assert suggested >= 1.5 * (needs - 1)  # needs is rounded up
+    assert "calibration is kept" not in str(refused.value)  # out=False keeps nothing
+    # Kept in a folder, the calibration is not thrown away with the refusal: a rerun with another
+    # budget goes on from it (the budget was part of the search's identity, so it was refused)
+    out = tmp_path / "search"
+    with pytest.raises(ValueError, match=rf"calibration is kept: .* out='{out}' goes on from it"):
+        wb.tune(PausingNet, batches(), budget_s=1, techniques=known_techniques, out=out, **RUN, **QUIET)
+    calibrated = json.loads((out / "tune.json").read_text())["calibration"]
+    with pytest.raises(ValueError, match=r"budget_s=2 is too small"):
+        wb.tune(PausingNet, batches(), budget_s=2, techniques=known_techniques, out=out, **RUN, **QUIET)
+    assert json.loads((out / "tune.json").read_text())["calibration"] == calibrated  # not measured again
 
 
 @pytest.mark.slow

@@ -1200,6 +1200,8 @@ class _Runner:
             done = run.blocks - len(self._blocks_not_done())
             return f"Stopped, its Slurm jobs cancelled: {done} of {run.blocks} blocks {where}"
         if not self.done:
+            if self.nested:  # a search's round: the search says what it kept
+                return f"Stopped before any process of {self.folder.name} finished."
             return "Stopped before any process finished: nothing was measured."
         return f"Stopped: {len(self.done)} of {planned} processes {where}"
 

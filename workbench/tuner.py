@@ -359,12 +359,16 @@ def tune(
         budget_s = min(budget_s, SMOKE_BUDGET_S)
     search = _Search(checked, data, settings, float(budget_s), progress, on_event, stop)
     temporary = tempfile.TemporaryDirectory(prefix="workbench-tune-") if out is False else None
+    search.kept = temporary is None
     folder_path = Path(
         temporary.name if temporary else out or _default_out(f"tune-{checked.config['model']}")
     )
     search.open(folder_path, overwrite, techniques, advice, max_candidates)
     try:
         results = search.run()
+    except KeyboardInterrupt:  # the round's own line names only the round: the search is kept too
+        say(f"\n{search.stopped_line()}")
+        raise
     finally:
         search.close()
         if temporary is not None:
@@ -398,6 +402,7 @@ class _Search:
         self.holds_template = False
         self.started = time.monotonic()
         self.spent_before = 0.0  # what earlier runs of this search spent (resuming)
+        self.kept = True  # False with out=False: the search's folder goes when it ends
 
     # --- the folder and its state -------------------------------------------------------------
 
@@ -421,8 +426,12 @@ class _Search:
             folder.refuse_foreign_files(resuming, (*SEARCH_FILES, "round-"))
             if resuming:
                 state = read_record(state_file, "this search's state")
-                refuse_a_different_run(path, state, fingerprint, "search")
-                self._restore(state)
+                # a search given more (or less) budget goes on from where it was: the budget is not
+                # part of what the search is (a refusal of too small a budget keeps its calibration)
+                refuse_a_different_run(path, state, fingerprint, "search", addable=("budget_s",))
+                self._restore({**state, **fingerprint})
+                if not self.state["rounds"]:  # refused before, or stopped before its first round
+                    self._check_budget()
                 return
             self.state = {**fingerprint, "rounds": [], "spent_s": 0.0}
             self._calibrate(techniques, advice, max_candidates)
@@ -452,7 +461,6 @@ class _Search:
             "model": self.checked.config["model"],
             "data": self.checked.config["data"],
             "run": self.run_config.to_json(),
-            "budget_s": self.budget_s,
             "pool": "the advisor" if techniques is None else repr(pool_from_techniques(techniques)),
             "advice": None if advice is None else advice.recommended,
             "max_candidates": max_candidates,
@@ -462,6 +470,7 @@ class _Search:
 
     def _save_state(self) -> None:
         self.state["spent_s"] = self.spent_s
+        self.state["budget_s"] = self.budget_s  # the latest run's: a resumed search may be given more
         self.state["candidates"] = [
             {"name": c.name, "techniques": c.techniques, "rank": c.rank} for c in self.candidates
         ]
@@ -481,8 +490,27 @@ class _Search:
         )
         self.excluded = state.get("excluded", [])
         self.costs = Costs(**state["costs"])
+        before = state.get("budget_s")
+        now = (
+            ""
+            if before in (None, self.budget_s)
+            else f" (its budget was {before:g} s, now {self.budget_s:g} s)"
+        )
         self._say(
-            f"resuming the search in {self.folder.path}: {self.spent_before:.0f} s of the budget spent before"
+            f"resuming the search in {self.folder.path}: {self.spent_before:.0f} s of the budget spent before{now}"
+        )
+
+    def stopped_line(self) -> str:
+        """What a search stopped by Ctrl-C says: what it kept, and how to go on."""
+        rounds = sum(1 for planned in self.state.get("rounds", []) if planned.get("folder"))
+        kept = (
+            f"its calibration and {rounds} round{'s' * (rounds != 1)} begun" if rounds else "its calibration"
+        )
+        if not self.kept:
+            return f"tune: stopped after {self.spent_s:.0f} s; nothing is kept (out=False)."
+        return (
+            f"tune: stopped after {self.spent_s:.0f} s of the budget; {kept} are saved in {self.folder.path}. "
+            f"Run the same command again (out={str(self.folder.path)!r}) to go on from there."
         )
 
     @property
@@ -505,6 +533,7 @@ class _Search:
 
         run_settings = {k: v for k, v in self.settings.items() if k not in ("control", "isolate")}
         began = time.monotonic()
+        ran_here = advice is None  # an Advice passed in ran before: its time is not this calibration's
         if techniques is None:
             if advice is None:
                 self._say("calibrating: the advisor profiles the baseline and ranks what could help")
@@ -534,10 +563,13 @@ class _Search:
             )
             calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False, False,
                                          False, self.progress, None, None, None, "tune: calibrate")  # fmt: skip
-        self._learn_calibration(calibration, time.monotonic() - began, list(costly))
+            ran_here = True
+        self._learn_calibration(calibration, time.monotonic() - began, list(costly), ran_here)
         self._price_candidates()
 
-    def _learn_calibration(self, calibration: Results, wall: float, costly: list[str]) -> None:
+    def _learn_calibration(
+        self, calibration: Results, wall: float, costly: list[str], ran_here: bool
+    ) -> None:
         """What a process, an arm and each slow-starting technique cost here, from the calibration."""
         units = {u["arm"]: u for u in calibration.record["units"]}
         unit = units["baseline"]
@@ -553,8 +585,10 @@ class _Search:
         arms = arm + sum(extra.values())
         # One process cannot tell the round's start from the process's: all of the rest is charged
         # to the round, a conservative guess that the first round's figures replace. An Advice
-        # passed in ran earlier (wall is ~0 here): its arm's cost stands in for the rest.
-        overhead = wall - arms if wall > arms else arm
+        # passed in ran earlier (wall is ~0 here): its arm's cost stands in for the rest. A wall
+        # shorter than the arms' estimate (a noisy one, from few steps) leaves no rest to charge:
+        # charging an arm's cost there doubled every estimate, and the least budget with them.
+        overhead = max(wall - arms, 0.0) if ran_here else arm
         if self.run_config.executor == "slurm":  # the calibration was a job, and each block will be one
             self.costs = Costs(run_s=0.0, process_s=overhead, default_arm_s=arm, per_job=True)
         else:
@@ -591,8 +625,8 @@ class _Search:
             slow = sum(extra.get(technique.name, 0.0) for technique, _ in candidate.pairs)
             if slow:
                 self.costs.prior_s[candidate.name] = self.costs.default_arm_s + slow
+        self._save_state()  # first: a budget refused keeps the calibration, for the rerun with more
         self._check_budget()
-        self._save_state()
 
     @functools.cached_property
     def _context(self):
@@ -634,6 +668,12 @@ class _Search:
                 f"beside the baseline, then compared over 2 blocks) needs about {math.ceil(least)} s in all, that "
                 f"calibration included. Pass budget_s={math.ceil(least * self.BUDGET_MARGIN)} or more (a margin for a machine "
                 "whose speed varies: a calibration here can take a third longer the next time), or fewer steps"
+                + (
+                    f". The calibration is kept: the same call with a larger budget_s and out={str(self.folder.path)!r} "
+                    "goes on from it"
+                    if self.kept
+                    else ""
+                )
             )
 
     # --- rounds -----------------------------------------------------------------------------------
@@ -979,12 +1019,13 @@ def _answer(measured: list[Candidate]) -> tuple[Candidate | None, Candidate | No
     )
     decided = [c for c in finalists if _not_decided(c.rounds[-1]) is None]
     best = decided[0] if decided else finalists[0] if finalists else None
-    # The runner-up: the finalist beside the winner, or else the candidate that went furthest
-    # (its figures are from its last round, with that round's blocks).
+    # The runner-up: the finalist beside the winner, or else the candidate still in the search
+    # that went furthest (its figures are from its last round, with that round's blocks). Not one
+    # the search dropped: one measurably slower than another, or whose loss drifted, is no
+    # second choice, and "runner-up" hid why it was dropped.
     others = sorted(
-        (c for c in measured if c is not best and c.rounds[-1]["speedup"] is not None),
-        # the furthest, then one still in the search before one it dropped, then the faster
-        key=lambda c: (-len(c.rounds), bool(c.dropped), -c.rounds[-1]["speedup"]),
+        (c for c in measured if c is not best and not c.dropped and c.rounds[-1]["speedup"] is not None),
+        key=lambda c: (-len(c.rounds), -c.rounds[-1]["speedup"]),  # the furthest, then the faster
     )
     runner_up = others[0] if others else None
     for candidate in finalists[: finalists.index(best)] if decided else ():
