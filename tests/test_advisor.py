@@ -57,6 +57,38 @@ def test_recommendations_are_ranked_by_their_ceiling_and_each_says_why():
     assert "On a CPU" in advice.caveats[0]
 
 
+def test_a_technique_for_two_parts_is_listed_for_its_higher_ceiling():
+    """compile was listed at x1.07 for the compute part (the bottleneck's) although its ceiling on
+    launch was x1.45: the tuner's pool follows that order."""
+    advice = build_advice(_facts(data_ms=0.0, overhead_ms=4.0, matmul_ms=5.0), EVERYTHING)
+    assert advice.bottleneck == "compute"
+    compile_row = advice.recommendations.set_index("technique").loc["compile"]
+    assert compile_row.part == "launch" and compile_row.at_most == pytest.approx(bound(0.35))
+
+
+def test_a_split_of_launch_and_compute_that_was_not_measured_is_said_first():
+    """At batch 1 the overhead was silently 0% (a verdict of compute for 311 operations of 4 us),
+    and a half batch slower than the full one became 97% launch, without a word."""
+    from workbench.advisor import _split_unknown
+
+    assert _split_unknown({}).startswith("A batch of one sample cannot be halved")
+    assert "(49.6 against 21.3 ms" in _split_unknown({"step_ms": 21.3, "half_batch_step_ms": 49.6})
+    assert _split_unknown({"step_ms": 21.3, "half_batch_step_ms": 21.5}) == ""  # all fixed: launch-bound
+    why = _split_unknown({})
+    advice = build_advice(_facts(batch=1, overhead_ms=0.0, split_unknown=why), EVERYTHING)
+    assert advice.caveats[0] == why
+    rows = advice.evidence.set_index("figure")
+    assert "step at batch 0" not in rows.index
+    assert rows.loc["step at half the batch", "meaning"].startswith("not measured")
+
+
+def test_a_memory_bound_job_with_no_remedy_for_memory_says_so_above_what_helps_elsewhere():
+    advice = build_advice(_facts(peak_mib=900.0, activation_mib=1.0), EVERYTHING)
+    assert advice.bottleneck == "memory" and not (advice.recommendations.part == "memory").any()
+    said = " ".join(advice.summary().split())
+    assert "nothing available here attacks this job's memory bottleneck; these help other parts" in said
+
+
 def test_the_advice_as_text_wraps_its_reasons_and_speaks_the_command_lines_flags():
     """`workbench advise` printed each reason and caveat as one line of several hundred
     characters, with the API's keywords ("threads=1") where the user had typed flags."""

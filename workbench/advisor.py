@@ -105,6 +105,9 @@ class Facts:
     emulated_bf16: str | None = None  # why this CPU would emulate bfloat16 (None: native, unknown, GPU)
     # data.loader_feed for each worker count, measured when the step loads its Dataset itself
     loader_feeds: tuple[dict, ...] = ()
+    # why the step's fixed part (launch) could not be told from its work (compute): all of the
+    # rest then counts as compute, and a caveat says so ("" when the two batch sizes told it)
+    split_unknown: str = ""
 
     @property
     def parts_ms(self) -> dict[str, float]:
@@ -156,13 +159,7 @@ def evidence(facts: Facts) -> pd.DataFrame:
         ("waiting for data", 100 * shares["data"], "% of step", "the step clock's data phase"),
         (f"{unit} per step", facts.ops, "", "what one step dispatched" + (" to the GPU" if gpu else "")),
         (f"median {unit[:-1]} time", facts.median_op_us, "us", "short ones mean overhead dominates"),
-        (f"step at batch {facts.batch}", facts.full_batch_ms, "ms", "interleaved with the next row's steps"),
-        (
-            f"step at batch {facts.batch // 2}",
-            facts.half_batch_ms,
-            "ms",
-            "half the work: a step that barely shrinks is overhead",
-        ),
+        *_batch_rows(facts),
         ("overhead (launch)", 100 * shares["launch"], "% of step", "does not grow with the batch"),
         ("work (compute)", 100 * shares["compute"], "% of step", "grows with the batch"),
         (
@@ -204,6 +201,22 @@ def evidence(facts: Facts) -> pd.DataFrame:
         rows.append(("communication exposed", 100 * shares["communication"], "% of step",
                      "still in flight after backward's computation: the step waits for it"))  # fmt: skip
     return pd.DataFrame(rows, columns=["figure", "value", "unit", "meaning"])
+
+
+def _batch_rows(facts: Facts) -> list[tuple]:
+    """The two batch sizes' steps, which split the step into launch and compute; a batch of one
+    has no half (its rows said "batch 0")."""
+    if facts.batch < 2:
+        return [("step at half the batch", math.nan, "ms", "not measured: a batch of one cannot be halved")]
+    return [
+        (f"step at batch {facts.batch}", facts.full_batch_ms, "ms", "interleaved with the next row's steps"),
+        (
+            f"step at batch {facts.batch // 2}",
+            facts.half_batch_ms,
+            "ms",
+            "half the work: a step that barely shrinks is overhead",
+        ),
+    ]
 
 
 def suggestions(facts: Facts, available: dict[str, str | None]) -> list[Suggestion]:
@@ -401,10 +414,13 @@ class Advice:
                 "the DataLoader's from its measured feed):"
             ),
         ]
+        if not (self.recommendations.part == self.bottleneck).any():  # said first, not left to be inferred
+            others = "" if self.recommendations.empty else "; these help other parts of the step:"
+            lines += wrapped(
+                f"nothing available here attacks this job's {self.bottleneck} bottleneck{others}", "  "
+            )
         for row in self.recommendations.itertuples():
             lines += wrapped(f"{row.technique} {row.settings}: {_gain(row)}; {row.why}", "  ")
-        if self.recommendations.empty:
-            lines.append("  nothing available here attacks this bottleneck")
         lines += ["", "not recommended:"]
         for row in self.not_recommended.itertuples():
             lines += wrapped(f"{row.technique}: {row.why}", "  ")
@@ -458,9 +474,12 @@ def build_advice(facts: Facts, available: dict[str, str | None], results: Result
         or (s.part != "memory" and s.at_most >= WORTH_TRYING)
     ]
     key = (lambda s: -np.nan_to_num(s.saves_mib)) if verdict == "memory" else (lambda s: -s.at_most)
-    chosen.sort(key=lambda s: (s.part != verdict, key(s)))
-    seen: set[str] = set()  # a technique that attacks two parts is listed once, for its best
-    chosen = [s for s in chosen if not (s.technique in seen or seen.add(s.technique))]
+    # A technique that attacks two parts is listed once, for its best: compile's x1.07 on the
+    # compute part hid its x1.45 on launch, because the bottleneck's part came first.
+    best: dict[str, Suggestion] = {}
+    for s in sorted(chosen, key=key):
+        best.setdefault(s.technique, s)
+    chosen = sorted(best.values(), key=lambda s: (s.part != verdict, key(s)))
     recommended = {s.technique for s in chosen}
     rejected = {}
     for s in found:
@@ -492,7 +511,8 @@ def build_advice(facts: Facts, available: dict[str, str | None], results: Result
         ),
         not_recommended=pd.DataFrame(sorted(rejected.items()), columns=["technique", "why"]),
         # The run's own warnings (a busy machine) first: they say how far to trust every figure.
-        caveats=(results.warnings() if results is not None else [])
+        caveats=([facts.split_unknown] if facts.split_unknown else [])
+        + (results.warnings() if results is not None else [])
         + ([CPU_CAVEAT] if facts.device != "cuda" else []),
         facts=facts,
         results=results,
@@ -550,6 +570,7 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
     matmul_ms = (profile["matmul_conv_kernel_ms"] if gpu else profile["matmul_conv_ms"]) * _unprofiled(
         profile, step_ms
     )
+    unknown = _split_unknown(profile.get("batch_scaling") or {})
     return Facts(
         device="cuda" if gpu else "cpu",
         step_ms=step_ms,
@@ -557,7 +578,8 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
         # What the step waits for is the exposed part; without that figure, all of it.
         comm_ms=_first_number(result.get("comm_exposed_ms_per_step"), result.get("comm_ms_per_step")),
         comm_busy_ms=result.get("comm_ms_per_step", 0.0) or 0.0,
-        overhead_ms=_overhead_ms(profile, step_ms - phases.get("data", 0.0)),
+        overhead_ms=0.0 if unknown else _overhead_ms(profile, step_ms - phases.get("data", 0.0)),
+        split_unknown=unknown,
         batch=int(profile.get("batch_scaling", {}).get("batch", 0)),
         half_batch_ms=profile.get("batch_scaling", {}).get("half_batch_step_ms", float("nan")),
         full_batch_ms=profile.get("batch_scaling", {}).get("step_ms", float("nan")),
@@ -589,6 +611,29 @@ def _first_number(*values) -> float:
 def _unprofiled(profile: dict, step_ms: float) -> float:
     """Profiled times shrink by this to the unprofiled step (the profiler adds its own cost)."""
     return min(step_ms / profile["profiled_step_ms"], 1.0) if profile.get("profiled_step_ms") else 1.0
+
+
+# A half batch slower than the full one by more than this is noise, not a fixed cost: with
+# t = fixed + batch x per_sample the half batch can only be as slow, when all of it is fixed.
+HALF_SLOWER_BEYOND = 1.05
+
+
+def _split_unknown(scaling: dict) -> str:
+    """Why the two batch sizes did not tell the step's fixed part from its work ("" when they did)."""
+    full, half = scaling.get("step_ms"), scaling.get("half_batch_step_ms")
+    if not full or half is None:
+        return (
+            "A batch of one sample cannot be halved, so the step's fixed part (launch) was not told from "
+            "its work (compute): 'compute' here is both, and a remedy for either may help. Measure "
+            "them, or advise on a batch of 2 or more"
+        )
+    if half > HALF_SLOWER_BEYOND * full:
+        return (
+            f"The half batch's steps took longer than the full batch's ({half:.1f} against {full:.1f} ms, "
+            "medians), which only noise can do: the step's fixed part (launch) was not told from its work "
+            "(compute), so 'compute' here is both. Rerun on a quieter machine, or with more steps"
+        )
+    return ""
 
 
 def _overhead_ms(profile: dict, work_ms: float) -> float:
