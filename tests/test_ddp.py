@@ -275,6 +275,56 @@ def test_the_same_ablation_runs_under_torchrun_with_one_node_and_two_ranks(tmp_p
     assert done.stdout.count("Saved results.json") == 1  # rank 0 alone reports
 
 
+RANK_ONE_FAILS = """
+import json, os, sys
+import torch
+import workbench as wb
+
+class FailsOnRankOne(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:  # in the arm's rank 1
+            raise RuntimeError("boom on rank 1")
+        return self.layer(x)
+
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+res = wb.ablate(FailsOnRankOne, data, techniques={}, steps=2, warmup=1, blocks=1, control=False,
+                batch_size=8, device="cpu", out=sys.argv[1], progress=False)
+print("REASONS", os.environ["RANK"], json.dumps(list(res.table.reason)))
+"""
+
+
+def test_under_torchrun_every_rank_returns_rank_0s_record_of_a_failed_arm(tmp_path):
+    """Through the Python API under torchrun, rank 1's Results said its peer closed the
+    connection where rank 0's named rank 1's own error: a script printing on every rank told two stories."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    script = tmp_path / "fails.py"
+    script.write_text(RANK_ONE_FAILS)
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    command = [
+        torchrun,
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(tmp_path / "r"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    said = {line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in done.stdout.splitlines()
+            if line.startswith("REASONS")}  # fmt: skip
+    assert set(said) == {"0", "1"}, done.stdout[-2000:] + done.stderr[-3000:]
+    assert said["0"] == said["1"] and "boom on rank 1" in said["0"][0], said
+
+
 def test_small_buckets_hide_communication_behind_backward_and_one_bucket_cannot():
     # resnet-mini's gradients are 0.7 MB: 25 MB buckets make one, which is ready only when the
     # gradient computation ends, so all of its communication is exposed; 0.1 MB buckets start

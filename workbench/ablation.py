@@ -95,7 +95,7 @@ from workbench.distributed import Torchrun, ranks_on_this_machine
 from workbench.environment import environment
 from workbench.loop import check_the_loss
 from workbench.models import build_model, inspect_model, model_label
-from workbench.process import STARTUP_LIMIT_S, Interrupted, rank_log, run_in_fresh_process
+from workbench.process import STARTUP_LIMIT_S, Interrupted, first_cause, rank_log, run_in_fresh_process
 from workbench.profiling import trace_owner
 from workbench.progress import Progress, print_plan, say
 from workbench.results import DID_NOT_RUN, SCHEMA, Results, summarize
@@ -826,6 +826,30 @@ def _run_in_folder(
     return results
 
 
+def _rank_zeros_with_the_cause(records: list[dict]) -> tuple[list[dict], dict]:
+    """Under torchrun, each node's record of one process, made one: rank 0's, which every node
+    keeps (so all skip the same later blocks, and a script reading the results on any rank reads
+    the same), with each failed arm's reason from the rank whose error caused the others' (a
+    collective failing because a peer went away only echoes it: process.first_cause). Each
+    node's parent sees only its own rank's worker: rank 0 alone said its peer had crashed."""
+    units = records[0]["units"]
+    for unit in units:
+        if unit["status"] not in ("failed", "oom"):
+            continue
+        errors = {
+            rank: theirs
+            for rank, record in enumerate(records)
+            for theirs in record["units"]
+            if theirs["arm"] == unit["arm"] and theirs["status"] in ("failed", "oom")
+        }
+        cause = first_cause(errors)
+        if cause != 0:
+            theirs = errors[cause]
+            unit.update(status=theirs["status"], reason=f"rank {cause} of {len(records)}: {theirs['reason']}",
+                        traceback=theirs.get("traceback", ""))  # fmt: skip
+    return units, records[0]["moved"]
+
+
 def _earlier_samples(folder: Path) -> list[dict]:
     """The telemetry an earlier run of this ablation saved in ``folder`` (results.json), which a
     resumed run keeps beside its own: its blocks were measured under that load. None when the
@@ -1363,11 +1387,8 @@ class _Runner:
                 }
                 break
             runnable = self._without_the_culprit(job, attempt, answer, arm_errors, runnable, units, moved)
-        if self.launcher is not None:  # every node follows rank 0's verdict, to stay in step
-            ok = self.launcher.agree(all(u["status"] not in ("failed", "oom") for u in units))
-            for unit in units:
-                if not ok and unit["status"] == "ok":
-                    unit.update(status="failed", reason="failed on rank 0", result=None)
+        if self.launcher is not None:  # every node takes rank 0's record, to stay in step
+            units, moved = _rank_zeros_with_the_cause(self.launcher.gather({"units": units, "moved": moved}))
         self._keep_job(job, units, moved, block_record, bar)
 
     def _without_the_culprit(

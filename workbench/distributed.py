@@ -433,8 +433,19 @@ class Torchrun:
         """A port for the next unit's process group, chosen on rank 0's machine."""
         return self._broadcast(free_port() if self.rank.rank == 0 else 0)
 
-    def agree(self, ok: bool) -> bool:
-        """Rank 0's outcome of the unit, on every rank; then wait for all of them."""
-        outcome = bool(self._broadcast(int(ok) if self.rank.rank == 0 else 0))
+    def gather(self, record: dict) -> list[dict]:
+        """Every rank's record of a process (its units, the arms it moved), in rank order, on every
+        rank; then wait for all of them. As JSON bytes: nothing is unpickled."""
+        payload = torch.frombuffer(bytearray(json.dumps(record, default=str).encode()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.rank.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64))
+        longest = int(max(size.item() for size in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(payload)] = payload
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+        dist.all_gather(gathered, padded)
         dist.barrier()
-        return outcome
+        return [
+            json.loads(data[: int(size.item())].numpy().tobytes().decode())
+            for data, size in zip(gathered, sizes, strict=True)
+        ]

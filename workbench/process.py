@@ -447,7 +447,7 @@ def _failure(
             "traceback": _log_tail(processes[rank].log_path),
         }
     if rank_errors:
-        rank = _first_cause(rank_errors)
+        rank = first_cause(rank_errors)
         error = rank_errors[rank]
         prefix = "" if single else f"rank {rank} of {len(processes)}: "
         return {**error, "reason": prefix + error["reason"]}
@@ -465,9 +465,10 @@ def _failure(
     }
 
 
-def _first_cause(rank_errors: dict[int, dict]) -> int:
+def first_cause(rank_errors: dict[int, dict]) -> int:
     """The rank whose error is not a collective failing because a peer went away."""
-    echoes = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "timeout")
+    echoes = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "timeout",
+              "remote worker crashing")  # fmt: skip
     for rank, error in sorted(rank_errors.items()):
         if not any(echo in error.get("reason", "").lower() for echo in echoes):
             return rank
