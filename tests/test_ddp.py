@@ -275,6 +275,17 @@ def test_the_same_ablation_runs_under_torchrun_with_one_node_and_two_ranks(tmp_p
     assert done.stdout.count("Saved results.json") == 1  # rank 0 alone reports
 
 
+def test_the_bytes_a_rank_sends_are_the_mean_over_the_ranks_not_rank_0s():
+    """hierarchical's node leader (rank 0, always) reduces, all-reduces and broadcasts: its bytes
+    alone read as a compression ratio of 0.33, as if the hook tripled the traffic."""
+    from workbench.worker import all_ranks
+
+    mine = {"samples": 80, "wall_s": 1.0, "samples_per_s": 80.0, "comm_bytes_per_step": 3.0e6}
+    other = {**mine, "comm_bytes_per_step": 1.0e6}
+    job = all_ranks(mine, [mine, other, mine, other])
+    assert job["comm_bytes_per_step"] == 2.0e6 and job["samples_per_s"] == 320.0 and job["world_size"] == 4
+
+
 RANK_ONE_FAILS = """
 import json, os, sys
 import torch

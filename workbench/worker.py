@@ -449,17 +449,24 @@ def _gather_ranks(result: dict, rank: Rank, device: torch.device) -> dict:
     )
     everyone = gather_to_rank0({key: result[key] for key in keys}, rank, device)
     dist.barrier()  # every rank has everything; the process group ends with the process
-    if everyone is None:
-        return result
+    return result if everyone is None else all_ranks(result, everyone)
+
+
+def all_ranks(result: dict, everyone: list[dict]) -> dict:
+    """Rank 0's result with the job's figures: its throughput over every rank, and the bytes a rank
+    hands to collectives as their mean over the ranks, not rank 0's. Hooks that send unequally
+    (hierarchical: a node's leader reduces, all-reduces and broadcasts, the others send once) made
+    rank 0, always a leader, read as if the hook tripled the traffic."""
     # The ranks step in lockstep (every step ends in an all-reduce), so the job's throughput is
     # all samples over the slowest rank's window.
     aggregate = sum(r["samples"] for r in everyone) / max(r["wall_s"] for r in everyone)
     return {
         **result,
-        "world_size": rank.world_size,
+        "world_size": len(everyone),
         "per_rank": everyone,
         "samples_per_s": aggregate,
         "samples": sum(r["samples"] for r in everyone),
+        "comm_bytes_per_step": float(np.mean([r["comm_bytes_per_step"] for r in everyone])),
     }
 
 
