@@ -629,6 +629,8 @@ def test_a_search_reads_furthest_first_with_what_became_of_each_candidate():
     ]
     assert [cells[-1] for cells in rows][:2] == ["best", "runner-up"]
     assert rows[2][3] == "0.68× [0.60, 0.77]" and rows[3][3] == "-"
+    not_screened = {**record["candidates"][1], "blocks": None}  # it printed "None"
+    assert search_rows({**record, "candidates": [not_screened]})[0][2] == "-"
     text = search_text(record, "best: channels_last+amp, x1.76 [1.64, 1.90] over 5 blocks", 80)
     lines = text.splitlines()
     assert max(map(len, lines)) <= 80, text
@@ -672,7 +674,7 @@ def test_a_search_lists_what_it_could_not_run_here_with_the_reason_and_counts_wh
     assert left_out[0] == [
         "dali+t0",
         "0",
-        "0",
+        "-",  # no blocks, as for a candidate not screened ("0" here, "None" there)
         "-",
         "-",
         "not searched: cannot run here: dali: needs JPEG files to decode",
@@ -727,9 +729,10 @@ def test_a_searchs_plot_shades_the_noise_band_its_verdict_was_judged_against(tmp
     draw: a reader saw x1.15 [1.02, 1.29] right of the dashed 1 and no reason it was no winner."""
     from matplotlib.colors import to_hex
 
-    def history(round_, speedup, low, high, band):
+    def history(round_, speedup, low, high, band, blocks=None):
         return {
             "round": round_,
+            "blocks": blocks if blocks is not None else [1, 3][round_ - 1],
             "speedup": speedup,
             "speedup_low": low,
             "speedup_high": high,
@@ -738,7 +741,11 @@ def test_a_searchs_plot_shades_the_noise_band_its_verdict_was_judged_against(tmp
 
     fastest = {
         "name": "channels_last",
-        "history": [history(1, 1.21, 1.14, 1.27, [0.95, 1.05]), history(2, 1.15, 1.02, 1.29, [0.91, 1.09])],
+        # round 2 planned 3 blocks; the budget let 2 finish, which the legend says (it said 3)
+        "history": [
+            history(1, 1.21, 1.14, 1.27, [0.95, 1.05]),
+            history(2, 1.15, 1.02, 1.29, [0.91, 1.09], 2),
+        ],
         "speedup": 1.15,
         "dropped": "the fastest, but not measurably faster than the baseline",
         "dropped_in_round": None,
@@ -765,7 +772,7 @@ def test_a_searchs_plot_shades_the_noise_band_its_verdict_was_judged_against(tmp
     band = shaded[0]
     assert (band.get_x(), band.get_x() + band.get_width()) == pytest.approx((0.91, 1.09))
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
-    assert sorted(legend) == ["noise band in round 2", "round 1: 1 block", "round 2: 3 blocks"]
+    assert sorted(legend) == ["noise band in round 2", "round 1: 1 block", "round 2: 2 of 3 blocks"]
     assert (tmp_path / "tune.png").stat().st_size > 0
 
 

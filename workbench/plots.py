@@ -312,9 +312,12 @@ def _results_title(results, line_chars: int) -> tuple[str, bool]:
     env = results.environment
     where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")
     blocks = config.get("blocks", config.get("repeats"))
+    # a run stopped (or a search's round cut by its budget) measured fewer blocks than it planned
+    done = len({unit["block"] for unit in results.record.get("units", []) if unit.get("status") == "ok"})
+    of = f"{done} of " if not results.complete and done < blocks else ""
     title = (
         f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps per arm x "
-        f"{blocks} block{'s' * (blocks != 1)}, batch {config['batch_size']}, {device} ({where})"
+        f"{of}{blocks} block{'s' * (blocks != 1)}, batch {config['batch_size']}, {device} ({where})"
     )
     warnings = results.warnings()
     if warnings:  # said on the figure itself: a plot travels without its table
@@ -693,6 +696,13 @@ def plot_tune(results, path=None) -> ResultsFigure:
     figure = ResultsFigure(figsize=(10, 1.8 + 0.36 * max(len(measured), 2)), layout="constrained")
     axes = figure.subplots()
     best = (tune.get("best") or {}).get("name")
+    # Each round's blocks as measured: a round cut by the budget measured fewer than it planned.
+    measured_blocks: dict[int, int] = {}
+    for candidate in measured:
+        for entry in candidate["history"]:
+            if entry.get("blocks") is not None:
+                index = entry["round"] - 1
+                measured_blocks[index] = max(measured_blocks.get(index, 0), entry["blocks"])
     lows, highs, shown = [1.0], [1.0], set()
     for y, candidate in enumerate(measured):
         for step, entry in enumerate(candidate["history"]):
@@ -704,8 +714,10 @@ def plot_tune(results, path=None) -> ResultsFigure:
             label = None
             if index not in shown:
                 shown.add(index)
-                blocks = rounds[index]["blocks"]
-                label = f"round {index + 1}: {blocks} block{'s' * (blocks != 1)}"
+                planned = rounds[index]["blocks"]
+                blocks = measured_blocks.get(index, planned)
+                of = f" of {planned}" if blocks < planned else ""
+                label = f"round {index + 1}: {blocks}{of} block{'s' * (max(blocks, planned) != 1)}"
             axes.errorbar(entry["speedup"], y + offset, xerr=[[entry["speedup"] - low], [high - entry["speedup"]]],
                           fmt="o", color=shades[index], markersize=5, capsize=2, linewidth=1.2, label=label)  # fmt: skip
             lows.append(low)

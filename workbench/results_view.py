@@ -634,7 +634,7 @@ def search_rows(tune: dict) -> list[list[str]]:
             [
                 candidate["name"],
                 str(candidate["rounds"]),
-                str(candidate["blocks"]),
+                "-" if candidate["blocks"] is None else str(candidate["blocks"]),  # not screened: none
                 speedup,
                 times(figures["loss_vs_baseline"]),
                 outcome,
@@ -653,7 +653,7 @@ def _not_searched_rows(excluded: list[dict]) -> list[list[str]]:
     unmeasured = speedup_text(_Figures(math.nan, math.nan, math.nan))
 
     def row(name: str, outcome: str) -> list[str]:  # no rounds, no blocks, no figures
-        return [name, "0", "0", unmeasured, times(math.nan), f"not searched: {outcome}"]
+        return [name, "0", "-", unmeasured, times(math.nan), f"not searched: {outcome}"]
 
     cannot = [e for e in excluded if not e["why"].startswith("beyond max_candidates")]
     beyond = [e for e in excluded if e["why"].startswith("beyond max_candidates")]
