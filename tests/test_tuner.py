@@ -71,6 +71,7 @@ def test_a_budget_reads_as_seconds_minutes_or_hours():
         ({"budget_s": 60, "techniques": ["amp"], "advice": object()}, "not both"),
         ({"budget_s": 60, "max_candidates": 0}, "max_candidates must be"),
         ({"budget_s": 60, "stepz": 3}, "stepz"),
+        ({"budget_s": 60, "steps": -1}, "^tune: steps must be >= 1"),  # it said "ablate:"
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(arguments, message):

@@ -640,7 +640,15 @@ class RunConfig:
         for name in options:
             if name not in valid:
                 raise unknown_name_error(f"{caller} argument", name, [*also, *valid])
-        run = cls(**options)
+        try:
+            run = cls(**options)
+        except ValueError as error:  # the checks speak as ablate: tune(steps=-1) is tune's mistake
+            message = str(error)
+            if caller in ("tune", "advise") and message.startswith(
+                "ablate: "
+            ):  # plan and the panel are ablate's
+                raise ValueError(f"{caller}: {message.removeprefix('ablate: ')}") from None
+            raise
         if smoke_test():
             run = replace(run, **{name: min(getattr(run, name), cap) for name, cap in SMOKE_CAPS.items()})
         return run

@@ -662,9 +662,10 @@ class _Search:
         )
         if self.budget_s < least:
             measured = " and ".join(["its baseline", *self.state["calibration"].get("startup_extra_s", {})])
+            screened = "two candidates" if len(pair) > 1 else "its one candidate"
             raise ValueError(
                 f"tune: budget_s={self.budget_s:g} is too small to tune this job: calibrating ({measured} measured once) took "
-                f"{self.state['calibration']['wall_s']:.1f} s here, and the least search (two candidates screened "
+                f"{self.state['calibration']['wall_s']:.1f} s here, and the least search ({screened} screened "
                 f"beside the baseline, then compared over 2 blocks) needs about {math.ceil(least)} s in all, that "
                 f"calibration included. Pass budget_s={math.ceil(least * self.BUDGET_MARGIN)} or more (a margin for a machine "
                 "whose speed varies: a calibration here can take a third longer the next time), or fewer steps"
