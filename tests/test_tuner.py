@@ -399,7 +399,7 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_a_round_keeps_the_time_it_took_spent(known_techniques, tmp_path, monkeypatch):
+def test_ctrl_c_in_a_round_keeps_the_time_it_took_spent(known_techniques, tmp_path, monkeypatch, capsys):
     """Otherwise each interrupted round would give its time back, and a search stopped and
     resumed again and again could run past its budget without end."""
     import workbench.tuner
@@ -427,6 +427,9 @@ def test_ctrl_c_in_a_round_keeps_the_time_it_took_spent(known_techniques, tmp_pa
         )
     state = json.loads((out / "tune.json").read_text())
     assert state["spent_s"] >= spent_before[0] + 2.0, (spent_before, state["spent_s"])
+    # the search says what it kept and how to go on (the round alone said "nothing was measured")
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"its calibration and 1 round begun are saved in {out}. Run the same command again" in said
 
 
 @pytest.mark.slow

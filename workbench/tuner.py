@@ -504,12 +504,14 @@ class _Search:
         """What a search stopped by Ctrl-C says: what it kept, and how to go on."""
         rounds = sum(1 for planned in self.state.get("rounds", []) if planned.get("folder"))
         kept = (
-            f"its calibration and {rounds} round{'s' * (rounds != 1)} begun" if rounds else "its calibration"
+            f"its calibration and {rounds} round{'s' * (rounds != 1)} begun are"
+            if rounds
+            else "its calibration is"
         )
         if not self.kept:
             return f"tune: stopped after {self.spent_s:.0f} s; nothing is kept (out=False)."
         return (
-            f"tune: stopped after {self.spent_s:.0f} s of the budget; {kept} are saved in {self.folder.path}. "
+            f"tune: stopped after {self.spent_s:.0f} s of the budget; {kept} saved in {self.folder.path}. "
             f"Run the same command again (out={str(self.folder.path)!r}) to go on from there."
         )
 
