@@ -852,7 +852,7 @@ def _rank_zeros_with_the_cause(records: list[dict]) -> tuple[list[dict], dict]:
 
 def _earlier_samples(folder: Path) -> list[dict]:
     """The telemetry an earlier run of this ablation saved in ``folder`` (results.json), which a
-    resumed run keeps beside its own: its blocks were measured under that load. None when the
+    resumed run keeps beside its own: its blocks were measured under that load. Empty when the
     file is missing or unreadable (the finished processes themselves are in units/)."""
     try:
         samples = json.loads((folder / "results.json").read_text()).get("telemetry")
