@@ -644,9 +644,8 @@ class RunConfig:
             run = cls(**options)
         except ValueError as error:  # the checks speak as ablate: tune(steps=-1) is tune's mistake
             message = str(error)
-            if caller in ("tune", "advise") and message.startswith(
-                "ablate: "
-            ):  # plan and the panel are ablate's
+            # (plan's and the panel's are ablate's: the CLI's dry run names its command itself)
+            if caller in ("tune", "advise") and message.startswith("ablate: "):
                 raise ValueError(f"{caller}: {message.removeprefix('ablate: ')}") from None
             raise
         if smoke_test():
