@@ -313,8 +313,9 @@ def _results_title(results, line_chars: int) -> tuple[str, bool]:
     where = ", ".join(env.get("gpus") or []) if device.startswith("cuda") else env.get("cpu", "")
     blocks = config.get("blocks", config.get("repeats"))
     # a run stopped (or a search's round cut by its budget) measured fewer blocks than it planned
-    done = len({unit["block"] for unit in results.record.get("units", []) if unit.get("status") == "ok"})
-    of = f"{done} of " if not results.complete and done < blocks else ""
+    units = getattr(results, "record", {}).get("units", [])  # the live plot's run has none yet
+    done = len({unit["block"] for unit in units if unit.get("status") == "ok"})
+    of = f"{done} of " if units and not results.complete and done < blocks else ""
     title = (
         f"{config['model']} on {config['data']}, {config['mode']}: {config['steps']} steps per arm x "
         f"{of}{blocks} block{'s' * (blocks != 1)}, batch {config['batch_size']}, {device} ({where})"
