@@ -22,7 +22,7 @@ def _facts(**changes) -> Facts:
         device="cpu", step_ms=10.0, data_ms=1.0, comm_ms=0.0, overhead_ms=3.0, batch=16, half_batch_ms=5.0,
         full_batch_ms=7.0, busy_ms=6.0, matmul_ms=4.0, optimizer_ms=0.5,
         fp32_matmul_ms=0.0, forward_ms=3.0, ops=200.0, median_op_us=12.0, peak_mib=100.0,
-        activation_mib=60.0, capacity_mib=1000.0, capacity_source="memory_cap_mb", has_conv=False,
+        activation_mib=60.0, capacity_mib=1000.0, capacity_source="the run's memory cap", has_conv=False,
         world_size=1,
     )  # fmt: skip
     return Facts(**{**base, **changes})
@@ -433,7 +433,7 @@ def test_a_job_near_its_memory_cap_is_memory_bound():
     peak = free.facts.peak_mib
     capped = wb.advise("gpt-mini", **job, memory_cap_mb=1.1 * peak)
     assert free.bottleneck != "memory" and capped.bottleneck == "memory", capped.summary()
-    assert capped.facts.capacity_source == "memory_cap_mb"
+    assert capped.facts.capacity_source == "the run's memory cap"  # the plot said memory_cap_mb to CLI users
     assert list(capped.recommended)[0] == "checkpointing"  # it frees the most activations
 
 

@@ -656,7 +656,8 @@ def _overhead_ms(profile: dict, work_ms: float) -> float:
 
 def _capacity(results: Results, gpu: bool, memory_cap_mb: float | None) -> tuple[float, str]:
     if memory_cap_mb is not None:
-        return float(memory_cap_mb), "memory_cap_mb"
+        # in words, not the keyword: the plot shows it as it is, where the CLI's flag would be --memory-cap-mb
+        return float(memory_cap_mb), "the run's memory cap"
     if gpu:
         gib = results.record["environment"].get("gpu_memory_gib")
         if gib:
