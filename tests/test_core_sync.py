@@ -180,9 +180,10 @@ def test_more_ranks_than_cores_are_warned_of_before_the_run_at_default_threads(m
     """The plan line (and the dry run) warned only when threads was set: 4 ranks on 2 cores, at
     one thread each by default, went unwarned until the results."""
     import workbench as wb
-    from workbench import ablation
+    from workbench import ablation, telemetry
 
-    monkeypatch.setattr(ablation, "usable_cores", lambda: 2)
+    for module in (ablation, telemetry):  # the cores, and the threads each rank shares them into
+        monkeypatch.setattr(module, "usable_cores", lambda: 2)
     plan = wb.plan("mlp", techniques={}, world_size=4, device="cpu")
     assert plan.attrs["oversubscribed"] == "4 ranks x 1 intra-op threads on 2 usable cores"
     assert wb.plan("mlp", techniques={}, world_size=2, device="cpu").attrs["oversubscribed"] is None

@@ -24,7 +24,7 @@ import pytest
 
 import workbench as wb
 import workbench.slurm
-from workbench.slurm import job_states
+from workbench.slurm import ask_squeue
 
 pytestmark = pytest.mark.slurm
 
@@ -84,7 +84,7 @@ def _submitter(out: Path, **settings) -> subprocess.Popen:
 
 
 def _no_jobs_left(out: Path) -> bool:
-    live = job_states([a["job_id"] for a in _state(out)]) or {}
+    live = ask_squeue([a["job_id"] for a in _state(out)])[0] or {}
     return not any(s.state in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") for s in live.values())
 
 
@@ -133,7 +133,7 @@ def test_a_job_cancelled_by_someone_else_is_recorded_and_its_block_retried(tmp_p
     submitter = _submitter(out, blocks=1)
     _wait_for(lambda: _state(out), what="the job's submission")
     first = _state(out)[0]["job_id"]
-    _wait_for(lambda: (job_states([first]) or {}).get(first) is not None, what="Slurm to list the job")
+    _wait_for(lambda: (ask_squeue([first])[0] or {}).get(first) is not None, what="Slurm to list the job")
     subprocess.run(["scancel", first], check=True)
     output, _ = submitter.communicate(timeout=300)
     assert submitter.returncode == 0, output
@@ -225,9 +225,9 @@ def test_ctrl_c_cancels_this_runs_jobs_and_no_others(tmp_path):
         attempts = _state(out)
         assert all(a["state"] in ("CANCELLED", "MERGED") for a in attempts), attempts
         assert any(a["cancelled_by_run"] for a in attempts), output
-        mine = job_states([a["job_id"] for a in attempts]) or {}
+        mine = ask_squeue([a["job_id"] for a in attempts])[0] or {}
         assert not any(s.state in ("PENDING", "RUNNING") for s in mine.values())
-        assert job_states([other])[other].state == "PENDING", "someone else's job must be left alone"
+        assert ask_squeue([other])[0][other].state == "PENDING", "someone else's job must be left alone"
     finally:
         subprocess.run(["scancel", other], check=False)
         if submitter.poll() is None:

@@ -106,7 +106,7 @@ from workbench.techniques import (
     parse_techniques,
     technique_context,
 )
-from workbench.telemetry import Sampler, competing_load, usable_cores
+from workbench.telemetry import Sampler, competing_load, threads_per_rank, usable_cores
 from workbench.template import WarmTemplate, acquire_template, keep_warm_s, release_template
 from workbench.worker import BlockSpec, slug, trace_file_name
 
@@ -983,9 +983,9 @@ def _oversubscribed_here(prepared: Prepared) -> str | None:
     """What is wrong when a CPU run's ranks x threads outnumber this machine's cores, or None."""
     if prepared.config["device"] != "cpu" or prepared.run.executor == "slurm":  # a node's cores, not ours
         return None
-    ranks, cores = ranks_on_this_machine(prepared.run.world_size), usable_cores()
-    threads = prepared.run.threads or max(1, cores // ranks)  # each rank's default (worker.prepare_process)
-    return oversubscription(threads, cores, ranks)
+    ranks = ranks_on_this_machine(prepared.run.world_size)
+    threads = prepared.run.threads or threads_per_rank(ranks)  # as each rank starts (worker.prepare_process)
+    return oversubscription(threads, usable_cores(), ranks)
 
 
 def _prepare_plan(

@@ -570,7 +570,8 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
     matmul_ms = (profile["matmul_conv_kernel_ms"] if gpu else profile["matmul_conv_ms"]) * _unprofiled(
         profile, step_ms
     )
-    unknown = _split_unknown(profile.get("batch_scaling") or {})
+    scaling = profile.get("batch_scaling") or {}  # empty for a batch of one
+    unknown = _split_unknown(scaling)
     return Facts(
         device="cuda" if gpu else "cpu",
         step_ms=step_ms,
@@ -578,11 +579,11 @@ def facts_from(results: Results, run_device: str, memory_cap_mb: float | None) -
         # What the step waits for is the exposed part; without that figure, all of it.
         comm_ms=_first_number(result.get("comm_exposed_ms_per_step"), result.get("comm_ms_per_step")),
         comm_busy_ms=result.get("comm_ms_per_step", 0.0) or 0.0,
-        overhead_ms=0.0 if unknown else _overhead_ms(profile, step_ms - phases.get("data", 0.0)),
+        overhead_ms=0.0 if unknown else _overhead_ms(scaling, step_ms - phases.get("data", 0.0)),
         split_unknown=unknown,
-        batch=int(profile.get("batch_scaling", {}).get("batch", 0)),
-        half_batch_ms=profile.get("batch_scaling", {}).get("half_batch_step_ms", float("nan")),
-        full_batch_ms=profile.get("batch_scaling", {}).get("step_ms", float("nan")),
+        batch=int(scaling.get("batch", 0)),
+        half_batch_ms=scaling.get("half_batch_step_ms", float("nan")),
+        full_batch_ms=scaling.get("step_ms", float("nan")),
         busy_ms=profile["kernel_ms"] if gpu else profile["op_ms"],
         matmul_ms=matmul_ms,
         # A part of matmul_ms: scaled alike, never more than it.
@@ -638,18 +639,17 @@ def _split_unknown(scaling: dict) -> str:
     return ""
 
 
-def _overhead_ms(profile: dict, work_ms: float) -> float:
+def _overhead_ms(scaling: dict, work_ms: float) -> float:
     """The part of the step that does not grow with the batch.
 
     With t(batch) = fixed + batch x per_sample, t(b) and t(b/2) give fixed = 2 t(b/2) - t(b),
     as a share of t(b), applied to ``work_ms``: the timed windows' step less its wait for data,
     since the two sizes are timed on batches loaded beforehand. It holds the optimizer's step,
-    whose cost follows the weights, not the batch (the evidence shows it on its own row).
+    whose cost follows the weights, not the batch (the evidence shows it on its own row). Only
+    for two sizes that told it (``_split_unknown``): a half batch a little slower than the full
+    one is all fixed, and the share is clamped there.
     """
-    scaling = profile.get("batch_scaling") or {}
-    full, half = scaling.get("step_ms"), scaling.get("half_batch_step_ms")
-    if not full or half is None:
-        return 0.0  # a batch of one cannot be halved: no overhead is claimed
+    full, half = scaling["step_ms"], scaling["half_batch_step_ms"]
     fixed = min(max(2 * half - full, 0.0), full)
     return fixed / full * work_ms
 

@@ -397,8 +397,9 @@ class Torchrun:
     Under torchrun every parent plans the same ablation and walks the same schedule; for
     each arm and block it starts one fresh worker for its own rank, and the workers of all nodes meet
     on a port that rank 0 chose and broadcast. The parents stay in lockstep through a gloo
-    "control" group of their own: rank 0's outcome of each process (so every node skips the same
-    later blocks) and a barrier after it. Only rank 0 keeps results and prints progress.
+    "control" group of their own: every node's record of each process, gathered so that all keep
+    rank 0's (and skip the same later blocks), and a barrier after it. Only rank 0 keeps results
+    and prints progress.
     """
 
     def __init__(self, rank: Rank):

@@ -105,11 +105,10 @@ class Progress:
     def note(self, text: str) -> None:
         """A line that stays (a warning while the run waits), above the bar when there is one;
         shown with the bar switched off too, in the caller's spelling (SPELLING)."""
-        text = SPELLING.get()(text)
         if self.bar is not None:
-            self.bar.write(text, file=sys.stderr)
+            self.bar.write(SPELLING.get()(text), file=sys.stderr)
         else:
-            print(text, file=sys.stderr, flush=True)
+            say(text, error=True)
 
     def at_least(self, total: int) -> None:
         """Raise the total (an arm moved to a process of its own adds processes)."""

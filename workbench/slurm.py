@@ -108,13 +108,9 @@ class JobState:
     node: str
 
 
-def job_states(job_ids: list[str]) -> dict[str, JobState] | None:
-    """What Slurm says about these jobs now; a job it has forgotten is absent; None: Slurm did not answer."""
-    return ask_squeue(job_ids)[0]
-
-
 def ask_squeue(job_ids: list[str]) -> tuple[dict[str, JobState] | None, str]:
-    """``job_states``, and when Slurm did not answer (None), why: squeue's own words."""
+    """What Slurm says about these jobs now (a job it has forgotten is absent), and ""; or, when
+    Slurm did not answer, None and why, in squeue's own words."""
     if not job_ids:
         return {}, ""
     try:

@@ -411,6 +411,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def threads_per_rank(ranks: int) -> int:
+    """The intra-op threads each of ``ranks`` CPU ranks on this machine gets by default: the usable
+    cores shared out, at least one each (more ranks than cores then oversubscribe them)."""
+    return max(1, usable_cores() // ranks)
+
+
 def cpu_utilization_pct(cpu_seconds: float, wall_s: float) -> float:
     """CPU time over wall time, as a share of the usable cores (100: every core busy), at most 100.
 

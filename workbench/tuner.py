@@ -357,9 +357,10 @@ def tune(
     )  # bad model, data or settings: refused before anything runs
     if smoke_test():  # WORKBENCH_SMOKE=1 (workbench.config): the rounds are cut, so is the search
         budget_s = min(budget_s, SMOKE_BUDGET_S)
-    search = _Search(checked, data, settings, float(budget_s), progress, on_event, stop)
     temporary = tempfile.TemporaryDirectory(prefix="workbench-tune-") if out is False else None
-    search.kept = temporary is None
+    search = _Search(
+        checked, data, settings, float(budget_s), progress, on_event, stop, kept=temporary is None
+    )
     folder_path = Path(
         temporary.name if temporary else out or _default_out(f"tune-{checked.config['model']}")
     )
@@ -381,7 +382,7 @@ def tune(
 class _Search:
     """One search's state: the candidates, the rounds run, the costs learned, the clock."""
 
-    def __init__(self, checked: Prepared, data, settings, budget_s, progress, on_event, stop):
+    def __init__(self, checked: Prepared, data, settings, budget_s, progress, on_event, stop, kept: bool):
         # The job as prepare() checked it (its data resolved once: checked.data), and the data as
         # the user gave it, which each round's ablation resolves in its own processes.
         self.checked, self.data = checked, data
@@ -402,7 +403,7 @@ class _Search:
         self.holds_template = False
         self.started = time.monotonic()
         self.spent_before = 0.0  # what earlier runs of this search spent (resuming)
-        self.kept = True  # False with out=False: the search's folder goes when it ends
+        self.kept = kept  # False with out=False: the search's folder goes when it ends
 
     # --- the folder and its state -------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from workbench.environment import cpu_model
 from workbench.heap import hold_heap_steady
 from workbench.process_state import differences, fingerprint
 from workbench.profiling import TraceFile
-from workbench.telemetry import ProcessRss, nvml_indices, usable_cores
+from workbench.telemetry import ProcessRss, nvml_indices, threads_per_rank, usable_cores
 
 
 @dataclass
@@ -162,7 +162,7 @@ def _process_setup(spec: BlockSpec) -> tuple[Rank, torch.device, CommMeter | Non
     if rank.distributed and device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one machine share its cores: each would otherwise start one thread per core,
         # and the oversubscribed cores would time-slice between ranks (noise, not a measurement).
-        torch.set_num_threads(max(1, usable_cores() // rank.local_world_size))
+        torch.set_num_threads(threads_per_rank(rank.local_world_size))
     if spec.run.threads is not None:  # the run's own choice comes before either default
         torch.set_num_threads(spec.run.threads)
     heap = hold_heap_steady(spec.run.heap)  # before the first tensor of any arm (workbench.heap)
