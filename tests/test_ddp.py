@@ -274,6 +274,17 @@ def test_the_same_ablation_runs_under_torchrun_with_one_node_and_two_ranks(tmp_p
     assert all(len(u["result"]["per_rank"]) == 2 for u in record["units"])
     assert done.stdout.count("Saved results.json") == 1  # rank 0 alone reports
 
+    # Resuming under torchrun is refused, and the refusal leaves the run's plan as it was (it was
+    # rewritten first, with the blocks asked for now).
+    plan = (out / "plan.json").read_bytes()
+    again = subprocess.run(
+        [*command[:-5], "--blocks", "2", *command[-5:]], capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode != 0 and "resuming under torchrun is not supported" in again.stderr, again.stderr[
+        -3000:
+    ]
+    assert (out / "plan.json").read_bytes() == plan
+
 
 def test_the_bytes_a_rank_sends_are_the_mean_over_the_ranks_not_rank_0s():
     """hierarchical's node leader (rank 0, always) reduces, all-reduces and broadcasts: its bytes

@@ -489,11 +489,17 @@ def _default_out(label: str) -> Path:
 
 
 def _open_out(
-    out: Any, prepared: Prepared, overwrite: bool, retry_failed: bool = False, made_for_it: bool = False
+    out: Any,
+    prepared: Prepared,
+    overwrite: bool,
+    retry_failed: bool = False,
+    made_for_it: bool = False,
+    before_planning: Callable[[list[dict]], None] = lambda finished: None,
 ) -> tuple[ResultsFolder, list[dict]]:
     """The output folder, locked for this run, and the processes a previous run of this same
     ablation finished there. The caller unlocks it when the run ends. ``made_for_it``: a folder
-    that the run around it made for this one (a search's round, a Slurm job's block)."""
+    that the run around it made for this one (a search's round, a Slurm job's block);
+    ``before_planning(finished)`` may refuse the run before its plan.json is written."""
     folder = ResultsFolder(out)
     _refuse_a_file(folder)
     folder.refuse_inside_another_run(made_for_it=made_for_it)
@@ -505,11 +511,12 @@ def _open_out(
         if overwrite:
             folder.clear()  # only what workbench wrote; refuses if the user's files are there
         jobs = _refuse_the_folder(folder, fingerprint)
-        write_json_atomic(folder.file("plan.json"), fingerprint)  # a new run's, or the blocks asked for now
         if retry_failed:
             # A process in which an arm failed runs again whole: the arms of a block are only
             # comparable when measured side by side, in the same process.
             jobs = [job for job in jobs if not any(u["status"] in DID_NOT_RUN for u in job["units"])]
+        before_planning(jobs)
+        write_json_atomic(folder.file("plan.json"), fingerprint)  # a new run's, or the blocks asked for now
         return folder, sorted(jobs, key=lambda job: job.get("finished_at", 0))
     except BaseException:
         folder.unlock()
@@ -798,11 +805,14 @@ def _run_in_folder(
     folder = None
     try:
         _refuse_traces_not_ours(prepared, None if temporary else str(Path(out).expanduser().resolve()))
-        folder, finished = _open_out(out, prepared, overwrite, retry_failed, made_for_it)
-        if launcher is not None:
-            launcher.start(prepared.run.timeout_s or STARTUP_LIMIT_S)
-            if launcher.resuming(len(finished)):
-                raise ValueError("ablate: resuming under torchrun is not supported; pass a new out folder")
+        folder, finished = _open_out(
+            out,
+            prepared,
+            overwrite,
+            retry_failed,
+            made_for_it,
+            _refusing_a_torchrun_resume(launcher, prepared),
+        )
         runner = _Runner(
             prepared,
             folder,
@@ -824,6 +834,22 @@ def _run_in_folder(
     if temporary is not None:
         results.path = None
     return results
+
+
+def _refusing_a_torchrun_resume(
+    launcher: Torchrun | None, prepared: Prepared
+) -> Callable[[list[dict]], None]:
+    """Under torchrun, joins the ranks' control group and refuses a resume (rank 0 alone knows its
+    folder's finished processes), before the folder's plan.json is touched."""
+
+    def check(finished: list[dict]) -> None:
+        if launcher is None:
+            return
+        launcher.start(prepared.run.timeout_s or STARTUP_LIMIT_S)
+        if launcher.resuming(len(finished)):
+            raise ValueError("ablate: resuming under torchrun is not supported; pass a new out folder")
+
+    return check
 
 
 def _rank_zeros_with_the_cause(records: list[dict]) -> tuple[list[dict], dict]:
