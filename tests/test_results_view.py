@@ -256,6 +256,11 @@ def test_an_arm_named_by_its_settings_breaks_between_them_not_inside_a_word():
     assert wrap_cell("abcdefghijk", 4) == ["abcd", "efgh", "ijk"]  # a piece longer than a line: cut
     assert wrap_cell("digits: 1,797 images", 10) == ["digits:", "1,797", "images"]  # a number stays whole
     assert wrap_cell("", 5) == [""]
+    # a search's candidate breaks where its techniques join, not inside one of them
+    assert wrap_cell("amp[dtype=bfloat16]+channels_last+compile", 22) == [
+        "amp[dtype=bfloat16]+", "channels_last+compile"
+    ]  # fmt: skip
+    assert wrap_cell("lr 1e+05", 6) == ["lr", "1e+05"]  # an exponent's plus stays
 
 
 def test_a_table_too_wide_for_the_terminal_leaves_out_columns_rather_than_cut_names():

@@ -462,11 +462,14 @@ def text_table(
 
 
 # Inside a word, a line may end after these: an arm named by its settings, amp[dtype=bfloat16],
-# then reads "amp[dtype=" / "bfloat16]" in a narrow column rather than "amp[dtyp" / "e=bfloat" / "16]".
-# A hyphen counts only between letters (gpt-mini, leave-one-out), never a minus sign, and a comma
-# never between digits: "1,797 images" stays whole, not "1," / "797 images".
+# then reads "amp[dtype=" / "bfloat16]" in a narrow column rather than "amp[dtyp" / "e=bfloat" / "16]",
+# and a search's candidate, amp+channels_last, after the "+" that joins its techniques.
+# A hyphen counts only between letters (gpt-mini, leave-one-out), never a minus sign, a comma
+# never between digits ("1,797 images" stays whole, not "1," / "797 images"), and a plus never
+# before a digit (an exponent, 1e+05).
 _NATURAL_PIECES = re.compile(
-    r"(?:[^\[=,]|(?<=\d),(?=\d))*?(?:[\[=]|(?<!\d),|,(?!\d)|(?<=[A-Za-z])-(?=[A-Za-z]))|(?:[^\[=,]|(?<=\d),(?=\d))+"
+    r"(?:[^\[=,]|(?<=\d),(?=\d))*?(?:[\[=]|(?<!\d),|,(?!\d)|\+(?!\d)|(?<=[A-Za-z])-(?=[A-Za-z]))"
+    r"|(?:[^\[=,]|(?<=\d),(?=\d))+"
 )
 
 
