@@ -20,6 +20,19 @@ def run(*arguments, timeout=600):
     )
 
 
+def run_here(capsys, *arguments):
+    """The command in this process, as ``run`` gives it: a dry run measures nothing, so it needs no
+    fresh interpreter of its own (each costs seconds of torch's import)."""
+    from workbench.cli import main
+
+    try:
+        code = main(list(arguments))
+    except SystemExit as exit:  # argparse's refusals
+        code = exit.code
+    said = capsys.readouterr()
+    return subprocess.CompletedProcess(arguments, code, said.out, said.err)
+
+
 def test_list_shows_availability_with_reasons():
     done = run("list", "--device", "cpu")
     assert done.returncode == 0
@@ -81,8 +94,8 @@ def test_ablate_prints_the_table_and_writes_results_and_plot(tmp_path):
     assert shown.returncode == 0 and "amp" in shown.stdout
 
 
-def test_dry_run_plans_without_running():
-    done = run("ablate", "--preset", "quick", "--dry-run")
+def test_dry_run_plans_without_running(capsys):
+    done = run_here(capsys, "ablate", "--preset", "quick", "--dry-run")
     assert done.returncode == 0
     for arm in ("baseline", "amp", "channels_last", "checkpointing", "grad_accum"):
         assert arm in done.stdout
@@ -93,7 +106,7 @@ def test_dry_run_plans_without_running():
 
 
 @pytest.mark.slow  # one small run first, to hold a folder
-def test_a_dry_run_refuses_a_results_folder_as_the_run_would(tmp_path):
+def test_a_dry_run_refuses_a_results_folder_as_the_run_would(tmp_path, capsys):
     """It printed the plan and exited 0 where the same command without --dry-run was refused."""
     out = tmp_path / "q"
     common = [
@@ -111,26 +124,26 @@ def test_a_dry_run_refuses_a_results_folder_as_the_run_would(tmp_path):
     ]
     assert run(*common, "--blocks", "2", "--no-progress").returncode == 0
     common.append("--dry-run")
-    fewer = run(*common, "--blocks", "1")
+    fewer = run_here(capsys, *common, "--blocks", "1")
     assert fewer.returncode == 2 and "--blocks 1 would leave some of them out" in fewer.stderr, fewer.stderr
-    assert run(*common, "--blocks", "3").returncode == 0  # more blocks add to the run
+    assert run_here(capsys, *common, "--blocks", "3").returncode == 0  # more blocks add to the run
     (out / "notes.txt").write_text("mine")
-    over = run(*common, "--blocks", "2", "--overwrite")
+    over = run_here(capsys, *common, "--blocks", "2", "--overwrite")
     assert over.returncode == 2 and "did not write there (notes.txt)" in over.stderr, over.stderr
     assert (out / "notes.txt").read_text() == "mine" and len(list((out / "units").iterdir())) == 2
 
 
-def test_a_plan_that_runs_no_technique_says_so():
+def test_a_plan_that_runs_no_technique_says_so(capsys):
     """Every -t switched off, or none available here: an A/A check, said, not a silent baseline run."""
     for flags in (["--techniques", '{"amp": false}'], ["-t", "cuda_graphs"]):  # off; unavailable on a CPU
-        done = run("ablate", *flags, "--dry-run")
+        done = run_here(capsys, "ablate", *flags, "--dry-run")
         assert done.returncode == 0, done.stderr
         assert done.stdout.rstrip().endswith(
             "No technique will run: the baseline against its control only (an A/A check of the noise)."
         ), done.stdout
-    assert "No technique will run" not in run("ablate", "-t", "amp", "--dry-run").stdout
+    assert "No technique will run" not in run_here(capsys, "ablate", "-t", "amp", "--dry-run").stdout
     # Without a control there is no A/A check to speak of (wb.advise, or --no-control): it said there was.
-    alone = run("ablate", "-t", "cuda_graphs", "--no-control", "--dry-run")
+    alone = run_here(capsys, "ablate", "-t", "cuda_graphs", "--no-control", "--dry-run")
     assert alone.stdout.rstrip().endswith("No technique will run: the baseline alone."), alone.stdout
     event = plan_event(treatment_unavailable="needs a CUDA device")
     assert describe_plan(event).endswith(
@@ -202,8 +215,9 @@ def test_technique_flag_parsing():
     assert parse_technique_flag("dataloader:num_workers=0|2") == ("dataloader", {"num_workers": [0, 2]})
 
 
-def test_loader_only_sweep_dry_run():
-    done = run(
+def test_loader_only_sweep_dry_run(capsys):
+    done = run_here(
+        capsys,
         "ablate",
         "--model",
         "mlp",
