@@ -141,12 +141,38 @@ class _RandomStream(torch.utils.data.IterableDataset):
             yield torch.randn(3), 0
 
 
+class _ShuffledStream(torch.utils.data.IterableDataset):
+    """The whole stream in every worker, shuffled by the global random state: each worker reads
+    all 20 samples, in its own order."""
+
+    def __iter__(self):
+        for index in torch.randperm(20).tolist():
+            yield torch.full((3,), float(index)), index % 2
+
+
+class _OwnGeneratorStream(torch.utils.data.IterableDataset):
+    """Shuffled by a generator of its own, made once: every worker's copy holds it in one state."""
+
+    def __init__(self):
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __iter__(self):
+        for index in torch.randperm(20, generator=self.generator).tolist():
+            yield torch.full((3,), float(index)), index % 2
+
+
 def test_an_iterable_dataset_that_gives_every_worker_the_whole_stream_is_told_apart():
     model = lambda: torch.nn.Linear(3, 2)  # noqa: E731
     assert resolve_data(_Stream(), model).whole_stream_per_worker
     assert resolve_data(_Stream, model).whole_stream_per_worker  # a factory's stream
     assert not resolve_data(_SharedStream(), model).whole_stream_per_worker
     assert not resolve_data(_RandomStream(), model).whole_stream_per_worker
+    # Shuffled, a whole stream was taken for a shared one: two workers began on different samples
+    # (the probe's second ask went on from the first's random state), and trained on each twice.
+    before = torch.get_rng_state()
+    assert resolve_data(_ShuffledStream(), model).whole_stream_per_worker
+    assert resolve_data(_OwnGeneratorStream(), model).whole_stream_per_worker
+    assert torch.equal(torch.get_rng_state(), before)  # the probe leaves the random state as it was
     assert not resolve_data(torch.utils.data.TensorDataset(torch.zeros(4, 3)), model).whole_stream_per_worker
     assert torch.utils.data.get_worker_info() is None  # the probe left torch's worker state as it was
     # What the check is for: with two workers, the whole stream arrives twice; a shared one, once.
@@ -293,3 +319,23 @@ def test_an_error_in_the_users_collate_fn_is_its_own_not_the_default_collates():
 def test_list_datasets():
     table = list_datasets()
     assert list(table.name) == list(BUILTIN_DATA)
+
+
+def test_persistent_workers_keep_the_baselines_order_after_the_first_epoch():
+    """The order's generator also gave each new DataLoader iterator its workers' base seed, a draw
+    that persistent workers skip from the second epoch on: the arm trained on other batches."""
+
+    class Indexed(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, index):
+            return torch.zeros(3), index
+
+    source = resolve_data(Indexed(), lambda: torch.nn.Linear(3, 2))
+
+    def order(options):
+        batches = endless_batches(source, 4, 0, options)
+        return [next(batches)[1].tolist() for _ in range(12)]  # three epochs
+
+    assert order({"num_workers": 1, "persistent_workers": True}) == order({})

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 
 from workbench.config import unknown_name_error
 from workbench.data_spec import BUILTIN_DATA, DataSpec, builtin_spec
@@ -355,24 +355,64 @@ def whole_stream_per_worker(data: object) -> bool:
     Every worker holds a copy of an IterableDataset and iterates all of it, unless its
     ``__iter__`` reads ``torch.utils.data.get_worker_info()`` and yields only its share (as
     PyTorch's IterableDataset documentation shows); with N workers each sample would then be
-    trained on N times. Found out by asking the stream for its first sample as worker 0 and as
-    worker 1 of 2, in this process: the same sample from both means it does not share. A stream
-    drawn from the global random state gives two different samples, as its workers would (each
-    is seeded anew). False when this cannot be told: the stream failed, or torch's worker
-    state moved.
+    trained on N times, shuffled or not. Found out in this process, on copies of the stream as a
+    worker gets one, asked for their first samples as worker 0 and worker 1 of 2:
+    - under the same seed, worker 1 begins elsewhere: it takes its share (False);
+    - else, under another seed (each worker is seeded anew), it yields samples worker 0 yielded
+      too: the same stream, in its order or shuffled (True), or only new ones, drawn at random,
+      which no two workers repeat (False).
+    False also when this cannot be told: the stream failed, or torch's worker state moved. The
+    random states of torch, numpy and random are left as they were.
     """
     if not isinstance(data, IterableDataset):
         return False
-    firsts = []
-    for worker in (0, 1):
-        try:
-            with _as_worker(worker, of=2, dataset=data):
-                iterator = iter(data)
-                firsts.append(next(iterator, None))
-                getattr(iterator, "close", lambda: None)()  # a generator's own cleanup runs now
-        except Exception:  # what the stream says is for its first batch to say, in each arm
-            return False
-    return firsts[0] is not None and _same_sample(*firsts)
+    try:
+        with _random_states_kept():
+            mine = _first_samples(data, worker=0, seed=0)
+            theirs = _first_samples(data, worker=1, seed=0)
+            if not (mine and theirs and _same_sample(mine[0], theirs[0])):
+                return False  # nothing to compare, or worker 1 starts on a share of its own
+            reseeded = _first_samples(data, worker=1, seed=1)
+    except Exception:  # what the stream says is for its first batch to say, in each arm
+        return False
+    return any(_same_sample(a, b) for a in mine[:PROBED_REPEATS] for b in reseeded)
+
+
+# What the probe reads of each worker's stream: enough to hold the whole of a small shuffled one,
+# and at most a second's reading of an expensive one.
+PROBED_SAMPLES, PROBED_S, PROBED_REPEATS = 256, 1.0, 16
+
+
+def _first_samples(data: IterableDataset, worker: int, seed: int) -> list:
+    """The first samples that worker ``worker`` of 2 would read, on a copy of ``data`` (its own
+    generator included, as a worker's copy has it), with torch, numpy and random seeded ``seed``."""
+    try:
+        stream = copy.deepcopy(data)
+    except Exception:  # a stream that cannot be copied (an open handle) is asked as it is
+        stream = data
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    samples, began = [], time.perf_counter()
+    with _as_worker(worker, of=2, dataset=stream):
+        iterator = iter(stream)
+        for sample in iterator:
+            samples.append(sample)
+            if len(samples) >= PROBED_SAMPLES or time.perf_counter() - began > PROBED_S:
+                break
+        getattr(iterator, "close", lambda: None)()  # a generator's own cleanup runs now
+    return samples
+
+
+@contextmanager
+def _random_states_kept() -> Iterator[None]:
+    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
 
 
 @contextmanager
@@ -472,12 +512,17 @@ def endless_batches(
                 )
             }
         else:
-            order = {"shuffle": True, "generator": torch.Generator().manual_seed(seed)}
+            # The order's own generator: one shared with the DataLoader also gives each new
+            # iterator its workers' base seed, a draw that persistent workers skip from the second
+            # epoch on, so that their arm was shuffled unlike the baseline's from then.
+            order = {"sampler": RandomSampler(data, generator=torch.Generator().manual_seed(seed))}
         loader = DataLoader(
             data,
             batch_size=batch_size,
             drop_last=True,
             worker_init_fn=_seed_worker,
+            # the workers' base seed, drawn at each new iterator: from this, not torch's global state
+            generator=torch.Generator().manual_seed(seed),
             **order,
             **({"collate_fn": source.collate_fn} if source.collate_fn is not None else {}),
             **loader_options,
