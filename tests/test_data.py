@@ -339,3 +339,23 @@ def test_persistent_workers_keep_the_baselines_order_after_the_first_epoch():
         return [next(batches)[1].tolist() for _ in range(12)]  # three epochs
 
     assert order({"num_workers": 1, "persistent_workers": True}) == order({})
+
+
+def test_a_dataloader_workers_error_is_told_by_its_own_last_line():
+    """Wrapped by the DataLoader, its traceback in the text, the error was cut at 400 characters
+    to the wrapper and its first frames: the sample's own words were lost."""
+    from workbench.data import loader_worker_error
+    from workbench.worker import one_line
+
+    class Faulty(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            raise KeyError(f"bad sample {index}")
+
+    with pytest.raises(Exception) as caught:
+        next(iter(torch.utils.data.DataLoader(Faulty(), batch_size=2, num_workers=1)))
+    assert one_line(caught.value) == "KeyError: 'bad sample 0' (in DataLoader worker process 0)"
+    assert loader_worker_error(ValueError("a plain error")) is None
+    assert one_line(ValueError("a  plain\nerror")) == "ValueError: a plain error"

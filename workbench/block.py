@@ -34,6 +34,7 @@ from workbench.data import (
     endless_batches,
     inputs_and_targets,
     loader_feed,
+    loader_worker_error,
     map_tensors,
     tensors_of,
 )
@@ -388,10 +389,7 @@ class BlockArm:
             try:
                 feeds.append(loader_feed(self.data, self.run.batch_size, self.run.seed, count))
             except Exception as error:  # a Dataset workers cannot load (an open file handle, CUDA tensors)
-                lines = str(error).strip().splitlines() or [""]
-                # a worker's error arrives wrapped, its traceback in the text: its own type and
-                # words are the last line
-                said = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"
+                said = loader_worker_error(error) or f"{type(error).__name__}: {str(error).strip()}"
                 return [{"workers": count, "error": said}]
         return feeds
 

@@ -710,6 +710,18 @@ READY_MADE = (
 )
 
 
+def loader_worker_error(error: BaseException) -> str | None:
+    """A DataLoader worker's own error in one line ("KeyError: 'bad sample 7' (in DataLoader
+    worker process 0)"), for the error it arrives wrapped in; None for any other error. The
+    wrapper's text holds the worker's whole traceback, whose last line is the error itself: cut to
+    a reason's length, it kept only the wrapper and the first frames."""
+    lines = str(error).strip().splitlines()
+    if len(lines) < 3 or not lines[0].startswith("Caught ") or not lines[1].startswith("Original Traceback"):
+        return None
+    where = lines[0].removeprefix("Caught ").partition(" in ")[2].rstrip(".")
+    return f"{lines[-1].strip()} (in {where})" if where else lines[-1].strip()
+
+
 def _seed_worker(worker_id: int) -> None:
     # DataLoader seeds torch in each worker; numpy and random are ours to seed.
     seed = torch.initial_seed() % 2**32

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.data import batch_size_of, inputs_and_targets, map_tensors, tensors_of
+from workbench.data import batch_size_of, inputs_and_targets, loader_worker_error, map_tensors, tensors_of
 from workbench.distributed import no_sync_context
 from workbench.models import model_label
 from workbench.telemetry import StepClock
@@ -372,6 +372,8 @@ def _dtype_mismatch(model: nn.Module, inputs: Any) -> str:
 
 
 def _one_line(error: BaseException) -> str:
+    if said := loader_worker_error(error):
+        return said
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 

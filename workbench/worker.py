@@ -39,7 +39,7 @@ import torch
 from workbench.block import ArmSpec, BlockArm
 from workbench.config import RunConfig
 from workbench.core_sync import MIN_REPEATS, fork_join_us, repeats_for
-from workbench.data import DataSource
+from workbench.data import DataSource, loader_worker_error
 from workbench.distributed import CommMeter, Rank, gather_to_rank0, init_process_group
 from workbench.environment import cpu_model
 from workbench.heap import hold_heap_steady
@@ -481,8 +481,10 @@ def classify_error(error: BaseException) -> str:
 
 
 def one_line(error: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(error).split()) or "(no message)"
-    text = f"{type(error).__name__}: {text}"
+    text = (
+        loader_worker_error(error)
+        or f"{type(error).__name__}: {' '.join(str(error).split()) or '(no message)'}"
+    )
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
