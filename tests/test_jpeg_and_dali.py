@@ -186,6 +186,21 @@ def test_the_command_line_says_corrupt_files_were_skipped_in_one_line(copy_of, c
     )  # the folder scanned once, though checked twice (plan, then out)
 
 
+def test_a_multi_picture_jpeg_from_a_phone_is_a_jpeg(copy_of):
+    """An MPO file (a JPEG with more pictures after the first) was refused as "not a JPEG but MPO"."""
+    from PIL import Image
+
+    root = copy_of()
+    photo = sorted((root / "chelsea").iterdir())[0]
+    with Image.open(photo) as image:
+        first = image.convert("RGB")
+    first.save(photo, format="MPO", save_all=True, append_images=[first.rotate(90)])
+    with Image.open(photo) as image:
+        assert image.format == "MPO"
+    images = scan(JpegFolder(str(root), on_corrupt="raise"))
+    assert str(photo) in images.files and not images.skipped
+
+
 def test_corrupt_files_raise_naming_the_file_when_asked(copy_of):
     root = copy_of()
     bad = _corrupt(root)

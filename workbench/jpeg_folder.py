@@ -100,7 +100,9 @@ def _corruption(path: str, size: int) -> str | None:
 
     try:
         with Image.open(path) as image:
-            if image.format != "JPEG":
+            # MPO: a JPEG holding more pictures after the first (phone cameras write them),
+            # which every decoder here reads as that first picture
+            if image.format not in ("JPEG", "MPO"):
                 return f"not a JPEG but {image.format}"
             # Draft mode decodes at 1/2..1/8 scale: much cheaper, yet it still reads every
             # compressed byte, so truncation and bad markers still fail here.
