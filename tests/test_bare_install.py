@@ -115,6 +115,22 @@ def test_a_probe_never_raises(monkeypatch):
         assert "half-installed" in reason and package.install in reason
 
 
+def test_an_installed_package_that_cannot_be_imported_is_unavailable(monkeypatch):
+    """A DALI whose library fails to load was found, so shown available, and its arm then failed."""
+    import sys
+    import types
+
+    monkeypatch.setattr(optional.importlib.util, "find_spec", lambda name: types.SimpleNamespace(name=name))
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # import raises ImportError, as a broken wheel
+    optional._import_fails.cache_clear()
+    try:
+        reason = optional.missing("nvidia.dali", optional.install_hint("nvidia.dali"))
+        assert reason.startswith("nvidia.dali is installed but cannot be imported: ModuleNotFoundError")
+        assert optional.missing("jupyterlab") is None  # found is enough for what no arm depends on
+    finally:
+        optional._import_fails.cache_clear()
+
+
 @pytest.mark.slow  # pip installs torch into a fresh virtual environment: about 40 s here
 def test_a_real_install_without_extras_runs_a_newcomers_first_commands():
     """``.ci/bare-install``: ``pip install -e .`` into a fresh venv, then list, env, the dry runs,

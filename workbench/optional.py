@@ -10,6 +10,8 @@ package can raise anything while its parent imports.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 from dataclasses import dataclass
 
@@ -19,16 +21,24 @@ class OptionalPackage:
     module: str  # what is imported
     purpose: str  # what workbench uses it for
     install: str  # how to get it
+    # Probed by importing it, not only found: a technique shown available must run, and an
+    # installed package can still fail to import (a library it loads is missing). The others are
+    # only found: importing them costs seconds (jupyterlab) for what no arm depends on.
+    imported: bool = False
 
 
 OPTIONAL_PACKAGES = (
     OptionalPackage(
-        "nvidia.dali", "the dali technique", "pip install 'workbench[dali]'; its CPU operators need no GPU"
+        "nvidia.dali",
+        "the dali technique",
+        "pip install 'workbench[dali]'; its CPU operators need no GPU",
+        imported=True,
     ),
     OptionalPackage(
         "cupy",
         "cupy_fusion's raw CUDA kernels",
         "pip install 'workbench[gpu]' (cupy-cuda12x), or cupy-cuda13x to match a CUDA 13 driver",
+        imported=True,
     ),
     OptionalPackage("pynvml", "GPU utilization, power and clocks", "pip install nvidia-ml-py"),
     OptionalPackage(
@@ -60,6 +70,19 @@ def missing(module: str, install: str = "") -> str | None:
         return f"{module} could not be probed: {type(error).__name__}: {error}{hint}"
     if spec is None:
         return f"{module} is not installed{hint}"
+    if any(p.module == module and p.imported for p in OPTIONAL_PACKAGES):
+        return _import_fails(module, hint)
+    return None
+
+
+@functools.cache
+def _import_fails(module: str, hint: str) -> str | None:
+    """Why an installed ``module`` cannot be imported (once per process), or None."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - whatever a broken install raises is the reason
+        said = " ".join(str(error).split())[:300]
+        return f"{module} is installed but cannot be imported: {type(error).__name__}: {said}{hint}"
     return None
 
 
