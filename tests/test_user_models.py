@@ -287,6 +287,8 @@ def test_ready_made_batches_set_the_batch_size_and_a_different_one_is_refused():
     assert wb.plan(model=_small_mlp, data=dataset, device="cpu").attrs["config"]["batch_size"] == 32
     few = torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
     assert wb.plan(model=_small_mlp, data=few, device="cpu").attrs["config"]["batch_size"] == 12
+    # a factory's Dataset, too: its size showed only in the arm, which refused batch 32
+    assert wb.plan(model=_small_mlp, data=lambda: few, device="cpu").attrs["config"]["batch_size"] == 12
     with pytest.raises(ValueError, match="has 12 samples, fewer than batch_size=16"):
         wb.plan(model=_small_mlp, data=few, batch_size=16, device="cpu")
     # A batch's samples are its targets, as the arms count them: an RNN's inputs lead with time.

@@ -144,6 +144,8 @@ class DataSource:
     # whole_stream_per_worker): with several workers each sample would arrive once per worker.
     whole_stream_per_worker: bool = False
     collate_fn: Callable[[list], Any] | None = None  # the user's, for the DataLoaders workbench makes
+    # the samples the user's Dataset holds, as resolving it saw them (a factory's Dataset too)
+    samples: int | None = None
 
     def for_one_arm(self) -> DataSource:
         """This source with the user's data as one arm's own: see ``arms_own``."""
@@ -346,7 +348,15 @@ def _user_source(label: str, user: object, data: object) -> DataSource:
         user=user,
         is_dataset=isinstance(data, Dataset),
         whole_stream_per_worker=whole_stream_per_worker(data),
+        samples=_length(data) if isinstance(data, Dataset) else None,
     )
+
+
+def _length(data: Dataset) -> int | None:
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:  # no __len__, or an IterableDataset's that says it has none
+        return None
 
 
 def whole_stream_per_worker(data: object) -> bool:
@@ -459,7 +469,7 @@ def check_sample_count(source: DataSource, batch_size: int, world_size: int = 1)
 
 def sample_count(source: DataSource) -> int | None:
     """The samples the data holds, where that shows before an arm reads it: None for ready-made
-    batches (refused when there are none), an iterator or a factory."""
+    batches (refused when there are none), or a Dataset without a length."""
     user = source.user
     if source.images is not None:
         return len(source.images.files)
@@ -467,11 +477,11 @@ def sample_count(source: DataSource) -> int | None:
         return SYNTHETIC_SAMPLES
     if source.builtin is not None:
         return len(source.open_dataset(0))  # a small array file, cached on disk
-    if isinstance(user, Dataset) and hasattr(user, "__len__"):
-        return len(user)
+    if source.samples is not None:  # the user's Dataset, or the one their factory gave
+        return source.samples
     if isinstance(user, (list, tuple)) and not user:  # ready-made batches
         raise ValueError("data holds no batches: the list is empty")
-    return None  # batches, an iterator or a factory: a length shows only when an arm reads it
+    return None  # batches, or an iterator: a length shows only when an arm reads it
 
 
 def check_count(count: int, label: str, batch_size: int, world_size: int) -> None:
