@@ -371,6 +371,15 @@ def test_output_size_must_match_the_data(folder):
         )
 
 
+def test_shards_smaller_than_a_batch_are_refused_before_any_arm_runs(folder):
+    """Refused only once the arm's process had started, after the plan had accepted it."""
+    with pytest.raises(
+        ValueError, match=r"dali: 4 shards of 96 images hold about 24 each, fewer than batch_size=32"
+    ):
+        wb.plan(model="mlp", data=JpegFolder(str(folder), size=CROP), techniques={"dali": {"num_shards": 4}},
+                batch_size=32, device="cpu")  # fmt: skip
+
+
 def test_dali_and_dataloader_cannot_share_an_arm(folder):
     with pytest.raises(
         ValueError, match="dataloader and dali cannot be combined: both replace the input pipeline"

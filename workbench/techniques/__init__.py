@@ -168,6 +168,7 @@ def technique_context(
         batch_size=run.batch_size,
         data_label=source.label if source is not None else "",
         image_size=source.images.size if source is not None and source.images is not None else None,
+        image_count=len(source.images.files) if source is not None and source.images is not None else None,
         world_size=run.world_size,
         warmup=run.warmup,
     )

@@ -58,6 +58,7 @@ class Context:
     batch_size: int = 32
     data_label: str = ""
     image_size: int | None = None  # the crop size, when the data is a folder of JPEG files
+    image_count: int | None = None  # the files of that folder, as its scan kept them
     world_size: int = 1  # ranks per arm (DDP)
     warmup: int = 5  # untimed steps before the clock starts
 

@@ -229,6 +229,18 @@ class Dali(Technique):
                 "both pipelines must feed the model the same shape, so set the size on the data "
                 "(wb.JpegFolder(root, size=...)) instead"
             )
+        shards = ctx.world_size if ctx.world_size > 1 else config.num_shards  # ranks read a shard each
+        if ctx.image_count is not None and ctx.image_count // shards < ctx.batch_size:
+            # said now, not once the arm's process has started: DALI drops a shard's last partial batch
+            raise ValueError(
+                f"dali: {shards} shards of {ctx.image_count} images hold about {ctx.image_count // shards} "
+                f"each, fewer than batch_size={ctx.batch_size}; pass "
+                + (
+                    "a smaller batch_size or fewer ranks"
+                    if ctx.world_size > 1
+                    else "fewer num_shards or a smaller batch_size"
+                )
+            )
 
     def apply(self, setup, config: DaliConfig) -> str:
         device = setup.device
