@@ -420,6 +420,28 @@ def test_a_list_of_values_sweeps_a_setting(folder):
     ]
 
 
+def test_a_sweep_over_workers_keeps_the_workers_settings_for_the_arms_with_workers():
+    """prefetch_factor=4 beside num_workers=[0, 2] refused the whole sweep: it needs workers, and
+    the first arm has none. Given alone, it is still refused."""
+    techniques = {
+        "dataloader": {"num_workers": [0, 2, 4], "prefetch_factor": [2, 4], "persistent_workers": False}
+    }
+    plan = wb.plan(model="mlp", techniques=techniques, device="cpu", control=False, loader_arms=False)
+    assert list(plan.name)[2:] == [
+        "dataloader[num_workers=0]",  # one arm: prefetching means nothing without workers
+        *(f"dataloader[num_workers={n}, prefetch_factor={p}]" for n in (2, 4) for p in (2, 4)),
+    ]
+    described = dict(zip(plan.name, plan.techniques, strict=True))
+    assert described["dataloader[num_workers=0]"] == "dataloader(num_workers=0, pin_memory=True)"
+    assert described["dataloader[num_workers=4, prefetch_factor=2]"].endswith(
+        "prefetch_factor=2, persistent_workers=False)"
+    )
+    with pytest.raises(ValueError, match="prefetch_factor needs num_workers > 0"):
+        wb.plan(
+            model="mlp", techniques={"dataloader": {"num_workers": 0, "prefetch_factor": 4}}, device="cpu"
+        )
+
+
 @pytest.mark.parametrize(
     "techniques, mode, message",
     [

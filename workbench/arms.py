@@ -63,10 +63,16 @@ def sweep_names(techniques: list[tuple[Technique, Any]]) -> list[str]:
             names.append(technique.name)
             continue
         matter = technique.settings_that_matter(config)
+        # a value swept among the siblings it matters to (the workers' prefetch among the arms with
+        # workers): one that only the arms without workers lack names nothing
         swept = [
             f.name
             for f in fields(config)
-            if f.name in matter and len({repr(getattr(c, f.name)) for c in siblings}) > 1
+            if f.name in matter
+            and len(
+                {repr(getattr(c, f.name)) for c in siblings if f.name in technique.settings_that_matter(c)}
+            )
+            > 1
         ]
         values = ", ".join(f"{name}={getattr(config, name)}" for name in swept)
         names.append(f"{technique.name}[{values}]")

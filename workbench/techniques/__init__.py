@@ -85,7 +85,10 @@ def parse_techniques(
         technique = get_technique(name)
         if value is False or value is None:
             continue
-        configs = [technique.configure(one) for one in _expand_sweep(name, value)]
+        combinations = _expand_sweep(name, value)
+        if len(combinations) > 1:
+            combinations = [technique.sweep_member(one) for one in combinations]
+        configs = [technique.configure(one) for one in combinations]
         chosen += [(technique, config) for config in _distinct(technique, configs)]
     return sorted(chosen, key=lambda pair: list(_REGISTRY).index(pair[0].name))
 

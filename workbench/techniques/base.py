@@ -175,6 +175,15 @@ class Technique:
     def validate(self, ctx: Context, config: Any) -> None:
         """Raise ValueError when the settings cannot make sense for this run (bad input)."""
 
+    def sweep_member(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """One combination of a sweep's values, before it is configured (default: as it is).
+
+        A technique may leave out what cannot apply to that one combination, where the same
+        settings given alone are refused: a sweep of the DataLoader's num_workers over 0 and 2
+        with prefetch_factor=4 means the prefetch for the arm with workers.
+        """
+        return settings
+
     def settings_that_matter(self, config: Any) -> list[str]:
         """The Config fields that change anything, given the others' values (default: all).
 

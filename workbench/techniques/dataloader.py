@@ -65,6 +65,9 @@ class DataloaderConfig:
                 raise ValueError("dataloader: persistent_workers=True needs num_workers > 0")
 
 
+WORKER_SETTINGS = ("prefetch_factor", "persistent_workers")  # what only a worker process does
+
+
 class Dataloader(Technique):
     name = "dataloader"
     summary = "DataLoader workers, pinned memory, prefetching, persistent workers"
@@ -83,6 +86,17 @@ class Dataloader(Technique):
                 "torch.utils.data.get_worker_info() names in its __iter__, or use num_workers=1"
             )
         return None
+
+    def sweep_member(self, settings: dict) -> dict:
+        # The workers' own settings are for the sweep's arms with workers: refused for an arm
+        # without any, they made a sweep over num_workers=0|2 with them impossible to ask for.
+        if settings.get("num_workers") == 0:
+            return {k: v for k, v in settings.items() if k not in WORKER_SETTINGS}
+        return settings
+
+    def settings_that_matter(self, config: DataloaderConfig) -> list[str]:
+        fields = super().settings_that_matter(config)
+        return [name for name in fields if config.num_workers > 0 or name not in WORKER_SETTINGS]
 
     def own_process(self, ctx, config: DataloaderConfig) -> str | None:
         if config.num_workers > 0:
