@@ -254,9 +254,21 @@ def test_bad_batches_and_small_datasets_are_explained():
     # samples; tensors (data=(X, y)) were read one row at a time. Each is told what to pass.
     inputs, targets = torch.randn(6, 8), torch.randn(6)
     for data, why in ((list(zip(inputs, targets, strict=True)), "this is one sample, not a batch"),
-                      ((inputs, targets), "got Tensor")):  # fmt: skip
+                      ((inputs, targets), "got a Tensor")):  # fmt: skip
         with pytest.raises(ValueError, match=why + r".*read as ready-made batches.*TensorDataset"):
             wb.plan(model=lambda: torch.nn.Linear(8, 1), data=data, loss_fn=torch.nn.functional.mse_loss)
+    # A Dataset's samples, batched by workbench, were told about lists of ready-made batches.
+    model = lambda: torch.nn.Linear(8, 1)  # noqa: E731
+    triples = torch.utils.data.TensorDataset(inputs, targets, targets)
+    with pytest.raises(
+        ValueError, match=r"got a list of 3 items\. workbench batches a Dataset's samples.*__getitem__"
+    ):
+        wb.plan(model=model, data=triples, batch_size=2, loss_fn=torch.nn.functional.mse_loss)
+    pairs = torch.utils.data.TensorDataset(inputs, targets)
+    with pytest.raises(ValueError, match=r"got a list of 3 items\. This batch is what your collate_fn"):
+        wb.plan(model=model, data=pairs, batch_size=3, collate_fn=lambda samples: samples)
+    with pytest.raises(ValueError, match=r"targets must be one tensor.*got tuple\. This batch is what your"):
+        wb.plan(model=model, data=pairs, batch_size=2, collate_fn=lambda samples: samples)
     small = torch.utils.data.TensorDataset(torch.zeros(3, 2), torch.zeros(3))
     with pytest.raises(ValueError, match="data 'small' has 3 samples, fewer than batch_size=8"):
         next(endless_batches(DataSource(label="small", user=small), 8, 0, {}))

@@ -543,6 +543,7 @@ def endless_batches(
             lambda: loader,
             f"no full batch of batch_size={batch_size} samples; pass a smaller batch_size or more data",
             default_collate=source.collate_fn is None,
+            read_as=BATCHED_SAMPLES if source.collate_fn is None else BATCHED_BY_YOURS,
         )
         if isinstance(data, IterableDataset) and world_size > 1:  # no sampler shards a stream: deal it out
             return (batch for index, batch in enumerate(batches) if index % world_size == rank)
@@ -582,6 +583,7 @@ def _cycle(
     next_pass: Callable[[], Iterable] | None,
     no_batch: str = "no batches",
     default_collate: bool = True,
+    read_as: str = "",
 ) -> Iterator[tuple[Any, Any]]:
     served = 0
     while True:
@@ -589,7 +591,7 @@ def _cycle(
         try:
             for batch in iterable:
                 if served == 0:
-                    _check_batch(batch)
+                    _check_batch(batch, read_as)
                 served += 1
                 yield batch
         except RuntimeError as error:
@@ -677,7 +679,10 @@ def rows_of(inputs: Any) -> int | None:
     return next((tensor.shape[0] for tensor in tensors_of(inputs) if tensor.dim() > 0), None)
 
 
-def _check_batch(batch: object) -> None:
+def _check_batch(batch: object, read_as: str = "") -> None:
+    """Refuse a first batch that is not a pair or a dict of tensors; ``read_as`` says how the data
+    was read into batches (READY_MADE, BATCHED_SAMPLES, BATCHED_BY_YOURS), for what to change."""
+    read_as = read_as or READY_MADE
     if isinstance(batch, Mapping):
         if not tensors_of(batch):
             raise ValueError(
@@ -685,10 +690,10 @@ def _check_batch(batch: object) -> None:
             )
         return
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        got = type(batch).__name__ + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
         raise ValueError(
             "each batch must be an (inputs, targets) pair, or a dict of named inputs for a model that "
-            f"computes its own loss (input_ids, attention_mask, labels); got {type(batch).__name__}. "
-            + READY_MADE
+            f"computes its own loss (input_ids, attention_mask, labels); got a {got}. " + read_as
         )
     targets = batch[1]
     if isinstance(targets, (int, float)) or (isinstance(targets, torch.Tensor) and targets.dim() == 0):
@@ -696,12 +701,12 @@ def _check_batch(batch: object) -> None:
         # its features would be counted as samples
         raise ValueError(
             "a batch's targets hold one value per sample, but these are a single value: this is one "
-            f"sample, not a batch. {READY_MADE}"
+            f"sample, not a batch. {read_as}"
         )
     if not isinstance(targets, torch.Tensor):
         raise ValueError(
             f"batch targets must be one tensor (stack several into one, and split them again in loss_fn); "
-            f"got {type(targets).__name__}"
+            f"got {type(targets).__name__}" + (f". {read_as}" if read_as == BATCHED_BY_YOURS else "")
         )
 
 
@@ -713,6 +718,12 @@ UNEQUAL_SAMPLES = (
 )
 
 # What a mistaken batch's message adds: how workbench read the data, and what to pass instead.
+BATCHED_SAMPLES = (
+    "workbench batches a Dataset's samples with torch's default collate, which keeps each sample's "
+    "form: __getitem__ must return an (input, target) pair, or a dict of named tensors, or pass "
+    "collate_fn= to make the batches your way"
+)
+BATCHED_BY_YOURS = "This batch is what your collate_fn returned for a list of samples"
 READY_MADE = (
     "A list, tuple or other iterable given as data is read as ready-made batches, each item one "
     "batch; for samples (tensors of them, or a list of (input, target) pairs) pass a Dataset, "
