@@ -123,6 +123,29 @@ def test_cpu_peak_memory_sees_a_known_allocation():
     assert activations == 0  # nothing was saved for a backward
 
 
+def test_a_steps_peak_is_its_own_not_what_an_earlier_profiled_step_kept():
+    """The profiler's running count carried over: 64 MiB kept by one step read as 65 MiB in the
+    next step's 1 MiB, even once freed (the arms measured later in a block read higher)."""
+    from workbench.telemetry import _profiled_peak_bytes
+
+    kept = []
+    assert _profiled_peak_bytes(lambda: kept.append(torch.empty(64 * 2**20, dtype=torch.uint8))) == 64 * 2**20
+    one = lambda: torch.empty(2**20, dtype=torch.uint8).zero_()  # noqa: E731
+    assert _profiled_peak_bytes(one) == 2**20
+    kept.clear()  # freed outside any profiled step
+    assert _profiled_peak_bytes(one) == 2**20
+
+
+def test_amp_o2s_float32_masters_count_in_the_memory_that_outlives_a_step():
+    """They belong to the optimizer, not the model: O2 read as smaller than float32 (40 of 56 MiB)."""
+    from workbench.mixed_precision import MasterWeightOptimizer
+    from workbench.telemetry import _live_tensor_bytes
+
+    model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)  # 2 MiB of weights
+    optimizer = MasterWeightOptimizer(model.parameters(), lambda masters: torch.optim.SGD(masters, lr=0.1))
+    assert _live_tensor_bytes(model, optimizer) == 2 * 2**20 + 4 * 2**20  # and 4 MiB of masters
+
+
 def test_activation_memory_counts_what_autograd_saves_but_not_the_weights():
     weight = torch.nn.Parameter(torch.ones(1024))
     model = torch.nn.Module()
