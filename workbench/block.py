@@ -49,9 +49,8 @@ from workbench.techniques import get_technique
 from workbench.telemetry import (
     ArmMemory,
     StepClock,
+    WindowCpu,
     cpu_utilization_pct,
-    process_cpu_seconds,
-    worker_processes,
 )
 
 # The advisor's DataLoader probe (BlockArm._loader_feeds) runs when the step waits for data at
@@ -150,7 +149,6 @@ class BlockArm:
         # is shorter (it leaves out what lies between the reads and the steps), and a ratio of
         # the two could read more than every core (a DALI arm in notebook 09 read 104%).
         self.cpu_wall_s = 0.0
-        self._workers: list | None = None  # DataLoader worker processes, listed at the first window
         self.startup_s = float("nan")
         self.warmup_steps_s: list[float] = []
         self.warmup_step_s = 0.0  # typical warm-up step after the first, in seconds
@@ -270,8 +268,7 @@ class BlockArm:
         which runs one model step after step, does not pay for bringing them back.
         """
         before = len(self.clock.step_s)
-        if self._workers is None:  # an arm's DataLoader workers exist from its first batch on
-            self._workers = worker_processes() if self.setup.loader_options.get("num_workers") else []
+        cpu = WindowCpu(workers=bool(self.setup.loader_options.get("num_workers")))
         with self.active():
             untimed = StepClock(self.device)
             for _ in range(rewarm):
@@ -281,10 +278,10 @@ class BlockArm:
             self.memory.window_start()
             # The wall clock read around the CPU clocks, so that the wall span holds the CPU span.
             started = time.time()  # epoch seconds: the sampler's telemetry is on the same clock
-            cpu_before = process_cpu_seconds(self._workers)
+            cpu.start()
             wall_s = timed_window(self.trainer, self.clock, steps, self.losses, emit, interval_s)
             self.timed += [True] * steps
-            self.cpu_seconds += process_cpu_seconds(self._workers) - cpu_before
+            self.cpu_seconds += cpu.seconds()
             ended = time.time()
             self.cpu_wall_s += ended - started
             self.memory.window_end()

@@ -480,6 +480,51 @@ def _cpu_clock_seconds(process) -> float:
         return times.user + times.system
 
 
+class WindowCpu:
+    """The CPU seconds of this process and its DataLoader workers over one timed window.
+
+    The workers are listed at the window's start and again at its end (about a millisecond each,
+    so only for an arm that has workers): a DataLoader without persistent workers starts new ones
+    every epoch, which a list made once, at the first window, never saw (an arm doing the same
+    work read 24% where its persistent twin read 69%). A worker that exits inside the window is
+    counted through its parent, which reaps it: its lifetime, less what the start had counted
+    (left out, its whole lifetime was taken off the window, and the figure could go below 0).
+    """
+
+    def __init__(self, workers: bool):
+        self.workers = workers
+        self._start: dict[int, float] = {}
+        self._reaped_start = 0.0
+
+    def start(self) -> None:
+        self._start = self._read()
+        self._reaped_start = _reaped_children_s()
+
+    def seconds(self) -> float:
+        """The CPU seconds since ``start``, at least 0."""
+        end = self._read()
+        total = sum(now - self._start.get(pid, 0.0) for pid, now in end.items())
+        gone = self._start.keys() - end.keys()
+        if gone:  # exited in the window: reaped by now (their lifetimes), or still to be
+            reaped = _reaped_children_s() - self._reaped_start
+            total += max(0.0, reaped - sum(self._start[pid] for pid in gone))
+        return max(0.0, total)
+
+    def _read(self) -> dict[int, float]:
+        times = {os.getpid(): time.process_time()}
+        for child in worker_processes() if self.workers else ():
+            try:
+                times[child.pid] = _cpu_clock_seconds(child)
+            except Exception:  # exited between listing and reading
+                continue
+        return times
+
+
+def _reaped_children_s() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
+
+
 def worker_processes() -> list:
     """This process's live children (DataLoader workers), as psutil.Process objects."""
     import psutil
