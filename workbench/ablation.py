@@ -1472,8 +1472,10 @@ class _Runner:
     def _failed_in_block(
         self, arm: Arm, job: Job, attempt: int, failure: dict, arms_in_process: int, units: list, moved: dict
     ) -> None:
-        """An arm failed inside a running process. Out of memory beside others: try it alone."""
-        if job.shared and arms_in_process > 1 and failure["status"] == "oom":
+        """An arm failed inside a running process. Out of memory beside others: try it alone. Over
+        memory_cap_mb it is not tried again: its peak is its own, in any process."""
+        beside_others = job.shared and arms_in_process > 1 and "over_cap_peak_mib" not in failure
+        if beside_others and failure["status"] == "oom":
             moved[arm.name] = f"it ran out of memory beside the block's other arms ({failure['reason']})"
         else:
             units.append(self._unit(arm, job, attempt, failure["status"], failure["reason"], failure))
@@ -1491,6 +1493,8 @@ class _Runner:
         }
         if status != "ok":
             unit["traceback"] = (detail or {}).get("traceback", "")
+        if detail and "over_cap_peak_mib" in detail:
+            unit["over_cap_peak_mib"] = detail["over_cap_peak_mib"]
         return unit
 
     def _skipped(self, arm: Arm, job: Job) -> dict:

@@ -698,9 +698,12 @@ def advise(
         if name in settings and settings[name] != value:
             raise ValueError(f"advise: {name} is fixed at {value!r} (one block of the baseline alone)")
     settings = {**settings, **ADVISOR_FIXES, "profile_steps": settings.get("profile_steps") or PROFILE_STEPS}
+    # The cap is the capacity the advice judges the peak against, not a limit on the profiled
+    # run: a baseline over it was refused as out of memory, and the advice, whose question that
+    # is, gave up ("the baseline did not run").
     results = run_ablation(
-        model, data, loss_fn, {}, settings, out=False, progress=progress, overwrite=False,
-        retry_failed=False, on_event=on_event, stop=stop, bar_label="advise",
+        model, data, loss_fn, {}, {**settings, "memory_cap_mb": None}, out=False, progress=progress,
+        overwrite=False, retry_failed=False, on_event=on_event, stop=stop, bar_label="advise",
     )  # fmt: skip
     if not results.complete:
         raise NothingMeasured(

@@ -113,7 +113,12 @@ def timed_window(
 
 
 class MemoryCapExceeded(MemoryError):
-    """An arm's peak passed ``memory_cap_mb``: out of memory on a device of that size."""
+    """An arm's peak passed ``memory_cap_mb``: out of memory on a device of that size. Its peak
+    was measured (and is kept): the arm's own, which no other arm of its process changes."""
+
+    def __init__(self, message: str, peak_mib: float):
+        super().__init__(message)
+        self.peak_mib = peak_mib
 
 
 class BlockArm:
@@ -322,7 +327,8 @@ class BlockArm:
         cap = self.run.memory_cap_mb
         if cap is not None and peak_mib is not None and peak_mib > cap:
             raise MemoryCapExceeded(
-                f"{self.name} needs {peak_mib:.0f} MiB at its peak, more than memory_cap_mb={cap:g} allows"
+                f"{self.name} needs {peak_mib:.0f} MiB at its peak, more than memory_cap_mb={cap:g} allows",
+                peak_mib,
             )
         wall_s = sum(w["wall_s"] for w in self.windows)
         samples = sum(w["samples"] for w in self.windows)

@@ -232,6 +232,8 @@ def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) 
         return row
     results = _set_status(row, arm_units, planned_blocks, complete)
     if not results:
+        # an arm over memory_cap_mb was measured before it was refused: its peak is the finding
+        row["peak_mem_mb"] = _median([u.get("over_cap_peak_mib") for u in arm_units])
         return row
     notes = list(dict.fromkeys(note for r in results for note in r["notes"]))
     if arm.get("own_process"):
@@ -860,17 +862,22 @@ def _baseline_did_not_run(table) -> list[str]:
     """Said first: with no baseline, no arm has a speedup, and the reason is usually the user's
     model, data or loss (an arm of its own would fail alike)."""
     baseline = table[(table.arm == "baseline") & table.samples_per_s.isna()]
-    return [
-        f"the baseline did not run, so no arm has a speedup: {row.status}, {row.reason}. "
-        + (
-            "Run the same command again (the same out) to resume it"
-            if row.status == "interrupted"  # stopped before it finished: nothing to fix
-            else "Fix that and run again (each arm's traceback is kept under units in results.json: "
-            "res.record['units'])"
+    return [_why_no_speedup(row) for row in baseline.itertuples() if row.status != "unavailable"]
+
+
+def _why_no_speedup(row) -> str:
+    if row.status == "oom" and "more than memory_cap_mb=" in row.reason:
+        # it ran, and was measured: what it needs is the finding, not a fault to fix
+        return (
+            f"the baseline needs more memory than the cap allows, so no arm has a speedup: {row.reason}. "
+            "peak_mem_mb shows what each arm needs; raise memory_cap_mb to compare their speed"
         )
-        for row in baseline.itertuples()
-        if row.status != "unavailable"
-    ]
+    return f"the baseline did not run, so no arm has a speedup: {row.status}, {row.reason}. " + (
+        "Run the same command again (the same out) to resume it"
+        if row.status == "interrupted"  # stopped before it finished: nothing to fix
+        else "Fix that and run again (each arm's traceback is kept under units in results.json: "
+        "res.record['units'])"
+    )
 
 
 def oversubscribed_blocks(blocks: list[dict]) -> list[str]:

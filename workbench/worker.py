@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench.block import ArmSpec, BlockArm
+from workbench.block import ArmSpec, BlockArm, MemoryCapExceeded
 from workbench.config import RunConfig
 from workbench.core_sync import MIN_REPEATS, fork_join_us, repeats_for
 from workbench.data import DataSource, loader_worker_error
@@ -238,6 +238,8 @@ class _Block:
             "status": classify_error(error),
             "reason": one_line(error),
             "traceback": traceback.format_exc(),
+            # over the cap, not out of memory: its own peak, which it needs in any process
+            **({"over_cap_peak_mib": error.peak_mib} if isinstance(error, MemoryCapExceeded) else {}),
         }
         self.emit({"type": "arm_error", "arm": arm.name, **self.failures[arm.name]})
         arm.release()
