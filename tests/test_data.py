@@ -324,8 +324,11 @@ def test_an_error_in_the_users_collate_fn_is_its_own_not_the_default_collates():
     def stacks_unequal(samples):
         return torch.stack([tokens for tokens, _ in samples]), torch.zeros(len(samples), dtype=torch.long)
 
-    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+    with pytest.raises(
+        ValueError, match="fails, as every arm's would: RuntimeError: stack expects each tensor"
+    ) as caught:
         wb.plan(bag_of_words, Sentences(), collate_fn=stacks_unequal, batch_size=4)
+    assert "default collate" not in str(caught.value)
 
 
 def test_list_datasets():
@@ -371,3 +374,28 @@ def test_a_dataloader_workers_error_is_told_by_its_own_last_line():
     assert one_line(caught.value) == "KeyError: 'bad sample 0' (in DataLoader worker process 0)"
     assert loader_worker_error(ValueError("a plain error")) is None
     assert one_line(ValueError("a  plain\nerror")) == "ValueError: a plain error"
+
+
+def test_a_dataset_without_a_length_or_whose_samples_fail_is_said_in_one_line():
+    """Each came out as a bare exception: "object of type 'NoLen' has no len()", "KeyError: 53"."""
+
+    class NoLen(torch.utils.data.Dataset):
+        def __getitem__(self, index):
+            return torch.zeros(4), 0
+
+    class Faulty(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, index):
+            raise KeyError(f"bad sample {index}")
+
+    model = lambda: torch.nn.Linear(4, 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"NoLen is read by index \(__getitem__\) but has no __len__"):
+        wb.plan(model=model, data=NoLen(), device="cpu")
+    with pytest.raises(ValueError, match=r"NoLen is read by index"):
+        wb.plan(model=model, data=NoLen, device="cpu")  # a factory's Dataset
+    with pytest.raises(
+        ValueError, match=r"first batch of data 'Faulty' fails, as every arm's would: KeyError: 'bad"
+    ):
+        wb.plan(model=model, data=Faulty(), device="cpu")

@@ -108,7 +108,7 @@ from workbench.techniques import (
 )
 from workbench.telemetry import Sampler, competing_load, threads_per_rank, usable_cores
 from workbench.template import WarmTemplate, acquire_template, keep_warm_s, release_template
-from workbench.worker import BlockSpec, slug, trace_file_name
+from workbench.worker import BlockSpec, one_line, slug, trace_file_name
 
 
 @dataclass
@@ -150,7 +150,7 @@ def prepare(
     )  # a built-in with its own loss is known to fit
     # the first batch checks the loss; a Dataset's or a list's, read again at no cost, identifies the data
     if first_batch is None and (own_model or isinstance(source.user, (Dataset, list, tuple))):
-        first_batch = next(endless_batches(source, run.batch_size, run.seed, {}))
+        first_batch = _first_batch(source, run.batch_size, run.seed)
     if own_model:
         check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn, device, run.world_size)
     ctx = technique_context(run, model, source, inspected=inspected)
@@ -216,7 +216,7 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
             check_count(count, source.label, run.batch_size, run.world_size)
         return run, None
     check_sample_count(source, 1, run.world_size)  # that a list holds batches; their size is read here
-    first_batch = next(endless_batches(source, DEFAULT_BATCH_SIZE, run.seed, {}))
+    first_batch = _first_batch(source, DEFAULT_BATCH_SIZE, run.seed)
     release_loader_workers(source.user)
     inputs, targets = inputs_and_targets(first_batch)
     held = batch_size_of(inputs, targets)  # as the arms count samples
@@ -228,6 +228,20 @@ def _with_batch_size(run: RunConfig, source: DataSource) -> tuple[RunConfig, Any
             f"(auto takes their size) or pass batch_size={held}"
         )
     return replace(run, batch_size=run.batch_size or held), first_batch
+
+
+def _first_batch(source: DataSource, batch_size: int, seed: int) -> Any:
+    """The data's first batch, read before any arm starts. An error of the user's data (a
+    ``__getitem__`` that raises) is said as every arm would meet it, not as a bare KeyError from
+    nowhere; workbench's own ValueErrors about the data are already said so."""
+    try:
+        return next(endless_batches(source, batch_size, seed, {}))
+    except ValueError:
+        raise
+    except Exception as error:
+        raise ValueError(
+            f"reading the first batch of data {source.label!r} fails, as every arm's would: {one_line(error)}"
+        ) from error
 
 
 def _auto_batch_size(count: int | None, world_size: int) -> int:

@@ -303,6 +303,7 @@ def resolve_data(data: object, model: object) -> DataSource:
             f"or a JPEG folder ({JPEG_FOLDER_PREFIX}PATH); for other data, also pass your own model factory"
         )
     if isinstance(data, Dataset):
+        _refuse_unsized(data)
         return _user_source(type(data).__name__, data, data)
     if isinstance(data, Iterator):
         raise ValueError(
@@ -319,6 +320,8 @@ def resolve_data(data: object, model: object) -> DataSource:
                 f"the data factory {getattr(data, '__name__', data)!r} returned {type(sample).__name__}; "
                 "it must return a Dataset or an iterable of (inputs, targets) batches"
             )
+        if isinstance(sample, Dataset):
+            _refuse_unsized(sample)
         return _user_source(getattr(data, "__name__", "data"), data, sample)
     raise ValueError(
         f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), '{JPEG_FOLDER_PREFIX}PATH', a Dataset, an iterable of "
@@ -350,6 +353,17 @@ def _user_source(label: str, user: object, data: object) -> DataSource:
         whole_stream_per_worker=whole_stream_per_worker(data),
         samples=_length(data) if isinstance(data, Dataset) else None,
     )
+
+
+def _refuse_unsized(data: Dataset) -> None:
+    """A map-style Dataset (read by index) must say how many samples it holds: a DataLoader's
+    sampler draws its indices from that (it failed later as "object has no len()")."""
+    if not isinstance(data, IterableDataset) and _length(data) is None:
+        raise ValueError(
+            f"the Dataset {type(data).__name__} is read by index (__getitem__) but has no __len__, "
+            "which a DataLoader needs to draw its indices: define __len__, or make it an "
+            "IterableDataset that yields its samples"
+        )
 
 
 def _length(data: Dataset) -> int | None:
