@@ -399,3 +399,11 @@ def test_a_dataset_without_a_length_or_whose_samples_fail_is_said_in_one_line():
         ValueError, match=r"first batch of data 'Faulty' fails, as every arm's would: KeyError: 'bad"
     ):
         wb.plan(model=model, data=Faulty(), device="cpu")
+
+
+def test_a_stream_shared_among_more_workers_than_it_can_fill_says_so():
+    """Each worker batches only its share: 20 samples over 2 workers leave 10 each, under a batch
+    of 12, and the message asked only for a smaller batch or more data."""
+    source = resolve_data(_SharedStream(), lambda: torch.nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"no full batch.*or fewer DataLoader workers \(each of the 2"):
+        next(endless_batches(source, 12, 0, {"num_workers": 2}))

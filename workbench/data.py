@@ -552,10 +552,18 @@ def endless_batches(
             **loader_options,
         )
         # batches are full (drop_last): a Dataset of fewer samples than one yields none at all
+        no_batch = f"no full batch of batch_size={batch_size} samples; pass a smaller batch_size or more data"
+        workers = loader_options.get("num_workers") or 0
+        if isinstance(data, IterableDataset) and workers > 1:
+            # each worker batches its own share, and drops what is left: shares under a batch give none
+            no_batch += (
+                f", or fewer DataLoader workers (each of the {workers} batches only its own share of the "
+                "stream, and drops a last partial batch)"
+            )
         batches = _cycle(
             loader,
             lambda: loader,
-            f"no full batch of batch_size={batch_size} samples; pass a smaller batch_size or more data",
+            no_batch,
             default_collate=source.collate_fn is None,
             read_as=BATCHED_SAMPLES if source.collate_fn is None else BATCHED_BY_YOURS,
         )
