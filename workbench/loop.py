@@ -362,6 +362,12 @@ def _dtype_mismatch(model: nn.Module, inputs: Any) -> str:
     """'; the batch's inputs are torch.float64 and the model's parameters torch.float32: ...', or ''."""
     held = {p.dtype for p in model.parameters() if p.is_floating_point()}
     given = {t.dtype for t in tensors_of(inputs) if t.is_floating_point()}
+    if len(held) == 1 and not given and any(t.dtype == torch.uint8 for t in tensors_of(inputs)):
+        # bytes, as images are stored (integer token ids are an embedding's, and left alone)
+        return (
+            f"; the batch's inputs are torch.uint8 (image bytes?) and the model's parameters "
+            f"{held.pop()}: convert the data to floats (inputs.float() / 255) in the Dataset"
+        )
     if len(held) != 1 or not given or given == held:
         return ""
     names = ", ".join(str(dtype) for dtype in sorted(given, key=str))
