@@ -913,3 +913,18 @@ def test_a_run_where_no_arm_measured_a_step_plots_each_arms_reason_not_empty_pan
             assert box.y0 >= page.y0 and box.x1 <= page.x1 + 1, width
     ran = [_row("baseline", speedup=1.0, low=1.0, high=1.0), rows[2]]
     assert len(_results(ran, ROLES).plot().axes) == 3  # one arm measured: the usual three panels
+
+
+def test_without_a_control_the_legend_does_not_speak_of_its_band():
+    """With control=False the note under the table still said "outside the control arm's band"."""
+    from workbench.results_view import legend, reader_rows
+
+    alone = [
+        result_row("baseline", speedup=1.0, low=1.0, high=1.0),
+        result_row("amp", speedup=1.2, low=1.1, high=1.3),
+    ]
+    _, rows = reader_rows(synthetic_results(alone).table)
+    assert "no control arm ran" in legend(rows) and "control arm's band" not in legend(rows)
+    controlled = [*alone, result_row("baseline (control)", speedup=1.0, low=0.98, high=1.02)]
+    _, rows = reader_rows(synthetic_results(controlled).table)
+    assert "control arm's band" in legend(rows)

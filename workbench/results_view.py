@@ -295,14 +295,24 @@ def _full_table_cell(value) -> str:
     return f'<td class="wb-long" title="{text}">{text}</td>'  # one line, cut; whole under the pointer
 
 
+# Without a control arm there is no band but 1.00 itself: the legend says what the verdict then reads.
+VERDICT_LEGEND_WITHOUT_CONTROL = (
+    "verdict: faster or slower when the arm's whole 95% interval lies above or below 1.00 (no "
+    "control arm ran, so there is no measured band of noise around it); within noise otherwise. "
+    "A speedup reads x [low, high]."
+)
+
+
 def legend(rows: list[ReaderRow]) -> str:
     """What the reader's table's marks mean: the verdict, and ``!`` where a loss drifted."""
+    controlled = any(row.cells["arm"].startswith("baseline (control)") for row in rows)
+    verdict = VERDICT_LEGEND if controlled else VERDICT_LEGEND_WITHOUT_CONTROL
     if any(row.cells["loss"].endswith("!") for row in rows):
         return (
-            f"{VERDICT_LEGEND} ! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's, by more "
+            f"{verdict} ! marks a final loss more than {LOSS_DRIFT:.0%} from the baseline's, by more "
             f"than {LOSS_FALL_SHARE:.0%} of how far the baseline's loss fell."
         )
-    return VERDICT_LEGEND
+    return verdict
 
 
 NOISY_BAND_PCT = 3.0  # a control band wider than this either side gets a note on what would narrow it
