@@ -336,6 +336,8 @@ def test_the_report_is_one_file_that_opens_offline(tmp_path):
     # Nothing fetched: no remote sources, styles or scripts.
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
     assert "<script" not in page and "<link" not in page
+    # a figure as wide as the page: its border inside that width (outside, it scrolled by 2 px)
+    assert re.search(r"img \{[^}]*max-width: 100%[^}]*box-sizing: border-box", page)
     assert "within noise" in page and "1.49× [1.12, 2.27]" in page
     assert "2.13.0+cpu" in page and "test CPU" in page  # the environment
     assert "workbench ablate --model mlp --data digits" in page  # the command

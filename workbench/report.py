@@ -108,7 +108,7 @@ body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24
 h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px;
   border-bottom: 1px solid #ddd; padding-bottom: 3px; }
 .wb-meta { color: #666; margin-top: 0; }
-img { max-width: 100%; height: auto; border: 1px solid #eee; }
+img { max-width: 100%; height: auto; border: 1px solid #eee; box-sizing: border-box; }  /* the border inside the width: no scrollbar for 2 px */
 .wb-figure { overflow-x: auto; }
 pre { background: #f6f6f6; padding: 8px 10px; overflow-x: auto; white-space: pre-wrap;
   word-break: break-word; font-size: 12.5px; }
