@@ -96,6 +96,9 @@ def test_blocks_wholly_in_one_state_are_named_but_no_arm_is_judged_across_proces
     (warning,) = core_sync_states(fast_blocks + slow_blocks, fast_units + slow_units)
     assert "in 12 rounds, in block 2 (all its rounds)" in warning
     assert "differed" not in warning  # amp's 4% lies between processes: their luck, not the state
+    slow_blocks[0]["arms"] = ["baseline (own process)"]  # an arm's own process: named, read as English
+    (warning,) = core_sync_states(fast_blocks + slow_blocks, fast_units + slow_units)
+    assert "in the process of baseline (own process) in block 2 (all its rounds)" in warning
 
 
 def test_process_luck_in_the_probe_and_a_passing_interruption_are_not_states():

@@ -990,7 +990,7 @@ def core_sync_states(blocks: list[dict], units: list[dict], arms: list[dict] | N
         # not a passing interruption; a block that took no probes (one thread) says nothing
         if probed and slow_here >= min(MIN_ROUNDS_PER_STATE, len(probed)):
             share = "all its rounds" if slow_here == len(probed) else f"{slow_here} of {len(probed)}"
-            own = f"{block['arms'][0]}'s own process in " if len(block.get("arms", [])) == 1 else ""
+            own = f"the process of {block['arms'][0]} in " if len(block.get("arms", [])) == 1 else ""
             where.append(f"{own}block {block['block'] + 1} ({share})")
             slow += slow_here
     if not where:
