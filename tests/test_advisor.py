@@ -508,6 +508,14 @@ def test_the_advisors_progress_bar_is_named_advise(capsys):
     assert "advise:" in bar and "ablate" not in bar, bar
 
 
+def test_the_plots_legend_writes_a_long_step_in_plain_figures():
+    """A 1,460 ms step's compute read "1.17e+03 ms" in the legend."""
+    advice = build_advice(_facts(step_ms=1460.0, data_ms=0.7, overhead_ms=290.0), EVERYTHING)
+    labels = [text.get_text() for text in advice.plot().legends[0].get_texts()]
+    assert any("1,169 ms (80%)" in label or "1,170 ms (80%)" in label for label in labels), labels
+    assert not any("e+" in label for label in labels), labels
+
+
 def test_a_small_peak_is_named_on_the_plot_and_in_figures_that_do_not_round_it_away():
     """A 4.8 MiB peak of 24,106 MiB of RAM drew no visible bar, and the text said "0.0 %" where
     the plot's title said 0.02%; a count read "466.0" operations."""

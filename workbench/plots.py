@@ -628,6 +628,8 @@ def plot_advice(advice, path=None) -> ResultsFigure:
 
 
 def _plot_step_parts(axes, parts_ms: dict, step_ms: float, bottleneck: str, device: str) -> None:
+    from workbench.results_view import plain_number  # "1,170 ms", not "1.17e+03 ms"
+
     left = 0.0
     for part, ms in parts_ms.items():
         if ms <= 0:
@@ -635,7 +637,7 @@ def _plot_step_parts(axes, parts_ms: dict, step_ms: float, bottleneck: str, devi
         marked = part == bottleneck
         axes.barh(0, ms, left=left, color=PART_COLORS[part], height=0.5,
                   edgecolor="black" if marked else "white", linewidth=2.5 if marked else 0.5,
-                  hatch="//" if marked else None, label=f"{PART_LABELS[part]}: {ms:.3g} ms ({100 * ms / step_ms:.0f}%)")  # fmt: skip
+                  hatch="//" if marked else None, label=f"{PART_LABELS[part]}: {plain_number(ms)} ms ({100 * ms / step_ms:.0f}%)")  # fmt: skip
         if ms / step_ms >= 0.08:  # room for a label inside the bar
             axes.text(left + ms / 2, 0, f"{100 * ms / step_ms:.0f}%", ha="center", va="center",
                       color="white", fontsize=10, fontweight="bold")  # fmt: skip
