@@ -516,6 +516,13 @@ def test_the_plots_legend_writes_a_long_step_in_plain_figures():
     assert not any("e+" in label for label in labels), labels
 
 
+def test_a_peak_over_the_capacity_is_drawn_whole():
+    """advise measures a baseline over memory_cap_mb: its bar was cut at the capacity."""
+    memory_axes = build_advice(_facts(peak_mib=1142.0), EVERYTHING).plot().axes[1]
+    assert memory_axes.get_xlim()[1] > 1142.0
+    assert any(text.get_text().strip() == "capacity" for text in memory_axes.texts)
+
+
 def test_a_small_peak_is_named_on_the_plot_and_in_figures_that_do_not_round_it_away():
     """A 4.8 MiB peak of 24,106 MiB of RAM drew no visible bar, and the text said "0.0 %" where
     the plot's title said 0.02%; a count read "466.0" operations."""

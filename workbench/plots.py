@@ -669,7 +669,11 @@ def _plot_memory_limit(axes, facts, limited: bool) -> None:
     axes.text(limit, 0.3, f" limit ({100 * MEMORY_LIMIT:.0f}%)", color="#c44e52", fontsize=8, ha="right")
     axes.set_ylim(-0.5, 0.5)
     axes.set_yticks([])
-    axes.set_xlim(0, facts.capacity_mib * 1.02)
+    # past the capacity when the peak is (advise measures a baseline over memory_cap_mb): drawn whole
+    axes.set_xlim(0, max(facts.capacity_mib, facts.peak_mib) * 1.02)
+    if facts.peak_mib > facts.capacity_mib:
+        axes.axvline(facts.capacity_mib, color="black", linewidth=1)
+        axes.text(facts.capacity_mib, 0.3, "capacity ", fontsize=8, ha="right")
     axes.set_xlabel("MiB")
     share = 100 * facts.peak_mib / facts.capacity_mib
     axes.set_title(
