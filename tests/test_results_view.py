@@ -930,3 +930,12 @@ def test_without_a_control_the_legend_does_not_speak_of_its_band():
     controlled = [*alone, result_row("baseline (control)", speedup=1.0, low=0.98, high=1.02)]
     _, rows = reader_rows(synthetic_results(controlled).table)
     assert "control arm's band" in legend(rows)
+
+
+def test_an_arm_that_ran_without_a_baseline_is_drawn_not_compared_not_as_a_red_ok():
+    rows = [
+        result_row("baseline", "oom", "needs 37 MiB, more than memory_cap_mb=30 allows"),
+        result_row("amp"),
+    ]
+    texts = {t.get_text(): t.get_color() for t in synthetic_results(rows).plot().axes[0].texts}
+    assert texts["oom"] == "#c44e52" and texts["not compared"] == "#666666" and "ok" not in texts

@@ -165,8 +165,10 @@ def _plot_speedups(axes, table, y) -> None:
     )
     axes.axvline(1.0, color="black", linewidth=0.8)
     for index in y[~measured]:  # from the left edge: beside 1x it ran past the axes when every arm was slower
-        axes.text(0.02, index, table.status[index], va="center", ha="left", color="#c44e52", fontsize=9,
-                  transform=axes.get_yaxis_transform())  # fmt: skip
+        # an arm that ran but has no speedup (its baseline did not run) is not compared, and not red
+        ran = table.status[index] == "ok"
+        axes.text(0.02, index, "not compared" if ran else table.status[index], va="center", ha="left",
+                  color="#666666" if ran else "#c44e52", fontsize=9, transform=axes.get_yaxis_transform())  # fmt: skip
     axes.set_xscale("log")
     # Points without an interval (one timed step) count too, so that none falls off the axis.
     readable_log_ticks(
