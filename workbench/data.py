@@ -392,11 +392,11 @@ def whole_stream_per_worker(data: object) -> bool:
         return False
     try:
         with _random_states_kept():
-            mine = _first_samples(data, worker=0, seed=0)
-            theirs = _first_samples(data, worker=1, seed=0)
+            mine = _first_samples(data, worker=0, seed=0, count=PROBED_REPEATS)
+            theirs = _first_samples(data, worker=1, seed=0, count=1)
             if not (mine and theirs and _same_sample(mine[0], theirs[0])):
                 return False  # nothing to compare, or worker 1 starts on a share of its own
-            reseeded = _first_samples(data, worker=1, seed=1)
+            reseeded = _first_samples(data, worker=1, seed=1, count=PROBED_SAMPLES)
     except Exception:  # what the stream says is for its first batch to say, in each arm
         return False
     return any(_same_sample(a, b) for a in mine[:PROBED_REPEATS] for b in reseeded)
@@ -407,13 +407,11 @@ def whole_stream_per_worker(data: object) -> bool:
 PROBED_SAMPLES, PROBED_S, PROBED_REPEATS = 256, 1.0, 16
 
 
-def _first_samples(data: IterableDataset, worker: int, seed: int) -> list:
-    """The first samples that worker ``worker`` of 2 would read, on a copy of ``data`` (its own
-    generator included, as a worker's copy has it), with torch, numpy and random seeded ``seed``."""
-    try:
-        stream = copy.deepcopy(data)
-    except Exception:  # a stream that cannot be copied (an open handle) is asked as it is
-        stream = data
+def _first_samples(data: IterableDataset, worker: int, seed: int, count: int) -> list:
+    """The first ``count`` samples (at most PROBED_S of reading) that worker ``worker`` of 2 would
+    read, on a copy of ``data`` as an arm gets one (its own generator included, as a worker's copy
+    has it; the tensors it holds shared, not copied), with torch, numpy and random seeded ``seed``."""
+    stream = arms_own(data)
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
@@ -422,7 +420,7 @@ def _first_samples(data: IterableDataset, worker: int, seed: int) -> list:
         iterator = iter(stream)
         for sample in iterator:
             samples.append(sample)
-            if len(samples) >= PROBED_SAMPLES or time.perf_counter() - began > PROBED_S:
+            if len(samples) >= count or time.perf_counter() - began > PROBED_S:
                 break
         getattr(iterator, "close", lambda: None)()  # a generator's own cleanup runs now
     return samples
