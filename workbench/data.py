@@ -412,7 +412,7 @@ def _first_samples(data: IterableDataset, worker: int, seed: int, count: int) ->
     read, on a copy of ``data`` as an arm gets one (its own generator included, as a worker's copy
     has it; the tensors it holds shared, not copied), with torch, numpy and random seeded ``seed``."""
     stream = arms_own(data)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)  # the CPU's alone: torch.manual_seed reseeds every GPU's too
     np.random.seed(seed)
     random.seed(seed)
     samples, began = [], time.perf_counter()
