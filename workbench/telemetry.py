@@ -448,9 +448,8 @@ def process_cpu_seconds(children: list | None = None, reaped: bool = False) -> f
 
     Each process's time is read from its CPU clock, in nanoseconds (os.times() and /proc count
     in 10-ms ticks, coarse beside windows of a few milliseconds); its running threads' latest
-    time still lags by up to a scheduler tick (``cpu_utilization_pct``). Listing children scans
-    /proc (about a millisecond), so an arm with DataLoader workers lists them once
-    (``worker_processes``) and passes them here.
+    time still lags by up to a scheduler tick (``cpu_utilization_pct``). An arm's windows count
+    theirs with ``WindowCpu``, which also follows workers that come and go.
     ``reaped`` adds the time of the children each of these processes has already waited for, so
     that a child that exited still counts (CompetingLoad); that time is known only in ticks.
     """
