@@ -303,7 +303,6 @@ def resolve_data(data: object, model: object) -> DataSource:
             f"or a JPEG folder ({JPEG_FOLDER_PREFIX}PATH); for other data, also pass your own model factory"
         )
     if isinstance(data, Dataset):
-        _refuse_unsized(data)
         return _user_source(type(data).__name__, data, data)
     if isinstance(data, Iterator):
         raise ValueError(
@@ -320,8 +319,6 @@ def resolve_data(data: object, model: object) -> DataSource:
                 f"the data factory {getattr(data, '__name__', data)!r} returned {type(sample).__name__}; "
                 "it must return a Dataset or an iterable of (inputs, targets) batches"
             )
-        if isinstance(sample, Dataset):
-            _refuse_unsized(sample)
         return _user_source(getattr(data, "__name__", "data"), data, sample)
     raise ValueError(
         f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), '{JPEG_FOLDER_PREFIX}PATH', a Dataset, an iterable of "
@@ -346,6 +343,8 @@ def _with_collate_fn(source: DataSource, collate_fn: Callable[[list], Any]) -> D
 
 def _user_source(label: str, user: object, data: object) -> DataSource:
     """The user's Dataset, or a factory (``user``) of ``data``, a Dataset or batches."""
+    if isinstance(data, Dataset):
+        _refuse_unsized(data)
     return DataSource(
         label=label,
         user=user,
