@@ -407,3 +407,17 @@ def test_a_stream_shared_among_more_workers_than_it_can_fill_says_so():
     source = resolve_data(_SharedStream(), lambda: torch.nn.Linear(3, 2))
     with pytest.raises(ValueError, match=r"no full batch.*or fewer DataLoader workers \(each of the 2"):
         next(endless_batches(source, 12, 0, {"num_workers": 2}))
+
+
+def test_a_dataloader_given_as_data_with_workers_is_said_to_load_beside_the_other_arms():
+    """Its workers are each arm's, in the block's process: they load during the other arms'
+    windows, and the arm's CPU figure leaves them out. No note said so."""
+    from helpers import arm_result, block_spec
+
+    from workbench.worker import run_block
+
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=1)
+    spec = block_spec(lambda: torch.nn.Linear(3, 2), data=loader, batch_size=8)
+    notes = arm_result(run_block(spec))["notes"]
+    assert any("the DataLoader given as data loads in 1 worker process(es)" in note for note in notes), notes
