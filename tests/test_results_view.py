@@ -939,3 +939,17 @@ def test_an_arm_that_ran_without_a_baseline_is_drawn_not_compared_not_as_a_red_o
     ]
     texts = {t.get_text(): t.get_color() for t in synthetic_results(rows).plot().axes[0].texts}
     assert texts["oom"] == "#c44e52" and texts["not compared"] == "#666666" and "ok" not in texts
+
+
+def test_where_the_memory_cap_refused_an_arm_the_table_shows_each_arms_peak():
+    """The cap is checked against the peak, which only Results.table showed: the table read
+    'oom' beside activations alone."""
+    over = "baseline needs 37 MiB at its peak, more than memory_cap_mb=30 allows"
+    rows = [
+        result_row("baseline", "oom", over, peak_mem_mb=37.3),
+        result_row("checkpointing", peak_mem_mb=22.8),
+    ]
+    text = synthetic_results(rows).summary(width=100)
+    assert "peak MiB" in text and "37.3" in text and "22.8" in text
+    assert "peak: the most the arm's tensors held in a step" in text
+    assert "peak MiB" not in synthetic_results([result_row("baseline"), result_row("amp")]).summary(width=100)

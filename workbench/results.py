@@ -24,11 +24,13 @@ from workbench.plots import plot_results, plot_tune
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.results_view import (
     LOSS_DRIFT,
+    OVER_THE_CAP,
     TERMINAL_WIDTH,
     WHERE_OTHER_COLUMNS_ARE,
     loss_drifted,
     results_html,
     results_text,
+    shows_peak,
     verdicts,
 )
 from workbench.stats import PHASES
@@ -814,10 +816,17 @@ class Results:
             for warning in self.warnings()
         )
         text += results_text(table, width, colour, self.path, spell)
+        peak = shows_peak(table)
         text += "\n" + textwrap.fill(
             spell(
-                "activations: what autograd saved for backward (MiB). Every other column (peak memory, the "
-                f"step's phases, utilization, communication) {WHERE_OTHER_COLUMNS_ARE}."
+                (
+                    "peak: the most the arm's tensors held in a step (MiB), what memory_cap_mb is checked against. "
+                    if peak
+                    else ""
+                )
+                + "activations: what autograd saved for backward (MiB). Every other column ("
+                + ("" if peak else "peak memory, ")
+                + f"the step's phases, utilization, communication) {WHERE_OTHER_COLUMNS_ARE}."
             ),
             width,
             break_on_hyphens=False,
@@ -866,7 +875,7 @@ def _baseline_did_not_run(table) -> list[str]:
 
 
 def _why_no_speedup(row) -> str:
-    if row.status == "oom" and "more than memory_cap_mb=" in row.reason:
+    if row.status == "oom" and OVER_THE_CAP in row.reason:
         # it ran, and was measured: what it needs is the finding, not a fault to fix
         return (
             f"the baseline needs more memory than the cap allows, so no arm has a speedup: {row.reason}. "

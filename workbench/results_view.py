@@ -67,6 +67,14 @@ COLUMNS = {
     "loss": Column("loss vs baseline"),
 }
 MFU_COLUMN = Column("MFU %")
+# Shown where memory_cap_mb refused an arm: the peak is what the cap is checked against.
+PEAK_COLUMN = Column("peak MiB")
+OVER_THE_CAP = "more than memory_cap_mb="
+
+
+def shows_peak(table) -> bool:
+    """Whether the reader's table has the peak column: some arm was over memory_cap_mb."""
+    return bool(table.reason.fillna("").str.contains(OVER_THE_CAP, regex=False).any())
 
 
 def noise_band(row, table) -> tuple[float, float]:
@@ -199,6 +207,8 @@ def reader_rows(table) -> tuple[list[str], list[ReaderRow]]:
     """The reader's columns (MFU only where measured) and one row per arm of ``Results.table``,
     whose verdict column it shows."""
     columns = list(COLUMNS)
+    if shows_peak(table):
+        columns.insert(columns.index("activations"), "peak")
     if "mfu_pct" in table and table.mfu_pct.notna().any():
         columns.append("mfu")
     rows = []
@@ -209,6 +219,7 @@ def reader_rows(table) -> tuple[list[str], list[ReaderRow]]:
             "speedup": speedup_text(row),
             "throughput": plain_number(row.samples_per_s),
             "step": plain_number(row.step_ms),
+            "peak": plain_number(row.peak_mem_mb),
             "activations": plain_number(row.activation_mb, smallest=0.01),
             "loss": loss_text(row),
             "mfu": plain_number(getattr(row, "mfu_pct", math.nan)),
@@ -218,7 +229,7 @@ def reader_rows(table) -> tuple[list[str], list[ReaderRow]]:
 
 
 def _heading(column: str) -> Column:
-    return MFU_COLUMN if column == "mfu" else COLUMNS[column]
+    return {"mfu": MFU_COLUMN, "peak": PEAK_COLUMN}.get(column) or COLUMNS[column]
 
 
 # --- HTML ------------------------------------------------------------------------------------
@@ -560,7 +571,7 @@ def fits_unbroken(
 # Where the reader's table is too wide for the terminal, these columns give way, first to
 # last, before an arm's name or its verdict is cut inside a word ("refere" / "nce"): the step
 # time says again what samples/s says, and all three stay in Results.table.
-GIVES_WAY_FIRST = ("step", "mfu", "activations")
+GIVES_WAY_FIRST = ("step", "mfu", "activations", "peak")
 
 
 def _columns_that_fit(columns: list[str], rows: list[ReaderRow], width: int) -> tuple[list[str], list[str]]:
