@@ -93,7 +93,7 @@ from workbench.data import (
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun, ranks_on_this_machine
 from workbench.environment import environment
-from workbench.loop import check_the_loss
+from workbench.loop import check_the_loss, error_line
 from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, first_cause, rank_log, run_in_fresh_process
 from workbench.profiling import trace_owner
@@ -108,7 +108,7 @@ from workbench.techniques import (
 )
 from workbench.telemetry import Sampler, competing_load, threads_per_rank, usable_cores
 from workbench.template import WarmTemplate, acquire_template, keep_warm_s, release_template
-from workbench.worker import BlockSpec, one_line, slug, trace_file_name
+from workbench.worker import BlockSpec, slug, trace_file_name
 
 
 @dataclass
@@ -240,7 +240,7 @@ def _first_batch(source: DataSource, batch_size: int, seed: int) -> Any:
         raise
     except Exception as error:
         raise ValueError(
-            f"reading the first batch of data {source.label!r} fails, as every arm's would: {one_line(error)}"
+            f"reading the first batch of data {source.label!r} fails, as every arm's would: {error_line(error)}"
         ) from error
 
 

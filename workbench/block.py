@@ -35,13 +35,12 @@ from workbench.data import (
     endless_batches,
     inputs_and_targets,
     loader_feed,
-    loader_worker_error,
     map_tensors,
     tensors_of,
 )
 from workbench.devices import synchronize
 from workbench.distributed import DDP_ORDER, CommMeter, CommSettings, Rank, wrap_ddp
-from workbench.loop import Trainer, TrainSetup, default_loss, make_optimizer
+from workbench.loop import Trainer, TrainSetup, default_loss, error_line, make_optimizer
 from workbench.mfu import compute_dtype, count_flops
 from workbench.models import NoOpModel, build_model, noop_loss
 from workbench.process_state import ArmRandomState
@@ -400,8 +399,7 @@ class BlockArm:
             try:
                 feeds.append(loader_feed(self.data, self.run.batch_size, self.run.seed, count))
             except Exception as error:  # a Dataset workers cannot load (an open file handle, CUDA tensors)
-                said = loader_worker_error(error) or f"{type(error).__name__}: {str(error).strip()}"
-                return [{"workers": count, "error": said}]
+                return [{"workers": count, "error": error_line(error)}]
         return feeds
 
     def _batch_scaling(self, steps: int) -> dict:

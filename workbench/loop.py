@@ -207,7 +207,7 @@ class _Trial:
                 if not self.judged:
                     return None
                 raise ValueError(
-                    f"building the model fails, as every arm's would: {_one_line(error)}"
+                    f"building the model fails, as every arm's would: {error_line(error)}"
                 ) from None
         return self.cpu_model
 
@@ -230,7 +230,7 @@ class _Trial:
             return self.run_on(model, torch.device("cpu"), inputs, targets)
         except Exception as error:  # raised only when judged
             raise ValueError(
-                f"the model's forward on the first batch fails, as every arm's would: {_one_line(error)}"
+                f"the model's forward on the first batch fails, as every arm's would: {error_line(error)}"
                 + _dtype_mismatch(model, inputs)
             ) from None
 
@@ -254,7 +254,7 @@ def _check_the_default_loss(trial: _Trial) -> torch.Tensor | None:
     except Exception as error:  # cross-entropy refused the shapes: logits vs targets
         raise ValueError(
             f"the default loss failed on this model's output ({describe_output(outputs)}) and the "
-            f"batch's targets: {_one_line(error)}; "
+            f"batch's targets: {error_line(error)}; "
             "pass loss_fn=lambda outputs, targets: ... returning a scalar tensor"
         ) from None
     _check_it_has_a_gradient(loss, "the model's own loss" if own else "the loss")
@@ -274,7 +274,7 @@ def _check_the_users_loss(trial: _Trial, loss_fn: Callable, dict_batch: bool) ->
             return None
         raise ValueError(
             f"loss_fn(outputs, targets) fails on the model's output for the first batch, as every "
-            f"arm's would: {_one_line(error)}"
+            f"arm's would: {error_line(error)}"
             + (
                 "; a dict batch is all inputs, so loss_fn gets targets=None: to give it targets, pass "
                 "(inputs, targets) pairs, whose inputs may be a dict (the model gets model(**inputs))"
@@ -377,7 +377,8 @@ def _dtype_mismatch(model: nn.Module, inputs: Any) -> str:
     )
 
 
-def _one_line(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
+    """An error as a message quotes it: its type and first line, or a DataLoader worker's own error."""
     if said := loader_worker_error(error):
         return said
     lines = str(error).strip().splitlines()

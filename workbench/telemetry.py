@@ -455,8 +455,7 @@ def process_cpu_seconds(children: list | None = None, reaped: bool = False) -> f
     """
     total = time.process_time()
     if reaped:
-        times = os.times()
-        total += times.children_user + times.children_system
+        total += _reaped_children_s()
     for child in children or ():
         try:
             total += _cpu_clock_seconds(child)
