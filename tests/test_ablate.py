@@ -571,8 +571,9 @@ def test_a_tuner_round_cut_by_the_budget_does_not_offer_to_resume(tmp_path, caps
         if event["type"] == "unit":
             deadline.expire()
 
+    # With progress shown, as a search shows it (without, a stop asked for is its caller's to say).
     cut = wb.ablate(model="mlp", techniques={}, steps=4, warmup=1, blocks=3, out=tmp_path / "round",
-                    stop=deadline, on_event=expire_after_first_block, **QUIET)  # fmt: skip
+                    stop=deadline, on_event=expire_after_first_block, progress=True)  # fmt: skip
     assert not cut.complete
     printed = capsys.readouterr().out
     assert "Stopped, as the search's budget ran out: 1 of 3 processes finished, and count" in printed

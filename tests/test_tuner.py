@@ -2,6 +2,7 @@
 
 import json
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from torch import nn
 
 import workbench as wb
 from workbench.cli import parse_budget
+from workbench.config import NothingMeasured
 from workbench.results import Results
 from workbench.results_folder import ResultsFolder
 from workbench.techniques import Technique, get_technique, register_technique, unregister_technique
@@ -454,6 +456,26 @@ def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_wo
     with pytest.raises(ValueError, match=r"budget_s=2 is too small"):
         wb.tune(PausingNet, batches(), budget_s=2, techniques=known_techniques, out=out, **RUN, **QUIET)
     assert json.loads((out / "tune.json").read_text())["calibration"] == calibrated  # not measured again
+
+
+def test_a_search_stopped_while_it_calibrates_ends_then_and_names_no_folder_it_removed(known_techniques):
+    """The calibration did not hear Stop (the panel's: a search went on calibrating, then was
+    refused at its first round), and with out=False the message named the calibration's folder,
+    gone by the time it was read."""
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(NothingMeasured, match="stopped while calibrating") as stopped:
+        wb.tune(
+            PausingNet,
+            batches(),
+            budget_s=600,
+            techniques=known_techniques,
+            out=False,
+            stop=stop,
+            **RUN,
+            **QUIET,
+        )
+    assert "saved in" not in str(stopped.value)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 import html
 import re
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from helpers import (
 import workbench as wb
 from workbench import live_run, optional
 from workbench.ablation import check_before_run
-from workbench.config import RunConfig, run_options
+from workbench.config import NothingMeasured, RunConfig, run_options
 from workbench.plots import plot_live
 from workbench.techniques import Technique, all_techniques, register_technique, unregister_technique
 from workbench.techniques.base import GROUPS
@@ -152,6 +153,11 @@ def test_the_overwrite_checkbox_discards_the_earlier_run_once(tmp_path):
     results = panel.wait(120)
     assert results is not None and results.complete, panel.status.value
     assert wb.load_results(out).record["config"]["steps"] == 3
+    # Run again as it is: nothing is left to run, and "Done." would claim a measurement.
+    assert panel.run() is True and panel.wait(120).complete
+    said = html.unescape(panel.status.value)
+    assert "Already complete: nothing was left to run" in said and "Done" not in said
+    assert "tick 'discard its earlier results' beside out" in said
     panel.settings["steps"].value = 4
     assert panel.run() is False and "holds a different ablation" in panel.status.value
 
@@ -421,14 +427,99 @@ def test_stop_keeps_finished_blocks(tmp_path):
     assert len(saved.record["units"]) >= 2
 
 
-def test_a_stop_before_any_block_finished_shows_no_empty_results():
-    """It said "finished blocks are kept" and drew an empty figure (a memory axis of +-0.04 MiB)."""
+def test_a_stop_before_any_block_finished_shows_no_empty_results(capsys):
+    """It said "finished blocks are kept" and drew an empty figure (a memory axis of +-0.04 MiB).
+    And the run's own "Stopped before any process finished" went to the notebook's last cell."""
     panel = wb.panel(model="mlp", techniques={"amp": True}, steps=200, warmup=2, blocks=2, out=False)
     panel.run()
     panel.stop()  # the first block is still starting: nothing can have finished
     panel.wait(timeout=120)
     assert "nothing was measured" in panel.status.value and "kept" not in panel.status.value
     assert panel.final_image.layout.display == "none"
+    assert "Stopped" not in capsys.readouterr().out  # the panel says it, in its own status line
+
+
+def test_stop_while_advising_is_said_as_a_stop_not_an_error(monkeypatch):
+    """Stop before advise's baseline (or tune's first round) finished read "Error: NothingMeasured".
+    And Advise unticked the discard checkbox that only Run and Tune use."""
+
+    def advise_until_stopped(**arguments):
+        arguments["stop"].wait(60)
+        raise NothingMeasured(
+            "advise: the baseline's run was stopped before it finished; nothing to advise on"
+        )
+
+    monkeypatch.setattr("workbench.widgets.advise", advise_until_stopped)
+    panel = wb.panel(model="mlp", steps=20, out=False)
+    panel.overwrite.value = True
+    assert panel.advise() is True
+    panel.stop()
+    panel.wait(timeout=60)
+    assert panel.error is None and "Error" not in panel.status.value
+    assert "Stopped before anything finished: nothing was measured" in panel.status.value
+    assert panel.overwrite.value is True
+
+
+def test_a_run_in_which_every_arm_failed_is_not_done():
+    """Every arm timed out, and the status line said "Done." over a table of failures."""
+    results = synthetic_results(
+        [
+            result_row("baseline", status="timed out", reason="over timeout_s"),
+            result_row("amp", status="timed out"),
+        ],
+        roles={"baseline": "baseline"},
+    )
+    results.record["units"] = [
+        {"arm": "baseline", "status": "timed out"},
+        {"arm": "amp", "status": "timed out"},
+    ]
+    panel = wb.panel(model="mlp", out=False)
+    panel._start(lambda: results, "running")
+    panel.wait(timeout=60)
+    assert "no arm measured a step" in panel.status.value and "Done" not in panel.status.value
+    assert panel.final_image.value[:4] == b"\x89PNG"  # the table and figure say why each failed
+
+
+A_PLAN = {
+    "type": "plan",
+    "arms": [{"name": "baseline", "unavailable": None}],
+    "blocks": 1,
+    "processes": 1,
+    "remaining": 1,
+}
+
+
+def _redraw_threads() -> int:
+    return sum(1 for thread in threading.enumerate() if thread.name == "workbench-panel-redraw")
+
+
+def test_a_quick_stop_and_run_leaves_one_redraw_thread_and_stopping_stays_said(monkeypatch):
+    """A redraw thread woken after its run ended went on drawing the next run beside that run's own;
+    and a second after Stop, the redraw put "Running" back over "Stopping"."""
+    monkeypatch.setattr("workbench.widgets.REDRAW_S", 0.05)
+    panel = wb.panel(model="mlp", out=False)
+    for _ in range(3):
+        released = threading.Event()
+        panel._start(lambda released=released: released.wait(60) and None, "running")
+        panel.live(A_PLAN)  # the run's state is "running" from here on
+        time.sleep(0.02)
+        released.set()  # the job ends while its redraw thread sleeps
+        panel.wait(timeout=10)
+    panel._start(lambda: panel._stop.wait(60) and None, "running")
+    panel.live(A_PLAN)
+    # The earlier runs' redraw threads end once they wake and look (or finish a draw begun).
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _redraw_threads() > 1:
+        time.sleep(0.05)
+    assert _redraw_threads() == 1
+    panel.stop()
+    time.sleep(0.3)  # several redraws
+    assert panel.status.value.startswith("Stopping")
+    panel.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _redraw_threads():
+        time.sleep(0.05)
+    assert _redraw_threads() == 0
 
 
 def test_live_run_gathers_events_and_the_live_plot_renders():
@@ -484,6 +575,26 @@ def test_live_run_gathers_events_and_the_live_plot_renders():
     live(gpu)
     titles = [axes.get_title() for axes in plot_live(live.snapshot()).axes]
     assert "GPU util. and memory (NVML)" in titles and "GPU power and clock (NVML)" in titles
+
+
+def test_the_live_view_draws_every_arm_of_a_grid_apart_and_says_what_empty_panels_wait_for():
+    """A grid of three techniques plans ten arms: the seven colours came round, amp+compile drawn
+    as the baseline. Before any block finished, two panels were bare 0-1 axes."""
+    names = ["baseline", "baseline (control)", "amp", "compile", "grad_accum", "amp+compile", "amp+grad_accum",
+             "compile+grad_accum", "amp+compile+grad_accum", "checkpointing+amp"]  # fmt: skip
+    live = LiveRun()
+    live({**A_PLAN, "arms": [{"name": name, "unavailable": None} for name in names], "processes": 3})
+    for index, name in enumerate(names):
+        live({"type": "progress", "arm": name, "block": 0, "samples_per_s": 100.0 + index})
+    figure = plot_live(live.snapshot())
+    throughput, breakdown, losses = figure.axes[:3]
+    assert throughput.get_title().startswith("Throughput") and breakdown.get_title().startswith(
+        "Step breakdown"
+    )
+    drawn = {line.get_label(): (line.get_color(), line.get_linestyle()) for line in throughput.get_lines()}
+    assert set(drawn) == set(names) and len(set(drawn.values())) == len(names)
+    for axes in (breakdown, losses):
+        assert [text.get_text() for text in axes.texts] == ["shown once a block\nhas finished"]
 
 
 def _fake_pynvml():

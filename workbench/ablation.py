@@ -1219,23 +1219,27 @@ class _Runner:
             self._close_template()
             self.sampler.stop()
         if stopped:
-            return self._stopped(bar, planned)
+            return self._stopped(bar, planned, progress)
         bar.close()
         results = self.save(complete=True)
         self.on_event({"type": "done", "out": str(self.folder)})
         return results
 
-    def _stopped(self, bar: Progress, planned: int) -> Results:
-        """Ctrl-C or Stop: keep what finished, say how to resume; Ctrl-C goes on up as itself."""
+    def _stopped(self, bar: Progress, planned: int, progress: bool) -> Results:
+        """Ctrl-C or Stop: keep what finished, say how to resume; Ctrl-C goes on up as itself.
+
+        A ``stop`` asked for without ``progress`` (the panel's Stop) is not printed: its caller
+        has the partial results and says it in its own words. Ctrl-C is always said."""
         bar.close()
         self.stopped = True
         with _ctrl_c_waits():  # a second Ctrl-C would cut the save short: the files, then the line
             results = self.save(complete=False)
             line = self._stopped_line(planned)
-            if line is not None:
+            asked = self.stop is not None and self.stop.is_set()
+            if line is not None and (progress or not asked):
                 say(f"\n{line}")
         self.on_event({"type": "stopped", "out": str(self.folder)})
-        if self.stop is not None and self.stop.is_set():
+        if asked:
             return results
         raise KeyboardInterrupt from None
 

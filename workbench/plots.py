@@ -378,8 +378,21 @@ def readable_log_ticks(axis, lows, highs) -> None:
 LIVE_ARM_COLORS = ("#1f77b4", "#ff7f0e", "#9467bd", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
-def _arm_colors(arms: list[str]) -> dict[str, str]:
-    return {arm: LIVE_ARM_COLORS[index % len(LIVE_ARM_COLORS)] for index, arm in enumerate(arms)}
+# Past seven arms (a grid of three techniques plans ten) the colours come round again, each
+# round in a line style of its own, so that no two arms are drawn alike.
+LIVE_ARM_LINES = ("-", "--", ":", "-.")
+
+
+def _arm_styles(arms: list[str]) -> dict[str, dict]:
+    """Each arm's colour and line style in the live view, in the plan's order."""
+    per_round = len(LIVE_ARM_COLORS)
+    return {
+        arm: {
+            "color": LIVE_ARM_COLORS[index % per_round],
+            "linestyle": LIVE_ARM_LINES[index // per_round % len(LIVE_ARM_LINES)],
+        }
+        for index, arm in enumerate(arms)
+    }
 
 
 def plot_live(snapshot: dict) -> ResultsFigure:
@@ -393,13 +406,13 @@ def plot_live(snapshot: dict) -> ResultsFigure:
     gpu_keys = gpu_util_keys(samples)
     loss_ax, cpu_ax, *machine_axes = machine_row.subplots(1, 4 if gpu_keys else 3)
     arms = snapshot["arms"] or sorted(snapshot["throughput"])
-    colors = _arm_colors(arms)
+    styles = _arm_styles(arms)
     running = snapshot.get("running_arm") if snapshot["state"] == "running" else None
-    _plot_live_throughput(speed_ax, snapshot["throughput"], colors, running)
+    _plot_live_throughput(speed_ax, snapshot["throughput"], styles, running)
     finished = [unit for unit in snapshot["finished"] if unit.get("result")]
     _plot_live_breakdown(phase_ax, finished, arms)
     loader_arms = set(snapshot.get("loader_arms", ()))  # their stand-in model's loss says nothing
-    _plot_live_losses(loss_ax, [unit for unit in finished if unit["arm"] not in loader_arms], colors)
+    _plot_live_losses(loss_ax, [unit for unit in finished if unit["arm"] not in loader_arms], styles)
     seconds = [s["time"] - snapshot["started"] for s in samples]
     _plot_cpu_utilization(cpu_ax, samples, seconds)
     if gpu_keys:
@@ -412,12 +425,24 @@ def plot_live(snapshot: dict) -> ResultsFigure:
             fontsize=8,
             color="#666",
         )
-    figure.suptitle(
+    title = (
         f"{snapshot['state']}: {snapshot['processes_done']} of {snapshot['processes'] or '?'} processes finished"
-        + (f"; now {snapshot['current']}" if snapshot["state"] == "running" and snapshot["current"] else ""),
-        fontsize=10,
+        + (f"; now {snapshot['current']}" if snapshot["state"] == "running" and snapshot["current"] else "")
     )
+    # a search's long round and arm names ran past both edges of the figure on one line
+    figure.suptitle(textwrap.fill(title, LIVE_TITLE_CHARS), fontsize=10)
     return figure
+
+
+LIVE_TITLE_CHARS = 130  # what the live figure's width holds at the title's size
+
+
+def _waiting_for_a_block(axes) -> None:
+    """An empty panel says what it will show, rather than showing bare 0-1 axes."""
+    axes.text(0.5, 0.5, "shown once a block\nhas finished", ha="center", va="center",
+              transform=axes.transAxes, color="#888", fontsize=9)  # fmt: skip
+    axes.set_xticks([])
+    axes.set_yticks([])
 
 
 # Progress readings in each rolling median. A reading is one window's rate, and windows are a few
@@ -473,21 +498,21 @@ def _throughput_segments(points: list[tuple]) -> list[list[tuple]]:
 LIVE_LOG_SCALE_SPREAD = 4.0
 
 
-def _plot_live_throughput(axes, throughput: dict, colors: dict, running: str | None) -> None:
+def _plot_live_throughput(axes, throughput: dict, styles: dict, running: str | None) -> None:
     """Each process's readings of an arm as a segment of its own: their rolling median, in the arm's
-    colour. The arm measured now is named in bold and ringed at its latest reading."""
-    planned = {arm: index for index, arm in enumerate(colors)}  # the legend in the plan's order
+    colour and line style. The arm measured now is named in bold and ringed at its latest reading."""
+    planned = {arm: index for index, arm in enumerate(styles)}  # the legend in the plan's order
     for arm in sorted(throughput, key=lambda name: planned.get(name, len(planned))):
         points, now = throughput[arm], arm == running
         for index, segment in enumerate(_throughput_segments(points)):
             seconds = [point[0] for point in segment]
             rates = _rolling_median([point[1] for point in segment])
             label = (f"{arm} (running)" if now else arm) if index == 0 else None
-            axes.plot(seconds, rates, "-", color=colors.get(arm), linewidth=2.4 if now else 1.4, label=label)
+            axes.plot(seconds, rates, **styles.get(arm, {}), linewidth=2.4 if now else 1.4, label=label)
         if now:  # its latest reading: processes start one after another, so it ends the last segment
             axes.plot(seconds[-1], rates[-1], "o", markersize=9, markerfacecolor="none", markeredgewidth=2,
-                      color=colors.get(arm))  # fmt: skip
-    axes.set_title("Throughput (rolling median)")
+                      color=styles.get(arm, {}).get("color"))  # fmt: skip
+    axes.set_title("Throughput (rolling median)", fontsize=10)
     axes.set_xlabel("seconds since start")
     medians = [np.median([point[1] for point in points]) for points in throughput.values() if points]
     medians = [value for value in medians if value > 0]
@@ -530,23 +555,28 @@ def _plot_live_breakdown(axes, finished: list[dict], arms: list[str]) -> None:
             axes.barh(names, values, left=left, color=color, label=phase, height=0.6)
         left += values
     axes.invert_yaxis()
-    axes.set_title("Step breakdown (finished blocks)")
+    # as small as the other panels' titles: at the top row's size it ran past the figure's edge
+    axes.set_title("Step breakdown (finished blocks)", fontsize=10)
     axes.set_xlabel("ms per optimizer step")
     if names:
         _legend_outside(axes)
+    else:
+        _waiting_for_a_block(axes)
 
 
-def _plot_live_losses(axes, finished: list[dict], colors: dict) -> None:
+def _plot_live_losses(axes, finished: list[dict], styles: dict) -> None:
     for unit in finished:
         axes.plot(
             range(1, len(unit["result"]["losses"]) + 1),
             unit["result"]["losses"],
-            color=colors.get(unit["arm"]),
+            **styles.get(unit["arm"], {}),
             alpha=0.7,
             linewidth=1,
         )
     axes.set_title("Loss (finished blocks)", fontsize=10)
     axes.set_xlabel("optimizer step, warm-up included")
+    if not finished:
+        _waiting_for_a_block(axes)
 
 
 def _plot_cpu_utilization(axes, samples: list[dict], seconds: list[float]) -> None:
@@ -597,6 +627,7 @@ def _plot_machine_memory(axes, samples: list[dict], seconds: list[float]) -> Non
     axes.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color=MEMORY_COLOR)
     axes.set_title("Memory used (machine)", fontsize=10)
     axes.set_ylabel("GiB")
+    axes.set_ylim(bottom=0)  # from zero: a few hundred MiB's swing is not drawn as a cliff
     axes.set_xlabel("seconds since start")
 
 

@@ -540,7 +540,14 @@ class _Search:
         if techniques is None:
             if advice is None:
                 self._say("calibrating: the advisor profiles the baseline and ranks what could help")
-                advice = advise(self.model, self.data, self.loss_fn, progress=self.progress, **run_settings)
+                advice = advise(
+                    self.model,
+                    self.data,
+                    self.loss_fn,
+                    progress=self.progress,
+                    stop=self.stop,
+                    **run_settings,
+                )
             check_advice_has_candidates(advice)
             pool = pool_from_advice(advice.recommended)
             self.state["advice"] = advice.to_json()
@@ -564,8 +571,11 @@ class _Search:
             alone = RunConfig(
                 **{**self.run_config.to_json(), "blocks": 1, "control": False, "isolate": False}
             )
+            # Stop is heard here too: a search stopped while it calibrates ends now, not after it.
             calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False, False,
-                                         False, self.progress, None, None, None, "tune: calibrate")  # fmt: skip
+                                         False, self.progress, None, self.stop, None, "tune: calibrate")  # fmt: skip
+            if self.stop is not None and self.stop.is_set():
+                raise NothingMeasured("tune: stopped while calibrating; nothing was measured")
             ran_here = True
         self._learn_calibration(calibration, time.monotonic() - began, list(costly), ran_here)
         self._price_candidates()
@@ -899,7 +909,8 @@ class _Search:
     def _finish(self, results: Results | None, stopped: str) -> Results:
         if results is None:
             raise NothingMeasured(
-                f"tune: no round finished ({stopped}); the calibration is saved in {self.folder.path}"
+                f"tune: no round finished ({stopped})"
+                + (f"; the calibration is saved in {self.folder.path}" if self.kept else "")
             )
         best, runner_up, undecided = _answer([c for c in self.candidates if c.rounds])
         faster = best is not None and undecided is None

@@ -30,7 +30,14 @@ import ipywidgets as w
 
 from workbench.ablation import ablate, check_before_run
 from workbench.advisor import ADVISOR_FIXES, Advice, advise
-from workbench.config import TUNER_DECIDES, Option, RunConfig, run_options, unknown_name_error
+from workbench.config import (
+    TUNER_DECIDES,
+    NothingMeasured,
+    Option,
+    RunConfig,
+    run_options,
+    unknown_name_error,
+)
 from workbench.data import BUILTIN_DATA, data_label, resolve_data, with_collate_fn
 from workbench.live_run import LiveRun, progress_line
 from workbench.models import BUILTIN_MODELS, get_builtin_model, model_label
@@ -50,6 +57,7 @@ from workbench.techniques import all_techniques, technique_context
 from workbench.tuner import check_advice_has_candidates, tune
 
 REDRAW_S = 1.0
+STOPPED_BEFORE_ANYTHING = "<b>Stopped before anything finished: nothing was measured.</b>"
 # The results figure's width in the panel, in inches (90 px each): about the panel's own width,
 # so that its text is drawn near full size rather than shrunk from the default 13 inches.
 FIGURE_IN = 10.0
@@ -103,6 +111,7 @@ class AblationPanel(w.VBox):
         overwrite = self.ablate_kwargs.pop("overwrite", False)
         self.results = None
         self.error: str | None = None
+        self._stopped_before_anything = False  # Stop ended advise or tune before they had anything
         self.live = LiveRun()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -412,7 +421,10 @@ class AblationPanel(w.VBox):
             self._advice = (advice, arguments)
             return advice
 
-        return self._start(advise_and_remember, "Advising: profiling a short baseline in a fresh process.")
+        # The advisor keeps no folder: the discard checkbox is left for the Run or Tune it is meant for.
+        return self._start(
+            advise_and_remember, "Advising: profiling a short baseline in a fresh process.", discards=False
+        )
 
     def tune(self) -> bool:
         """Search for the fastest combination in the background (``wb.tune``); False if refused."""
@@ -451,24 +463,30 @@ class AblationPanel(w.VBox):
             self.status.value = _error_html("A run is already in progress: wait for it, or press Stop first.")
         return self.running
 
-    def _start(self, job: Callable[[], Any], message: str) -> bool:
+    def _start(self, job: Callable[[], Any], message: str, discards: bool = True) -> bool:
         if self._refused_while_running():
             return False
         self.error, self.results, self._adoptable = None, None, {}
+        self._stopped_before_anything = False
         self.live = LiveRun()
         self._stop = threading.Event()
         self.final_image.value, self.table.value = b"", ""
         self.final_image.layout.display = "none"
         self._set_running(True)
-        # One discard per tick: a later run in the same folder resumes or refuses, as the API's do.
-        self.overwrite.value = False
+        if (
+            discards
+        ):  # one discard per tick: a later run in the same folder resumes or refuses, as the API's do
+            self.overwrite.value = False
         self.status.value = message
         self._thread = threading.Thread(
             target=self._run_job, args=(job,), daemon=True, name="workbench-panel-run"
         )
         self._thread.start()
         threading.Thread(
-            target=self._redraw_while_running, daemon=True, name="workbench-panel-redraw"
+            target=self._redraw_while_running,
+            args=(self._thread,),
+            daemon=True,
+            name="workbench-panel-redraw",
         ).start()
         return True
 
@@ -495,8 +513,13 @@ class AblationPanel(w.VBox):
         try:
             self.results = job()
         except Exception as error:  # shown in the panel: a thread has nowhere else to report
-            self.error = f"{type(error).__name__}: {error}"
-            self.live.state = "failed"
+            if isinstance(error, NothingMeasured) and self._stop.is_set():
+                # Stop pressed before advise's baseline or tune's first round finished: no error.
+                self._stopped_before_anything = True
+                self.live.state = "stopped"
+            else:
+                self.error = f"{type(error).__name__}: {error}"
+                self.live.state = "failed"
         finally:
             self._finish()
 
@@ -507,21 +530,33 @@ class AblationPanel(w.VBox):
             self._show_advice(outcome)
         elif outcome is not None and "tune" in outcome.record:
             self._show_search(outcome)
-        elif (
-            outcome is not None
-            and not outcome.complete
-            and not any(u["status"] == "ok" for u in outcome.record["units"])
-        ):
+        elif outcome is not None and not outcome.complete and not _measured(outcome):
             # Stopped before any block finished: an empty figure and table would only mislead.
-            self.status.value = "<b>Stopped before any block finished: nothing was measured.</b>"
+            self.status.value = STOPPED_BEFORE_ANYTHING
         elif outcome is not None:
             self._show(outcome.plot(FIGURE_IN), outcome._repr_html_())
             where = f" Results: {outcome.path}" if outcome.path else ""
-            verb = "Done" if outcome.complete else "Stopped; finished blocks are kept"
-            self.status.value = f"<b>{verb}.</b>{html.escape(where)}" + _warnings_below(outcome.warnings())
+            self.status.value = f"<b>{self._verdict(outcome)}</b>{html.escape(where)}" + _warnings_below(
+                outcome.warnings()
+            )
+        elif self._stopped_before_anything:
+            self.status.value = STOPPED_BEFORE_ANYTHING
         elif self.error:
             self.status.value = _error_html(self.error)
         self._set_running(False)
+
+    def _verdict(self, results) -> str:
+        """The status line's first words for an ablation's results."""
+        if not results.complete:
+            return "Stopped; finished blocks are kept."
+        if not _measured(results):  # every arm failed: the table under the figure says why
+            return "Finished, but no arm measured a step: the table says why."
+        if self.live.processes_started == 0:  # a folder whose run was complete: nothing was left to run
+            return (
+                "Already complete: nothing was left to run, so these are its saved results. To measure "
+                f"again, tick '{OVERWRITE_LABEL}' beside out."
+            )
+        return "Done."
 
     def _show_advice(self, advice: Advice) -> None:
         self._adoptable = dict(advice.recommended)
@@ -546,9 +581,11 @@ class AblationPanel(w.VBox):
         self.final_image.layout.display = None
         self.table.value = table_html
 
-    def _redraw_while_running(self) -> None:
+    def _redraw_while_running(self, job: threading.Thread) -> None:
+        # While *its* run goes on: a redraw thread that watched the panel's running job would, woken
+        # after a quick Stop and Run, go on beside the next run's own.
         drawn = -1
-        while self.running:
+        while job.is_alive():
             if self.live.version != drawn:
                 drawn = self.live.version
                 self._draw_live()
@@ -563,8 +600,12 @@ class AblationPanel(w.VBox):
         self._show_progress(snapshot)
 
     def _show_progress(self, snapshot: dict) -> None:
-        if snapshot["state"] == "running" and self.running:
+        if snapshot["state"] == "running" and self.running and not self._stop.is_set():  # else "Stopping"
             self.status.value = f"<b>Running:</b> {html.escape(progress_line(snapshot))}"
+
+
+def _measured(results) -> bool:
+    return any(unit["status"] == "ok" for unit in results.record["units"])
 
 
 def _passed_on(options: dict[str, Any], rules: dict) -> dict[str, Any]:
