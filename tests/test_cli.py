@@ -320,7 +320,9 @@ def test_show_refuses_what_is_not_a_results_file_without_reading_it_all(tmp_path
 def test_advise_recognises_the_files_it_wrote(tmp_path):
     from matplotlib.figure import Figure
 
-    from workbench.cli import ADVICE_GENERATOR, _advice_json, _advice_png
+    from workbench.cli import ADVICE_GENERATOR, _advice_json, _png_written_by
+
+    _advice_png = _png_written_by(ADVICE_GENERATOR)
 
     ours, theirs = tmp_path / "advice.json", tmp_path / "other.json"
     ours.write_text(json.dumps({"generator": ADVICE_GENERATOR, "bottleneck": "launch"}))

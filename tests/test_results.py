@@ -329,6 +329,13 @@ def test_a_file_that_is_not_json_is_not_called_a_results_file_cut_short(tmp_path
     (tmp_path / "cut.json").write_text('{"schema": "workbench-results/2", "table": [')
     with pytest.raises(ValueError, match="it may be cut short"):
         load_results(tmp_path / "cut.json")
+    (tmp_path / "cut-in-a-word.json").write_text(
+        '{"schema": "workbench-res'
+    )  # "starting at at line 1" was said
+    with pytest.raises(
+        ValueError, match=r"\(Unterminated string starting at: line 1, column 12\); it may be cut"
+    ):
+        load_results(tmp_path / "cut-in-a-word.json")
     (tmp_path / "other.json").write_text('{"name": "a package.json"}')
     with pytest.raises(ValueError, match="a JSON object without its schema"):
         load_results(tmp_path / "other.json")

@@ -15,6 +15,7 @@ from helpers import result_row, synthetic_results
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import workbench as wb
+from workbench.cli import main
 from workbench.config import RunConfig
 from workbench.results_folder import ResultsFolder
 from workbench.results_view import plain_number, text_table, wrap_cell
@@ -157,6 +158,12 @@ def test_the_noise_note_says_a_rerun_into_the_same_folder_adds_blocks_where_it_w
     own = report_html(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=run.path))
     assert f"--blocks N --out {run.path}" in own and "afresh, into a new results folder" in own
     assert "To add blocks" not in report_html(_with_control_spread(0.914, 1.099, 3.71, 3.0, path=copy))
+    # A stopped run is finished by the same command with its folder: more blocks are not the point.
+    stopped = _with_control_spread(0.914, 1.099, 3.71, 3.0, path=run.path)
+    stopped.record["complete"] = False
+    page = report_html(stopped)
+    assert "This run was stopped before it finished" in page and f"--out {run.path}" in page
+    assert "To add blocks" not in page
 
 
 def test_the_blocks_projection_follows_the_intervals_own_rule():
@@ -477,21 +484,19 @@ def test_compare_notes_runs_whose_threads_worked_together_at_different_speeds():
     assert "worked together" not in " ".join(wb.compare(fast, _run(1.5, 1.45, 1.55))._notes())  # not probed
 
 
-def test_compare_in_80_columns_puts_intervals_under_their_figures_before_breaking_a_name():
+def test_compare_in_80_columns_keeps_every_cell_in_its_column_and_breaks_no_name():
     extra = [_row("checkpointing", speedup=0.69, low=0.68, high=0.70)]
     runs = [_run(1.52, 1.43, 1.61, extra=extra), _run(1.48, 1.39, 1.58, extra=extra)]
     text = repr(wb.compare(*runs, names=["batch 32", "batch 64"]))
     lines = text.splitlines()
     rule = next(index for index, line in enumerate(lines) if line.startswith("---"))
     gaps = [i for i, char in enumerate(lines[rule]) if char == " "]  # between the columns
-    table = lines[1 : lines.index("")]  # the notes follow a blank line
+    table = lines[1 : next(i for i, line in enumerate(lines) if line.startswith("A run's speedup"))]
     for line in table:
         assert all(i >= len(line) or line[i] == " " for i in gaps), f"a cell runs past its column: {line!r}"
     assert max(len(line) for line in lines) <= 80
     assert any(line.startswith("checkpointing ") for line in lines), "the arm's name is not broken"
-    assert any(line.strip().startswith("[0.68, 0.70]") for line in lines), (
-        "the interval sits under its figure"
-    )
+    assert "1.52× [1.43, 1.61]" in text and "0.97× [" in text  # a figure and its interval on one line
 
 
 def test_compare_writes_intervals_as_the_results_table_does():
@@ -546,6 +551,113 @@ def test_compare_says_when_the_runs_differ_and_refuses_bad_input(tmp_path):
     once.record["created"] = "2026-11-28T03:05:28"
     with pytest.raises(ValueError, match=r"runs 1 and 3 are the same run \(created 2026-11-28T03:05:28\)"):
         wb.compare(once, _run(1.25, 1.12, 1.35), once)  # "within noise" with itself would say nothing
+
+
+def test_compare_fits_80_columns_with_long_run_names_and_many_runs(tmp_path, capsys, monkeypatch):
+    """Default folder names as headings, and a column per run, left the arms' column a few letters
+    wide ("baselin"/"e") at 80 columns, and 97 characters wide at three runs."""
+    runs = []
+    for index, amp in enumerate((1.2, 1.3, 1.1)):
+        run = _run(
+            amp,
+            amp - 0.1,
+            amp + 0.1,
+            extra=[_row("checkpointing+amp+grad_accum", speedup=0.7, low=0.6, high=0.8)],
+        )
+        runs.append(run.save(tmp_path / f"20261129-12084{index}-mlp"))
+    text = wb.compare(*runs).text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "Runs: A = 20261129-120840-mlp; B = 20261129-120841-mlp; C = 20261129-120842-mlp." in text
+    words = {word for line in text.splitlines() for word in line.split()}
+    assert {"baseline", "(control)", "checkpointing+amp+", "grad_accum", "reference", "noise"} <= words
+    monkeypatch.setenv("COLUMNS", "80")  # the command line's width is the terminal's
+    assert main(["compare", *map(str, runs), "--plot", str(tmp_path / "c.png")]) == 0
+    said = capsys.readouterr().out
+    assert (
+        "vs A" in said and max(len(line) for line in said.splitlines() if not line.startswith("Wrote")) <= 80
+    )
+    assert (tmp_path / "c.png").stat().st_size > 0
+    (tmp_path / "mine.png").write_bytes(b"not ours")
+    assert main(["compare", *map(str, runs), "--plot", str(tmp_path / "mine.png")]) == 2
+    assert (tmp_path / "mine.png").read_bytes() == b"not ours"
+
+
+def test_compare_names_other_technique_settings_and_other_caps_as_differences():
+    """amp in bfloat16 against amp in float16 was compared as one arm, and a run under a memory cap
+    against one without: neither was said."""
+    first = _run(1.2, 1.1, 1.3, config={"techniques": {"amp": "amp(dtype=bfloat16, level=O1)"}})
+    second = _run(
+        1.1, 1.0, 1.2, config={"techniques": {"amp": "amp(dtype=float16, level=O1)"}, "memory_cap_mb": 2.0}
+    )
+    comparison = wb.compare(first, second, names=["a", "b"])
+    assert comparison.differences == {
+        "memory_cap_mb": [None, 2.0],
+        "amp's settings": ["amp(dtype=bfloat16, level=O1)", "amp(dtype=float16, level=O1)"],
+    }
+    text = " ".join(comparison.text().split())
+    assert (
+        "The runs differ in amp's settings: a=amp(dtype=bfloat16, level=O1), b=amp(dtype=float16, level=O1)."
+        in text
+    )
+
+
+def _with_blocks(results, steps_by_block: dict):
+    results.record["units"] = [
+        {"arm": "baseline", "block": block, "status": "ok", "result": {"step_s": steps}}
+        for block, steps in steps_by_block.items()
+    ]
+    return results
+
+
+def test_compare_keeps_a_stopped_runs_figures_and_refuses_a_copy_that_shares_its_blocks():
+    """A stopped run's arms (interrupted, with their finished blocks' speedups) read "interrupted" /
+    "not compared"; and a copy resumed with more blocks passed as a run measured apart."""
+    stopped = _run(1.3, 1.1, 1.5)
+    stopped.record["complete"] = False
+    stopped.record["table"][2]["status"] = "interrupted"
+    _with_blocks(stopped, {0: [0.011, 0.012], 1: [0.013, 0.012]})
+    comparison = wb.compare(_run(1.2, 1.1, 1.3), stopped, names=["a", "b"])
+    assert comparison.table.set_index("arm").loc["amp", "b speedup"] == pytest.approx(1.3)
+    text = " ".join(comparison.text().split())
+    assert "b was stopped before it finished (2 of 3 blocks)" in text
+    extended = _with_blocks(_run(1.25, 1.15, 1.35), {0: [0.011, 0.012], 1: [0.013, 0.012], 2: [0.012, 0.011]})
+    with pytest.raises(ValueError, match=r"runs 1 and 2 hold the same measurements \(block 1 of baseline\)"):
+        wb.compare(stopped, extended)
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda r: r.update(blocks=[1, 2]), "its 'blocks' is not a list of the blocks' records"),
+        (lambda r: r["config"].pop("model"), "its config has no model"),
+        (lambda r: r["table"][2].update(blocks="two"), "row 2 of its table has blocks 'two', not a number"),
+        (
+            lambda r: r["table"][2].update(speedup_low=5, speedup_high=0.1),
+            r"the interval \[5, 0.1\], which no",
+        ),
+        (lambda r: r["table"][2].update(speedup_low=-1), r"the interval \[-1, 1.3\], which no"),
+        (lambda r: r["table"].append(dict(r["table"][2])), "its table has two rows for the arm 'amp'"),
+    ],
+)
+def test_a_results_file_damaged_by_hand_is_refused_with_what_is_wrong(tmp_path, damage, said):
+    """Each of these read, then failed in show or report with a traceback (or read an interval
+    upside down as "faster")."""
+    folder = _run(1.2, 1.1, 1.3).save(tmp_path / "run")
+    record = json.loads((folder / "results.json").read_text())
+    damage(record)
+    (folder / "results.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=f"is a damaged workbench results file: .*{said}"):
+        wb.load_results(folder)
+
+
+def test_the_html_table_keeps_a_stopped_arms_figures_and_says_why_under_them():
+    """An arm of a stopped run (its finished blocks' speedup) showed only its reason, across the
+    figures' columns, while the plot beside it drew the speedup."""
+    results = _run(1.3, 1.1, 1.5)
+    results.record["table"][2].update(status="interrupted", reason="2 of 3 blocks finished; stopped")
+    page = results._repr_html_()
+    row = page[page.index(">amp<") :]
+    assert row.index("1.30× [1.10, 1.50]") < row.index("2 of 3 blocks finished; stopped")
 
 
 def test_the_plots_warning_title_is_wrapped_inside_the_figure():

@@ -301,6 +301,16 @@ def _add_saved_results_commands(commands) -> None:
     )
     report.add_argument("path", help="a results folder or its results.json")
     report.add_argument("--out", help="where to write it (default: report.html in the results folder)")
+    compare = commands.add_parser(
+        "compare", help="set saved runs side by side: each arm's speedup in each, and how it changed"
+    )
+    compare.add_argument(
+        "paths", nargs="+", metavar="path", help="results folders; the first is the reference"
+    )
+    compare.add_argument(
+        "--names", nargs="+", metavar="NAME", help="a name per run (default: the folders' names)"
+    )
+    compare.add_argument("--plot", metavar="PNG", help="also save the figure: every run's speedups, one axis")
 
 
 def _add_advise_command(commands) -> None:
@@ -463,14 +473,19 @@ def _advice_json(path: Path) -> bool:
         return False
 
 
-def _advice_png(path: Path) -> bool:
-    from PIL import Image, UnidentifiedImageError
+def _png_written_by(generator: str) -> Callable[[Path], bool]:
+    """Whether a PNG is one this command wrote (its Software field): only such a one is replaced."""
 
-    try:
-        with Image.open(path) as image:
-            return image.info.get("Software") == ADVICE_GENERATOR
-    except (UnidentifiedImageError, OSError):
-        return False
+    def written(path: Path) -> bool:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as image:
+                return image.info.get("Software") == generator
+        except (UnidentifiedImageError, OSError):
+            return False
+
+    return written
 
 
 def _run_advise(args: argparse.Namespace) -> int:
@@ -481,7 +496,9 @@ def _run_advise(args: argparse.Namespace) -> int:
     json_file = _check_output_file("--json", args.json, _advice_json) if args.json else None
     if args.plot and Path(args.plot).suffix.lower() != ".png":
         raise ValueError(f"advise: --plot writes a PNG image; name a .png file (got {args.plot})")
-    plot_file = _check_output_file("--plot", args.plot, _advice_png) if args.plot else None
+    plot_file = (
+        _check_output_file("--plot", args.plot, _png_written_by(ADVICE_GENERATOR)) if args.plot else None
+    )
     advice = wb.advise(
         args.model, args.data, progress=not args.no_progress, on_event=_plan_without_the_bar(args), **settings
     )
@@ -606,6 +623,28 @@ def _run_show(args: argparse.Namespace) -> int:
     print(saved.summary(width=terminal_width(), colour=use_colour(), spell=ablate_spelling(args)))
     if "tune" in saved.record:
         print(f"\n{_search_text(saved)}")
+    return 0
+
+
+COMPARISON_GENERATOR = "workbench compare"  # written into its PNG, so that a later one may replace it
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    import workbench as wb
+    from workbench.results_view import terminal_width
+
+    if len(args.paths) < 2:
+        raise ValueError(f"compare needs two results folders or more; got {len(args.paths)}")
+    if args.plot and Path(args.plot).suffix.lower() != ".png":
+        raise ValueError(f"compare: --plot writes a PNG image; name a .png file (got {args.plot})")
+    plot_file = (
+        _check_output_file("--plot", args.plot, _png_written_by(COMPARISON_GENERATOR)) if args.plot else None
+    )
+    comparison = wb.compare(*args.paths, names=args.names)
+    print(comparison.text(terminal_width()))
+    if plot_file is not None:
+        comparison.plot().savefig(plot_file, dpi=110, metadata={"Software": COMPARISON_GENERATOR})
+        print(f"Wrote {plot_file}")
     return 0
 
 
@@ -856,6 +895,8 @@ def _main(argv: list[str] | None) -> int:
             return 0
         if args.command == "show":
             return _run_show(args)
+        if args.command == "compare":
+            return _run_compare(args)
         if args.command == "report":
             from workbench.results import load_results
 

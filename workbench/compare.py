@@ -26,20 +26,18 @@ import numpy as np
 from workbench.core_sync import STATE_RATIO
 from workbench.plots import ResultsFigure, readable_log_ticks
 from workbench.results import Results, load_results, run_identity
-from workbench.results_view import READER_CSS, badge, interval_text, text_table
+from workbench.results_view import READER_CSS, TERMINAL_WIDTH, badge, interval_text, text_table
 
-# Settings whose difference changes what a speedup means; listed when the runs disagree.
-COMPARED_SETTINGS = (
-    "model",
-    "data",
-    "device",
-    "batch_size",
-    "steps",
-    "warmup",
-    "blocks",
-    "world_size",
-    "mode",
-)
+# The run settings that do not change what a speedup means (where a trace or the jobs went, how
+# its processes started, how long an arm may take): every other one is listed when runs differ,
+# and so is each technique's own settings (amp in bfloat16 against amp in float16).
+NOT_COMPARED = ("trace_dir", "profile_steps", "timeout_s", "executor", "slurm", "start")
+
+
+SHORT_RUN_NAME = 10  # a run named longer than this is a letter in the text table's headings
+
+
+MEASURED = ("ok", "interrupted")  # the statuses whose speedups are compared
 
 
 def compare(*runs: Results | str | os.PathLike, names: list[str] | None = None) -> Comparison:
@@ -80,6 +78,29 @@ def _refuse_a_run_twice(runs: list[Results]) -> None:
                 "compare runs measured apart, such as the same job run again"
             )
         seen.setdefault(identity, number)
+    _refuse_shared_blocks(runs)  # a copy, resumed since: not the same run, but not measured apart
+
+
+def _refuse_shared_blocks(runs: list[Results]) -> None:
+    """A run and a copy of it resumed with more blocks share their first blocks' measurements: their
+    ratio's interval, which assumes two independent runs, would be too narrow a claim."""
+    owner: dict[tuple, int] = {}
+    for number, run in enumerate(runs, start=1):
+        for unit in run.record["units"]:
+            result = unit.get("result")
+            steps = result.get("step_s") if isinstance(result, dict) else None
+            if not steps:
+                continue
+            measured = (unit["arm"], unit.get("block"), tuple(steps[:STEPS_THAT_IDENTIFY]))
+            if owner.setdefault(measured, number) != number:
+                raise ValueError(
+                    f"compare: runs {owner[measured]} and {number} hold the same measurements (block "
+                    f"{unit.get('block', 0) + 1} of {unit['arm']}): one is a copy of the other, perhaps resumed "
+                    "with more blocks. Compare runs measured apart, such as the same job run again"
+                )
+
+
+STEPS_THAT_IDENTIFY = 8  # a unit's first step times: two measurements never share them
 
 
 def _default_names(runs: list[Results]) -> list[str]:
@@ -128,6 +149,15 @@ def _thread_state_notes(names: list[str], runs: list[Results]) -> list[str]:
     ]
 
 
+def _stopped_note(name: str, run: Results) -> str:
+    finished = len({unit.get("block") for unit in run.record["units"] if unit.get("status") == "ok"})
+    planned = run.config.get("blocks")
+    return (
+        f"{name} was stopped before it finished ({finished} of {planned} blocks): its figures are its finished "
+        "blocks', with their wider intervals."
+    )
+
+
 class Comparison:
     """Runs side by side. ``table`` for code; ``plot()``; shows itself in a notebook."""
 
@@ -146,9 +176,10 @@ class Comparison:
             figures = []
             for name, table in zip(self.names, tables, strict=True):
                 found = table.loc[arm] if arm in table.index else None
+                # An arm of a stopped run has the figures of its finished blocks (as `show` says them).
                 point = (
                     (found.speedup, found.speedup_low, found.speedup_high)
-                    if found is not None and found.status == "ok"
+                    if found is not None and found.status in MEASURED
                     else (math.nan, math.nan, math.nan)
                 )
                 figures.append(point)
@@ -168,14 +199,28 @@ class Comparison:
         """The settings that differ between the runs (model, data, device, batch size...), each
         with every run's value: what to keep in mind before reading a ratio as the code's doing."""
         found = {}
-        for key in COMPARED_SETTINGS:
+        settings = dict.fromkeys(key for run in self.runs for key in run.config)
+        for key in settings:
             values = [run.config.get(key) for run in self.runs]
-            if any(value != values[0] for value in values[1:]):
+            if key not in (*NOT_COMPARED, "techniques") and any(value != values[0] for value in values[1:]):
                 found[key] = values
+        found.update(self._technique_differences())
         for key in ("torch", "cpu", "gpus"):
             values = [run.environment.get(key) for run in self.runs]
             if any(value != values[0] for value in values[1:]):
                 found[key] = values
+        return found
+
+    def _technique_differences(self) -> dict[str, list]:
+        """A technique in two runs or more with other settings in one: its arm is not the same arm.
+        (A technique in one run only is its arm's "absent" in the others.)"""
+        chosen = [run.config.get("techniques") or {} for run in self.runs]
+        found = {}
+        for technique in dict.fromkeys(name for techniques in chosen for name in techniques):
+            values = [techniques.get(technique) for techniques in chosen]
+            present = [value for value in values if value is not None]
+            if len(present) > 1 and any(value != present[0] for value in present[1:]):
+                found[f"{technique}'s settings"] = values
         return found
 
     def _speedup_cell(self, row, name: str) -> str:
@@ -191,10 +236,12 @@ class Comparison:
             return "-", row[f"{key} change"]
         return interval_text(ratio, low, high), row[f"{key} change"]
 
-    def _reader(self) -> tuple[list[str], list[list[str]]]:
-        headings = ["arm", *(f"{name}" for name in self.names)]
-        for name in self.names[1:]:
-            headings += [f"{name} / {self.names[0]}", "change"]
+    def _reader(self, labels: list[str] | None = None) -> tuple[list[str], list[list[str]]]:
+        """Headings and cells; ``labels`` name the runs in the headings (their names by default)."""
+        labels = labels or self.names
+        headings = ["arm", *labels]
+        for label in labels[1:]:
+            headings += [f"{label} / {labels[0]}", "change"]
         rows = []
         for _, row in self.table.iterrows():
             cells = [row["arm"], *(self._speedup_cell(row, name) for name in self.names)]
@@ -205,22 +252,67 @@ class Comparison:
 
     def _notes(self) -> list[str]:
         notes = [
-            "Each run's column is its speedup over its own baseline [95% interval]; a ratio is the later "
+            "A run's speedup is over its own baseline [95% interval]; a ratio is the later "
             "run's speedup over the first's, with an approximate 95% interval (the runs' log-space "
             "half-widths combined in quadrature, which errs wide with few blocks)."
         ]
         notes += _thread_state_notes(self.names, self.runs)
         notes += [
-            f"The runs differ in {key}: {', '.join(f'{n}={v}' for n, v in zip(self.names, values, strict=True))}."
+            _stopped_note(name, run)
+            for name, run in zip(self.names, self.runs, strict=True)
+            if not run.complete
+        ]
+        notes += [
+            f"The runs differ in {key}: "
+            + ", ".join(
+                f"{n}={v}"
+                for n, v in zip(self.names, values, strict=True)
+                if v is not None or "'s" not in key
+            )
+            + "."
             for key, values in self.differences.items()
         ]
         return notes
 
+    def _text_labels(self) -> tuple[list[str], list[str]]:
+        """The runs' names in the text table's headings, and the key to them (empty if none is needed).
+
+        A run's folder name (20261129-120849-mlp) as a heading, and again in each ratio's, left
+        the arms' column a few letters wide and broke words at 80 columns: long names become
+        letters, with the key above the table."""
+        if max(len(name) for name in self.names) <= SHORT_RUN_NAME:
+            return self.names, []
+        letters = [chr(ord("A") + i) if i < 26 else f"R{i + 1}" for i in range(len(self.names))]
+        key = [f"{letter} = {name}" for letter, name in zip(letters, self.names, strict=True)]
+        return letters, ["Runs: " + "; ".join(key) + "."]
+
+    def _text_rows(self, labels: list[str]) -> tuple[list[str], list[list[str]]]:
+        """The text table: a line per arm and run, an arm's runs together, a blank line between
+        arms. Five columns however many runs: a column per run (and two per ratio) ran past 80
+        columns at three runs and broke the arms' names."""
+        headings = ["arm", "run", "speedup", f"vs {labels[0]}", "change"]
+        rows: list[list[str]] = []
+        for _, row in self.table.iterrows():
+            if rows:
+                rows.append([""] * len(headings))
+            for index, (label, name) in enumerate(zip(labels, self.names, strict=True)):
+                ratio, change = self._ratio_cells(row, name) if index else ("", "")
+                rows.append(
+                    [row["arm"] if index == 0 else "", label, self._speedup_cell(row, name), ratio, change]
+                )
+        return headings, rows
+
+    def text(self, width: int = TERMINAL_WIDTH) -> str:
+        """The comparison as aligned text within ``width`` characters, then its notes."""
+        labels, key = self._text_labels()
+        headings, rows = self._text_rows(labels)
+        table = text_table(headings, rows, [False, False, True, True, False], width, split_intervals=True)
+        notes = "\n".join(textwrap.fill(note, width, break_on_hyphens=False) for note in self._notes())
+        above = "".join(textwrap.fill(line, width, break_on_hyphens=False) + "\n" for line in key)
+        return f"{above}{table}\n\n{notes}"
+
     def __repr__(self) -> str:
-        headings, rows = self._reader()
-        numeric = [False] + [True] * len(self.names) + [True, False] * (len(self.names) - 1)
-        notes = "\n".join(textwrap.fill(note, 80) for note in self._notes())
-        return f"<workbench Comparison of {len(self.runs)} runs>\n{text_table(headings, rows, numeric, split_intervals=True)}\n\n{notes}"
+        return f"<workbench Comparison of {len(self.runs)} runs>\n{self.text()}"
 
     def _repr_html_(self) -> str:
         headings, rows = self._reader()

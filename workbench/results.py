@@ -1120,7 +1120,7 @@ def load_results(path: str | os.PathLike) -> Results:
         # Not JSON from its first character (a text file, a CSV) is another kind of file; JSON
         # that breaks off later is most likely a results file cut short.
         other = f"{file} is not a workbench results file: not JSON (a results folder's results.json is)"
-        cut = f"{file} is not valid JSON ({error.msg} at line {error.lineno}); it may be cut short"
+        cut = f"{file} is not valid JSON ({error.msg}: line {error.lineno}, column {error.colno}); it may be cut short"
         # nothing before the error but white space, in a file that is not empty (empty: cut short)
         not_json = not error.doc[: error.pos].strip() and error.doc.strip()
         raise ValueError(_in_a_run_folder(file) or (other if not_json else cut)) from None
@@ -1166,21 +1166,52 @@ def _malformed(record: dict) -> str | None:
             return f"it has no {key!r}"
         if not isinstance(record[key], kind):
             return f"its {key!r} is a JSON {type(record[key]).__name__}, not a {'list' if kind is list else 'object'}"
+    named = [row.get("arm") for row in record["table"] if isinstance(row, dict)]
+    if len(set(named)) < len(named):
+        twice = next(name for name in named if named.count(name) > 1)
+        return f"its table has two rows for the arm {twice!r}"
     for index, row in enumerate(record["table"]):
-        if not isinstance(row, dict) or not isinstance(row.get("arm"), str):
-            return f"row {index} of its table is not an arm's row (no arm name)"
-        for column in ("status", "verdict", "reason", "notes"):
-            value = row.get(column)
-            if value is not None and not isinstance(value, str):
-                return f"row {index} of its table has {column} {value!r}, not text"
-        for column in ("speedup", "speedup_low", "speedup_high", "samples_per_s", "step_ms", "final_loss",
-                       "loss_vs_baseline"):  # fmt: skip
-            value = row.get(column)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                return f"row {index} of its table has {column} {value!r}, not a number"
+        problem = _malformed_row(index, row)
+        if problem:
+            return problem
     for index, unit in enumerate(record["units"]):
         if not isinstance(unit, dict) or "arm" not in unit:
             return f"unit {index} is not a measured arm"
+    return _malformed_plan(record) or _malformed_settings(record)
+
+
+def _malformed_settings(record: dict) -> str | None:
+    """What a results record's config and blocks lack, or None."""
+    for key in ("model", "device"):  # what every view names the run by
+        if not isinstance(record["config"].get(key), str):
+            return f"its config has no {key}"
+    blocks = record.get("blocks", [])
+    if not isinstance(blocks, list) or not all(isinstance(block, dict) for block in blocks):
+        return "its 'blocks' is not a list of the blocks' records"
+    return None
+
+
+def _malformed_row(index: int, row) -> str | None:
+    """What one row of a results table lacks, or None."""
+    if not isinstance(row, dict) or not isinstance(row.get("arm"), str):
+        return f"row {index} of its table is not an arm's row (no arm name)"
+    for column in ("status", "verdict", "reason", "notes"):
+        value = row.get(column)
+        if value is not None and not isinstance(value, str):
+            return f"row {index} of its table has {column} {value!r}, not text"
+    for column in ("speedup", "speedup_low", "speedup_high", "samples_per_s", "step_ms", "final_loss",
+                   "loss_vs_baseline", "blocks"):  # fmt: skip
+        value = row.get(column)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"row {index} of its table has {column} {value!r}, not a number"
+    low, high = row.get("speedup_low"), row.get("speedup_high")
+    if None not in (low, high) and math.isfinite(low) and math.isfinite(high) and not 0 < low <= high:
+        return f"row {index} of its table has the interval [{low}, {high}], which no speedup has"
+    return None
+
+
+def _malformed_plan(record: dict) -> str | None:
+    """What a results record's plan of arms, or its search record, lacks, or None."""
     arms = record.get("arms", [])
     if not isinstance(arms, list):
         return f"its 'arms' is {'null' if arms is None else 'a JSON ' + type(arms).__name__}, not a list"

@@ -263,7 +263,8 @@ def badge(word: str) -> str:
 
 
 def reader_table_html(columns: list[str], rows: list[ReaderRow]) -> str:
-    """The reader's table; an arm that is not ok shows its reason across the figures' columns."""
+    """The reader's table; an arm that is not ok shows its reason across the figures' columns, under
+    its figures where it has some (an arm of a stopped run: its finished blocks')."""
     head = "".join(
         f'<th class="{"" if _heading(c).numeric else "wb-text"}">{html.escape(_heading(c).heading)}</th>'
         for c in columns
@@ -271,12 +272,14 @@ def reader_table_html(columns: list[str], rows: list[ReaderRow]) -> str:
     body = []
     for row in rows:
         arm = f'<td class="wb-text">{html.escape(row.cells["arm"])}</td><td class="wb-text">{badge(row.verdict)}</td>'
-        if row.reason:
-            why = f'<td class="wb-why" colspan="{len(columns) - 2}">{html.escape(row.reason)}</td>'
+        why = f'<td class="wb-why" colspan="{len(columns) - 2}">{html.escape(row.reason)}</td>'
+        if row.reason and row.cells["speedup"] == "-":
             body.append(f"<tr>{arm}{why}</tr>")
-        else:
-            figures = "".join(f"<td>{html.escape(row.cells[c])}</td>" for c in columns[2:])
-            body.append(f"<tr>{arm}{figures}</tr>")
+            continue
+        figures = "".join(f"<td>{html.escape(row.cells[c])}</td>" for c in columns[2:])
+        body.append(f"<tr>{arm}{figures}</tr>")
+        if row.reason:
+            body.append(f"<tr><td></td><td></td>{why}</tr>")
     return f'<table class="wb-reader"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
@@ -533,21 +536,30 @@ def _fit_widths(
     Without ``break_words`` the widths may sum past ``room``: no text word is broken.
     With ``split_intervals`` a number column may narrow to its longest figure or interval."""
     longest = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headings)]
+
     # A column never gets narrower than the longest word of its heading, nor than its whole
     # figures (numbers) or its longest word up to LONGEST_UNBROKEN characters (text).
-    floor = []
-    for i, heading in enumerate(headings):
-        cells = [r[i] for r in rows]
-        if numeric[i]:
-            pieces = [p for c in cells for p in (_interval_pieces(c) if split_intervals else [c])]
-            shortest = max([len(p) for p in pieces] or [0])
-        else:
-            shortest = min(LONGEST_UNBROKEN, max([len(w) for c in cells for w in c.split()] or [0]))
-        floor.append(max(shortest, *(len(word) for word in heading.split())))
+    def floors(split: bool) -> list[int]:
+        floor = []
+        for i, heading in enumerate(headings):
+            cells = [r[i] for r in rows]
+            if numeric[i]:
+                pieces = [p for c in cells for p in (_interval_pieces(c) if split else [c])]
+                shortest = max([len(p) for p in pieces] or [0])
+            else:
+                shortest = min(LONGEST_UNBROKEN, max([len(w) for c in cells for w in c.split()] or [0]))
+            floor.append(max(shortest, *(len(word) for word in heading.split())))
+        return floor
+
+    floor = floors(split=False)
     widths = list(longest)
-    # Text first, then numbers (with ``split_intervals``, down to a figure over its interval); last,
-    # text words are broken (a long arm name) rather than overflow.
-    passes = [(False, floor), (True, floor)] + [(False, [min(f, 6) for f in floor])] * break_words
+    # Text first, then numbers' headings; with ``split_intervals``, then a figure over its interval
+    # (before the other columns' headings had wrapped, an interval was split with room to spare);
+    # last, text words are broken (a long arm name) rather than overflow.
+    passes = [(False, floor), (True, floor)]
+    passes += [(True, floors(split=True))] * split_intervals + [
+        (False, [min(f, 6) for f in floor])
+    ] * break_words
     for pass_numeric, floors in passes:
         while sum(widths) > room:
             candidates = [
@@ -618,7 +630,9 @@ def results_text(
             [VERDICT_STYLES.get(row.verdict, NOT_OK_STYLE)[2] if c == "verdict" else None for c in columns]
             for row in rows
         ]
-    text = text_table(headings, cells, numeric, width, paint=paint)
+    # Past the columns that give way, an interval takes a line of its own before a word is broken
+    # (a 60-column terminal read "referen"/"ce").
+    text = text_table(headings, cells, numeric, width, paint=paint, split_intervals=True)
     if left_out:
         said = f"Left out to fit {width} characters: {', '.join(left_out)}; {WHERE_ALL_COLUMNS_ARE}."
         text += "\n" + textwrap.fill(spell(said) if spell else said, width, break_on_hyphens=False)
