@@ -624,10 +624,12 @@ def _plot_gpu_telemetry(
 
 
 def _plot_machine_memory(axes, samples: list[dict], seconds: list[float]) -> None:
-    axes.plot(seconds, [s["memory_used_mib"] / 1024 for s in samples], color=MEMORY_COLOR)
+    used = [s["memory_used_mib"] / 1024 for s in samples]
+    axes.plot(seconds, used, color=MEMORY_COLOR)
     axes.set_title("Memory used (machine)", fontsize=10)
     axes.set_ylabel("GiB")
-    axes.set_ylim(bottom=0)  # from zero: a few hundred MiB's swing is not drawn as a cliff
+    # From zero, so that a few hundred MiB's swing is not drawn as a cliff; headroom above the line.
+    axes.set_ylim(0, 1.1 * max(used, default=0) or 1)
     axes.set_xlabel("seconds since start")
 
 
