@@ -460,6 +460,20 @@ def test_stop_while_advising_is_said_as_a_stop_not_an_error(monkeypatch):
     assert panel.overwrite.value is True
 
 
+def test_a_technique_asked_for_that_cannot_run_here_is_said_when_run_starts_and_ends():
+    """tf32 on a CPU: the run measured the baseline alone and said "Done.", the reason only in the
+    row's note."""
+    panel = wb.panel(
+        model="mlp", techniques={"tf32": True}, steps=4, warmup=1, blocks=1, control=False, out=False
+    )
+    assert panel.rows["tf32"].unavailable  # no CUDA device here
+    assert panel.run() is True
+    assert "Not run here (their notes say why): tf32." in panel.status.value
+    assert panel.wait(timeout=120).complete
+    said = panel.status.value
+    assert said.startswith("<b>Done.</b>") and "Not run here (their notes say why): tf32." in said
+
+
 def test_a_run_in_which_every_arm_failed_is_not_done():
     """Every arm timed out, and the status line said "Done." over a table of failures."""
     results = synthetic_results(

@@ -192,6 +192,11 @@ class TechniqueRow(w.VBox):
             self.note.value = _one_line(self.summary, self.summary, "#666")
         self._show_settings()
 
+    @property
+    def wanted_but_unavailable(self) -> bool:
+        """Switched on (by the panel's arguments, or ticked) before it became unavailable here."""
+        return self.unavailable is not None and self._wanted
+
     def set_setting(self, setting: Any) -> None:
         """Switch the technique on with ``setting`` (True, a dict) or off (False), as ablate reads it."""
         enabled = setting is not None and setting is not False

@@ -112,6 +112,7 @@ class AblationPanel(w.VBox):
         self.results = None
         self.error: str | None = None
         self._stopped_before_anything = False  # Stop ended advise or tune before they had anything
+        self._not_run_here = ""  # the techniques asked for that the last Run could not run here
         self.live = LiveRun()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -401,10 +402,14 @@ class AblationPanel(w.VBox):
         except ValueError as error:
             self.status.value = _error_html(str(error))
             return False
+        # A technique asked for that cannot run here is said now: its row's note alone was missed,
+        # and a run of the baseline alone then said "Done." (tf32 on a CPU).
+        missing = [name for name, row in self.rows.items() if row.wanted_but_unavailable]
+        self._not_run_here = f" Not run here (their notes say why): {', '.join(missing)}." if missing else ""
         return self._start(
             lambda: ablate(**arguments, progress=False, on_event=self.live, stop=self._stop),
             "Starting: each block is a fresh process that runs every arm side by side, so it takes a few "
-            "seconds to start.",
+            "seconds to start." + html.escape(self._not_run_here),
         )
 
     def advise(self) -> bool:
@@ -536,9 +541,8 @@ class AblationPanel(w.VBox):
         elif outcome is not None:
             self._show(outcome.plot(FIGURE_IN), outcome._repr_html_())
             where = f" Results: {outcome.path}" if outcome.path else ""
-            self.status.value = f"<b>{self._verdict(outcome)}</b>{html.escape(where)}" + _warnings_below(
-                outcome.warnings()
-            )
+            said = f"<b>{self._verdict(outcome)}</b>{html.escape(where + self._not_run_here)}"
+            self.status.value = said + _warnings_below(outcome.warnings())
         elif self._stopped_before_anything:
             self.status.value = STOPPED_BEFORE_ANYTHING
         elif self.error:
