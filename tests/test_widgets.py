@@ -530,9 +530,8 @@ def test_a_quick_stop_and_run_leaves_one_redraw_thread_and_stopping_stays_said(m
     time.sleep(0.3)  # several redraws
     assert panel.status.value.startswith("Stopping")
     panel.wait(timeout=10)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and _redraw_threads():
-        time.sleep(0.05)
+    # wait() waits for the last redraw too: a daemon thread cut off inside matplotlib's font code
+    # as the interpreter exits aborted the process ("terminate called without an active exception").
     assert _redraw_threads() == 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import html
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +56,7 @@ from workbench.techniques import all_techniques, technique_context
 from workbench.tuner import check_advice_has_candidates, tune
 
 REDRAW_S = 1.0
+REDRAW_JOIN_S = 60.0  # the most wait() waits for a redraw under way when the run ended (a loaded machine)
 STOPPED_BEFORE_ANYTHING = "<b>Stopped before anything finished: nothing was measured.</b>"
 # The results figure's width in the panel, in inches (90 px each): about the panel's own width,
 # so that its text is drawn near full size rather than shrunk from the default 13 inches.
@@ -115,6 +115,7 @@ class AblationPanel(w.VBox):
         self._not_run_here = ""  # the techniques asked for that the last Run could not run here
         self.live = LiveRun()
         self._thread: threading.Thread | None = None
+        self._redraw: threading.Thread | None = None  # the run's live view, redrawn while it goes on
         self._stop = threading.Event()
         self._sources: dict[tuple, Any] = {}  # resolved data per (model, data, seed) choice
         self._advice: tuple[Advice | None, dict | None] = (None, None)  # the last advice, and for what job
@@ -487,12 +488,13 @@ class AblationPanel(w.VBox):
             target=self._run_job, args=(job,), daemon=True, name="workbench-panel-run"
         )
         self._thread.start()
-        threading.Thread(
+        self._redraw = threading.Thread(
             target=self._redraw_while_running,
             args=(self._thread,),
             daemon=True,
             name="workbench-panel-redraw",
-        ).start()
+        )
+        self._redraw.start()
         return True
 
     def _set_running(self, running: bool) -> None:
@@ -512,6 +514,11 @@ class AblationPanel(w.VBox):
         after Advise)."""
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive() and self._redraw is not None:
+                # Its last draw, too: a daemon thread cut off inside matplotlib's font code as the
+                # interpreter exits aborts the whole process ("terminate called without an active
+                # exception", one script in three that stopped a run and then ended).
+                self._redraw.join(REDRAW_JOIN_S)
         return self.results
 
     def _run_job(self, job: Callable[[], Any]) -> None:
@@ -595,7 +602,7 @@ class AblationPanel(w.VBox):
                 self._draw_live()
             else:  # the clock moves on between events
                 self._show_progress(self.live.snapshot())
-            time.sleep(REDRAW_S)
+            job.join(REDRAW_S)  # a pause that ends when the run does
 
     def _draw_live(self) -> None:
         snapshot = self.live.snapshot()
