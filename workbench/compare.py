@@ -38,6 +38,7 @@ SHORT_RUN_NAME = 10  # a run named longer than this is a letter in the text tabl
 
 
 MEASURED = ("ok", "interrupted")  # the statuses whose speedups are compared
+TECHNIQUE_SETTINGS = "'s settings"  # a technique's own settings, in differences: "amp's settings"
 
 
 def compare(*runs: Results | str | os.PathLike, names: list[str] | None = None) -> Comparison:
@@ -220,7 +221,7 @@ class Comparison:
             values = [techniques.get(technique) for techniques in chosen]
             present = [value for value in values if value is not None]
             if len(present) > 1 and any(value != present[0] for value in present[1:]):
-                found[f"{technique}'s settings"] = values
+                found[technique + TECHNIQUE_SETTINGS] = values
         return found
 
     def _speedup_cell(self, row, name: str) -> str:
@@ -267,7 +268,7 @@ class Comparison:
             + ", ".join(
                 f"{n}={v}"
                 for n, v in zip(self.names, values, strict=True)
-                if v is not None or "'s" not in key
+                if v is not None or not key.endswith(TECHNIQUE_SETTINGS)  # a run without the technique
             )
             + "."
             for key, values in self.differences.items()

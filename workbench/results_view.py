@@ -539,7 +539,7 @@ def _fit_widths(
 
     # A column never gets narrower than the longest word of its heading, nor than its whole
     # figures (numbers) or its longest word up to LONGEST_UNBROKEN characters (text).
-    def floors(split: bool) -> list[int]:
+    def floors_of(split: bool) -> list[int]:
         floor = []
         for i, heading in enumerate(headings):
             cells = [r[i] for r in rows]
@@ -551,15 +551,16 @@ def _fit_widths(
             floor.append(max(shortest, *(len(word) for word in heading.split())))
         return floor
 
-    floor = floors(split=False)
+    floor = floors_of(split=False)
     widths = list(longest)
     # Text first, then numbers' headings; with ``split_intervals``, then a figure over its interval
     # (before the other columns' headings had wrapped, an interval was split with room to spare);
     # last, text words are broken (a long arm name) rather than overflow.
     passes = [(False, floor), (True, floor)]
-    passes += [(True, floors(split=True))] * split_intervals + [
-        (False, [min(f, 6) for f in floor])
-    ] * break_words
+    if split_intervals:
+        passes.append((True, floors_of(split=True)))
+    if break_words:
+        passes.append((False, [min(f, 6) for f in floor]))
     for pass_numeric, floors in passes:
         while sum(widths) > room:
             candidates = [

@@ -109,18 +109,7 @@ class AblationPanel(w.VBox):
         rules = run_options()
         self.ablate_kwargs = _passed_on(options, rules)
         overwrite = self.ablate_kwargs.pop("overwrite", False)
-        self.results = None
-        self.error: str | None = None
-        self._stopped_before_anything = False  # Stop ended advise or tune before they had anything
-        self._not_run_here = ""  # the techniques asked for that the last Run could not run here
-        self.live = LiveRun()
-        self._thread: threading.Thread | None = None
-        self._redraw: threading.Thread | None = None  # the run's live view, redrawn while it goes on
-        self._stop = threading.Event()
-        self._sources: dict[tuple, Any] = {}  # resolved data per (model, data, seed) choice
-        self._advice: tuple[Advice | None, dict | None] = (None, None)  # the last advice, and for what job
-        self._adoptable: dict = {}  # what "Switch these on" would set: advice's or the tuner's winner
-
+        self._no_run_yet()
         self._make_setting_controls(model, data, out, overwrite, options)
         chosen = {t.name: t.Config() for t in all_techniques()} if techniques is None else dict(techniques)
         self.rows = {
@@ -152,6 +141,20 @@ class AblationPanel(w.VBox):
         )
         self.add_class("workbench-panel")
         self.refresh_availability()
+
+    def _no_run_yet(self) -> None:
+        """The state of the panel's runs before the first."""
+        self.results = None
+        self.error: str | None = None
+        self._stopped_before_anything = False  # Stop ended advise or tune before they had anything
+        self._not_run_here = ""  # the techniques asked for that the last Run could not run here
+        self.live = LiveRun()
+        self._thread: threading.Thread | None = None
+        self._redraw: threading.Thread | None = None  # the run's live view, redrawn while it goes on
+        self._stop = threading.Event()
+        self._sources: dict[tuple, Any] = {}  # resolved data per (model, data, seed) choice
+        self._advice: tuple[Advice | None, dict | None] = (None, None)  # the last advice, and for what job
+        self._adoptable: dict = {}  # what "Switch these on" would set: advice's or the tuner's winner
 
     def _make_setting_controls(self, model: Any, data: Any, out: Any, overwrite: Any, options: dict) -> None:
         """Model, data, out and overwrite, then one control per run setting, each at its value."""
