@@ -404,9 +404,13 @@ def _tiny_mlp():
 def test_a_tiny_mlp_at_batch_8_is_launch_bound():
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))] * 8
-    advice = wb.advise(_tiny_mlp, batches, steps=100, warmup=5, batch_size=8, device="cpu", progress=False)
+    phases = []
+    advice = wb.advise(_tiny_mlp, batches, steps=100, warmup=5, batch_size=8, device="cpu", progress=False,
+                       on_event=lambda event: phases.append(event.get("phase")) if event["type"] == "phase" else None)  # fmt: skip
     assert advice.bottleneck == "launch", advice.summary()
     assert list(advice.recommended)[0] == "compile"
+    # The profile's seconds are said as such (the panel read "memory" all the while).
+    assert phases[-2:] == ["memory", "profile"], phases
 
 
 @pytest.mark.slow

@@ -359,6 +359,8 @@ class _Block:
             try:
                 result = arm.finish(self.emit, flop_counts)
                 if self.run.profile_steps:
+                    # said: the advisor's profile and half-batch steps take seconds, shown as "memory"
+                    self.emit({"type": "phase", "arm": arm.name, "phase": "profile"})
                     result["profile"] = arm.profile(self._trace_file(arm))
             except Exception as error:
                 self._fail(arm, error)
