@@ -263,3 +263,101 @@ def test_log_folders_that_killed_runs_left_are_swept_and_nothing_else(tmp_path):
     psutil.Process(template_pid).wait(timeout=30)  # it ends with the parent that started it
     assert _sweep_abandoned_log_dirs(tmp_path) == [live_dir]
     assert recent.exists() and (users / "notes.txt").exists()
+
+
+def _placement_reader():
+    """A model factory that writes down the CPUs, niceness, file limit and torch threads it runs under."""
+    import json
+    import resource
+
+    import torch
+
+    seen = {
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "nofile": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
+        "threads": torch.get_num_threads(),
+    }
+    with open(os.environ["WORKBENCH_TEST_PLACEMENT"], "w") as file:
+        json.dump(seen, file)
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs, to pin the run to one")
+def test_a_forked_worker_runs_on_the_cpus_niceness_and_limits_of_the_runs_thread(tmp_path, monkeypatch):
+    """Pinned to one core (taskset), niced and with a lower file limit, a run's forked workers ran on
+    every core, with a thread per core, at priority 0 and the template's limits; spawned ones did not."""
+    import json
+    import resource
+
+    seen = tmp_path / "seen.json"
+    monkeypatch.setenv("WORKBENCH_TEST_PLACEMENT", str(seen))
+    workbench.template.close_kept_template()
+    _one_block()  # a template started, and kept, on every CPU
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ran: list[wb.Results] = []
+
+    def pinned_run():  # CPUs and niceness are the calling thread's on Linux: this thread's alone
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 3)
+        ran.append(wb.ablate(model=_placement_reader, data=_batches(), techniques={}, steps=4, warmup=1, blocks=1,
+                             rounds=2, control=False, out=False, progress=False))  # fmt: skip
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
+    try:
+        thread = threading.Thread(target=pinned_run)
+        thread.start()
+        thread.join(timeout=300)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert ran and ran[0].record["worker_start"].startswith("forked from a warm template kept")
+    worker = json.loads(seen.read_text())
+    assert worker["cpus"] == [min(os.sched_getaffinity(0))] and worker["threads"] == 1
+    assert worker["nice"] == os.getpriority(os.PRIO_PROCESS, 0) + 3
+    assert worker["nofile"] == [min(soft, 512), hard]
+
+
+@pytest.mark.parametrize("when", ["start", "phase"])  # before its worker is forked, and while it runs
+def test_a_template_that_dies_during_a_run_is_no_arms_doing_and_the_run_says_so(when):
+    """Killed mid-run (the OOM killer, a user), it took its worker with it: the arm in flight was
+    moved to a process of its own as if it had been killed, and the results still said "forked"."""
+    workbench.template.close_kept_template()
+
+    def kill_the_template(event):
+        kept = workbench.template.kept_template()
+        if event["type"] == when and kept is not None and kept.alive():
+            os.kill(kept.process.pid, 9)
+            kept.process.wait(timeout=60)
+
+    results = wb.ablate(model="mlp", techniques={"amp": True}, steps=4, warmup=1, blocks=1, rounds=2,
+                        control=False, out=False, progress=False, on_event=kill_the_template)  # fmt: skip
+    assert set(results.table.status) == {"ok"}
+    assert [arm["name"] for arm in results.record["arms"]] == ["baseline", "amp"]  # none moved
+    assert results.record["worker_start"].endswith(
+        "; the template ended during the run, and the processes after that were plain spawns"
+    )
+
+
+def test_ctrl_c_while_a_prewarmed_template_finishes_starting_leaves_neither_it_nor_its_folder():
+    """Interrupted while the run took the template the command line had started, it left the
+    template running until Python exited, and its log folder for good."""
+    workbench.template.close_kept_template()
+    workbench.template.prewarm()
+    starting = workbench.template._starting
+    assert starting is not None
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), 2))
+    timer.start()
+    acquired = []
+    with pytest.raises(KeyboardInterrupt):
+        acquired.append(workbench.template.acquire_template())
+        time.sleep(5)  # where the template was ready within half a second: the interrupt lands here
+    timer.join()
+    if acquired:
+        workbench.template.release_template(acquired[0][0])
+        pytest.skip("the template was ready before the interrupt: nothing was interrupted")
+    deadline = time.monotonic() + 120  # it is ended once its start finishes
+    while time.monotonic() < deadline and os.path.exists(starting.log_dir):
+        time.sleep(0.2)
+    assert not os.path.exists(starting.log_dir)
+    assert not [child for child in psutil.Process().children() if is_workbench_process(child.cmdline())]

@@ -1082,6 +1082,7 @@ class _Runner:
         self.units: list[dict] = []
         self.stopped = False
         self.template: WarmTemplate | None = None  # while the run goes on (workbench.template)
+        self.template_ended = False  # it died during the run: the processes after it were spawned
         self.block_records: list[dict] = []
         self.done: set[tuple[int, str]] = set()
         self.failed: dict[str, str] = {}  # arm -> why: its later blocks are skipped, not rerun
@@ -1385,6 +1386,25 @@ class _Runner:
         self.record["worker_start"] = how
         return template
 
+    def _template_ended(self) -> bool:
+        """Whether the warm template ended during the run, first seen now: the process it forked
+        went with it, which is no arm's doing (the arm in flight was moved to a process of its
+        own, as if it had been killed). The processes after it are plain spawns, and the results
+        say so."""
+        if self.template is None or self.template.alive() or self.template_ended:
+            return False
+        self.template_ended = True
+        self.record["worker_start"] += (
+            "; the template ended during the run, and the processes after that were plain spawns"
+        )
+        return True
+
+    def _live_template(self) -> WarmTemplate | None:
+        """The template to fork the next process from, or None (a plain spawn) once it has ended."""
+        if self._template_ended() or self.template is None or not self.template.alive():
+            return None
+        return self.template
+
     def _close_template(self) -> None:
         release_template(self.template)  # it waits for the next run a while (workbench.template)
         self.template = None
@@ -1439,6 +1459,8 @@ class _Runner:
         self, job: Job, attempt: int, answer: dict, arm_errors: dict, runnable: list, units: list, moved: dict
     ) -> list[Arm]:
         """After a process died or was ended: record who failed; the arms to run again (maybe none)."""
+        if answer.get("signal") == signal.SIGKILL and self._template_ended():
+            return list(runnable)  # the template's end took its worker with it: the block again, spawned
         runnable = list(runnable)
         for arm in list(runnable):  # arms that reported their own failure first keep it
             if arm.name in arm_errors:
@@ -1615,6 +1637,6 @@ class _Runner:
             should_stop=(lambda: self.stop.is_set()) if self.stop is not None else (lambda: False),
             world_size=run.world_size,
             only_rank=only_rank,
-            template=self.template if self.template is not None and self.template.alive() else None,
+            template=self._live_template(),
         )
         return answer, arm_errors

@@ -9,7 +9,11 @@ to serve the next one, for a while (below).
 
 Isolation is kept: every worker is still a new process with its own memory, random state and
 torch state, which ends with its block; what it shares with the others is the imported code,
-read-only, as after any fork. The template itself never runs a tensor operation, so no thread
+read-only, as after any fork, and one thing a running interpreter cannot change, the seed of
+its string hashes (a spawned worker draws its own; set PYTHONHASHSEED, or start="spawn", where
+the iteration order of a set of strings should differ between blocks). Each worker takes the
+CPUs, niceness and resource limits of the run's thread that asked for it, as a spawned one
+would (``placement``). The template itself never runs a tensor operation, so no thread
 pool and no CUDA context exists when it forks (it checks, and refuses to serve otherwise).
 
 The template outlives its run for a while: the next run in the same Python process (the next
@@ -21,8 +25,9 @@ another interpreter, ``sys.path``, working directory or environment (bar ``PYTES
 or an edited workbench source file.
 
 Its log lives in a folder of its own in the temporary folder, removed when it closes. A run
-killed outright (SIGKILL: no exit handlers) cannot remove it; the next run that starts a
-template removes such abandoned folders, and only those (``_sweep_abandoned_log_dirs``).
+killed outright (SIGKILL: no exit handlers) cannot remove it; the first template a later Python
+process starts removes such abandoned folders once they are an hour old (a template's log may
+be read for a while), and only those (``_sweep_abandoned_log_dirs``).
 
 It falls back to a plain spawn (``python -m workbench.worker`` per process), and the results
 say so, where forking is unsafe or unavailable: on platforms other than Linux, when the
@@ -51,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +178,7 @@ class WarmTemplate:
         stdin_read, stdin_write = os.pipe()
         messages_read, messages_write = os.pipe()
         with self._lock, open(log_path, "wb") as log:
-            request = json.dumps({"env": env, "cwd": os.getcwd()}).encode() + b"\n"
+            request = json.dumps({"env": env, "cwd": os.getcwd(), "placement": placement()}).encode() + b"\n"
             try:
                 socket.send_fds(self._control, [request], [stdin_read, messages_write, log.fileno()])
             finally:
@@ -393,8 +399,20 @@ def _adopt_started_locked(use: bool) -> str | None:
         template.discard()
     except Exception:  # it could not start: the run starts its own, which says why if it fails too
         pass
+    except BaseException:  # Ctrl-C while it finished starting: it and its folder end once it exists
+        starting.started.add_done_callback(lambda future: _discard_started(future, starting.log_dir))
+        raise
     shutil.rmtree(starting.log_dir, ignore_errors=True)
     return None
+
+
+def _discard_started(started: Future, log_dir: str) -> None:
+    """A prewarmed template whose run was interrupted while it finished starting: nobody will use it."""
+    try:
+        started.result().discard()
+    except Exception:  # it never started: nothing to end
+        pass
+    shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def acquire_template() -> tuple[WarmTemplate | None, str]:
@@ -527,6 +545,7 @@ def _run_worker(request: dict, fds: list[int], control: socket.socket, in_sessio
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        take_placement(request["placement"])
         from workbench import worker
 
         code = worker.main()
@@ -538,6 +557,57 @@ def _run_worker(request: dict, fds: list[int], control: socket.socket, in_sessio
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# What a fork from the template would not carry over from the run's own thread, as a spawn does:
+# the CPUs it may use (taskset, os.sched_setaffinity), its niceness (Linux keeps both per thread),
+# and its resource limits (ulimit). A worker forked without them ran on every core at priority 0
+# while its run was pinned to one core and niced.
+INHERITED_LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_RSS", "RLIMIT_STACK", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+                    "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_CORE", "RLIMIT_MEMLOCK")  # fmt: skip
+
+
+def placement() -> dict:
+    """The calling thread's CPUs, niceness and resource limits, for a worker forked on its behalf."""
+    import resource
+
+    return {
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "limits": {
+            name: resource.getrlimit(getattr(resource, name))
+            for name in INHERITED_LIMITS
+            if hasattr(resource, name)
+        },
+    }
+
+
+def take_placement(wanted: dict) -> None:
+    """In a forked worker: the run's CPUs, niceness and limits. What cannot be taken (a lower
+    niceness or a higher hard limit than the template's, without the privilege) is said in the log."""
+    import resource
+
+    def attempt(what: str, change: Callable[[], object]) -> None:
+        try:
+            change()
+        except (OSError, ValueError) as error:
+            print(f"workbench: the forked worker could not take the run's {what}: {error}", file=sys.stderr)
+
+    attempt("CPUs", lambda: os.sched_setaffinity(0, wanted["cpus"]))
+    if "OMP_NUM_THREADS" not in os.environ:  # torch's default, one thread per CPU, counted at its import here
+        import torch
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    if os.getpriority(os.PRIO_PROCESS, 0) != wanted["nice"]:
+        attempt("niceness", lambda: os.setpriority(os.PRIO_PROCESS, 0, wanted["nice"]))
+    for name, (soft, hard) in wanted["limits"].items():
+        if hasattr(resource, name) and resource.getrlimit(getattr(resource, name)) != (soft, hard):
+            attempt(
+                name,
+                lambda name=name, soft=soft, hard=hard: resource.setrlimit(
+                    getattr(resource, name), (soft, hard)
+                ),
+            )
 
 
 def _reap(control: socket.socket) -> None:
