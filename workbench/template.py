@@ -593,11 +593,16 @@ def take_placement(wanted: dict) -> None:
         except (OSError, ValueError) as error:
             print(f"workbench: the forked worker could not take the run's {what}: {error}", file=sys.stderr)
 
+    own = os.sched_getaffinity(0)
     attempt("CPUs", lambda: os.sched_setaffinity(0, wanted["cpus"]))
-    if "OMP_NUM_THREADS" not in os.environ:  # torch's default, one thread per CPU, counted at its import here
+    cpus = os.sched_getaffinity(0)
+    if cpus != own and "OMP_NUM_THREADS" not in os.environ:
+        # torch counted its default threads at its import here, on the template's CPUs; on fewer,
+        # a spawned worker starts no more threads than it has CPUs. (Unpinned, torch's own default
+        # stands, as it would in a spawned worker.)
         import torch
 
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), len(cpus))))
     if os.getpriority(os.PRIO_PROCESS, 0) != wanted["nice"]:
         attempt("niceness", lambda: os.setpriority(os.PRIO_PROCESS, 0, wanted["nice"]))
     for name, (soft, hard) in wanted["limits"].items():
