@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from workbench.config import RunConfig
+from workbench.config import OVER_THE_CAP, RunConfig
 from workbench.data import (
     batch_size_of,
     endless_batches,
@@ -334,7 +334,7 @@ class BlockArm:
         cap = self.run.memory_cap_mb
         if cap is not None and peak_mib is not None and peak_mib > cap:
             raise MemoryCapExceeded(
-                f"{self.name} needs {peak_mib:.0f} MiB at its peak, more than memory_cap_mb={cap:g} allows",
+                f"{self.name} needs {peak_mib:.0f} MiB at its peak, {OVER_THE_CAP}{cap:g} allows",
                 peak_mib,
             )
         wall_s = sum(w["wall_s"] for w in self.windows)

@@ -488,17 +488,22 @@ def _png_written_by(generator: str) -> Callable[[Path], bool]:
     return written
 
 
+def _plot_file(command: str, path: str | None, generator: str) -> Path | None:
+    """A command's --plot PNG, checked before anything is done: a .png, new or one it wrote."""
+    if path is None:
+        return None
+    if Path(path).suffix.lower() != ".png":
+        raise ValueError(f"{command}: --plot writes a PNG image; name a .png file (got {path})")
+    return _check_output_file("--plot", path, _png_written_by(generator))
+
+
 def _run_advise(args: argparse.Namespace) -> int:
     import workbench as wb
 
     settings = run_settings(args)
     # Before measuring: a bad path found afterwards would throw the measurement away.
     json_file = _check_output_file("--json", args.json, _advice_json) if args.json else None
-    if args.plot and Path(args.plot).suffix.lower() != ".png":
-        raise ValueError(f"advise: --plot writes a PNG image; name a .png file (got {args.plot})")
-    plot_file = (
-        _check_output_file("--plot", args.plot, _png_written_by(ADVICE_GENERATOR)) if args.plot else None
-    )
+    plot_file = _plot_file("advise", args.plot, ADVICE_GENERATOR)
     advice = wb.advise(
         args.model, args.data, progress=not args.no_progress, on_event=_plan_without_the_bar(args), **settings
     )
@@ -635,11 +640,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     if len(args.paths) < 2:
         raise ValueError(f"compare needs two results folders or more; got {len(args.paths)}")
-    if args.plot and Path(args.plot).suffix.lower() != ".png":
-        raise ValueError(f"compare: --plot writes a PNG image; name a .png file (got {args.plot})")
-    plot_file = (
-        _check_output_file("--plot", args.plot, _png_written_by(COMPARISON_GENERATOR)) if args.plot else None
-    )
+    plot_file = _plot_file("compare", args.plot, COMPARISON_GENERATOR)
     comparison = wb.compare(*args.paths, names=args.names)
     print(comparison.text(terminal_width()))
     if plot_file is not None:

@@ -237,12 +237,11 @@ class Comparison:
             return "-", row[f"{key} change"]
         return interval_text(ratio, low, high), row[f"{key} change"]
 
-    def _reader(self, labels: list[str] | None = None) -> tuple[list[str], list[list[str]]]:
-        """Headings and cells; ``labels`` name the runs in the headings (their names by default)."""
-        labels = labels or self.names
-        headings = ["arm", *labels]
-        for label in labels[1:]:
-            headings += [f"{label} / {labels[0]}", "change"]
+    def _reader(self) -> tuple[list[str], list[list[str]]]:
+        """The HTML table's headings and cells: a column per run, and two per later run's ratio."""
+        headings = ["arm", *self.names]
+        for name in self.names[1:]:
+            headings += [f"{name} / {self.names[0]}", "change"]
         rows = []
         for _, row in self.table.iterrows():
             cells = [row["arm"], *(self._speedup_cell(row, name) for name in self.names)]

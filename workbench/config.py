@@ -113,6 +113,10 @@ def check_choice(owner: str, field: str, value: object, choices: Iterable[str]) 
     return value  # type: ignore[return-value]
 
 
+# How an arm refused by memory_cap_mb says so: the reader's views find such arms by it.
+OVER_THE_CAP = "more than memory_cap_mb="
+
+
 class NothingMeasured(RuntimeError):
     """What a command needed measured could not be (the advisor's or the tuner's baseline failed,
     or no round finished). The message says why; the command line prints it in one line, exit 1."""

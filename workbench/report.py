@@ -213,20 +213,21 @@ def _reproduce_html(record: dict, folder) -> str:
     if command is not None:
         parts.append(f"<p>From a shell:</p><pre>{html.escape(command)}</pre>")
     parts.append(f"<p>From Python:</p><pre>{html.escape(python)}</pre>")
-    if folder is not None and resumable(folder) and not record.get("complete", True):
+    if folder is None or not resumable(folder):
+        return "".join(parts)
+    where = str(Path(folder).resolve())  # the page may be read from anywhere
+    if not record.get("complete", True):
         # A stopped run: the same command with this folder finishes it, as the run said when it stopped.
-        where = str(Path(folder).resolve())
         parts.append(
             "<p>This run was stopped before it finished. To finish it, run the same ablation with this "
             f"folder: <code>--out {html.escape(shlex.quote(where))}</code> "
             f"(<code>out={html.escape(repr(where))}</code>); the blocks it holds count.</p>"
         )
-    elif folder is not None and resumable(folder):
-        folder = Path(folder).resolve()  # the page may be read from anywhere
+    else:
         parts.append(
             "<p>To add blocks to this run instead, run it with more blocks and this folder: "
-            f"<code>--blocks N --out {html.escape(shlex.quote(str(folder)))}</code> "
-            f"(<code>blocks=N, out={html.escape(repr(str(folder)))}</code>); the blocks it holds count.</p>"
+            f"<code>--blocks N --out {html.escape(shlex.quote(where))}</code> "
+            f"(<code>blocks=N, out={html.escape(repr(where))}</code>); the blocks it holds count.</p>"
         )
     return "".join(parts)
 

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 
 from workbench import stats
+from workbench.config import OVER_THE_CAP
 from workbench.core_sync import oversubscription, split_states
 from workbench.peak_flops import achieved_tflops, mfu_percent, peak_tflops
 from workbench.plots import plot_results, plot_tune
 from workbench.results_folder import ResultsFolder, json_values, write_json_atomic
 from workbench.results_view import (
     LOSS_DRIFT,
-    OVER_THE_CAP,
     TERMINAL_WIDTH,
     WHERE_OTHER_COLUMNS_ARE,
     loss_drifted,

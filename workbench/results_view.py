@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workbench.config import OVER_THE_CAP
+
 LOSS_DRIFT = 0.10  # a final loss further than this from the baseline's is called out ...
 LOSS_FALL_SHARE = 0.05  # ... when the gap is also more than this share of the baseline's fall in loss
 TERMINAL_WIDTH = 80
@@ -69,7 +71,6 @@ COLUMNS = {
 MFU_COLUMN = Column("MFU %")
 # Shown where memory_cap_mb refused an arm: the peak is what the cap is checked against.
 PEAK_COLUMN = Column("peak MiB")
-OVER_THE_CAP = "more than memory_cap_mb="
 
 
 def shows_peak(table) -> bool:
