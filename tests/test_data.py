@@ -409,15 +409,35 @@ def test_a_stream_shared_among_more_workers_than_it_can_fill_says_so():
         next(endless_batches(source, 12, 0, {"num_workers": 2}))
 
 
-def test_a_dataloader_given_as_data_with_workers_is_said_to_load_beside_the_other_arms():
-    """Its workers are each arm's, in the block's process: they load during the other arms'
-    windows, and the arm's CPU figure leaves them out. No note said so."""
+def _loader_with_workers():
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
+    return torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=1)
+
+
+def test_a_dataloader_given_as_data_with_workers_is_said_to_be_left_out_of_the_cpu_figure():
+    """Its workers are processes of their own, which the arm's CPU figure leaves out. No note said so."""
     from helpers import arm_result, block_spec
 
     from workbench.worker import run_block
 
-    dataset = torch.utils.data.TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=1)
-    spec = block_spec(lambda: torch.nn.Linear(3, 2), data=loader, batch_size=8)
+    spec = block_spec(lambda: torch.nn.Linear(3, 2), data=_loader_with_workers(), batch_size=8)
     notes = arm_result(run_block(spec))["notes"]
-    assert any("the DataLoader given as data loads in 1 worker process(es)" in note for note in notes), notes
+    assert any("cpu_util_pct leaves out the DataLoader's 1 worker process(es)" in note for note in notes), (
+        notes
+    )
+
+
+@pytest.mark.parametrize("given", ["loader", "factory"])
+def test_a_dataloader_given_as_data_with_workers_puts_every_arm_in_a_process_of_its_own(given):
+    """Each arm's copy of the loader has its own workers, which go on loading ahead while the other
+    arms' windows run, as the dataloader technique's workers would: such arms cannot share a block.
+    They shared it, with a note that said so."""
+    data = _loader_with_workers() if given == "loader" else _loader_with_workers
+    table = wb.plan(model=lambda: torch.nn.Linear(3, 2), data=data, techniques=["grad_accum"], device="cpu")
+    assert set(table.process) == {"own"}, table[["name", "process"]]
+    assert table.own_process.str.contains("loads in 1 worker process").all(), table.own_process.tolist()
+    without_workers = torch.utils.data.DataLoader(_loader_with_workers().dataset, batch_size=8)
+    shared = wb.plan(
+        model=lambda: torch.nn.Linear(3, 2), data=without_workers, techniques=["grad_accum"], device="cpu"
+    )
+    assert set(shared.process) == {"block"}, shared[["name", "process"]]

@@ -17,6 +17,16 @@ DDP_OWN_PROCESS = "a data-parallel arm is a process group of its own (one proces
 ISOLATED = "isolate=True: every arm in a process of its own"
 
 
+def loader_workers_apart(workers: int) -> str:
+    """Why every arm runs alone when the user's DataLoader loads in worker processes: each arm has
+    its own loader, whose workers would go on loading while the other arms' windows run (as the
+    dataloader technique's arms with workers would, which run alone for that)."""
+    return (
+        f"the DataLoader given as data loads in {workers} worker process(es), which would keep "
+        "loading ahead during other arms' windows"
+    )
+
+
 @dataclass
 class Arm:
     name: str
@@ -161,16 +171,25 @@ def own_baseline_name(kind: str) -> str:
 def assign_processes(arms: list[Arm], ctx: Context, isolate: bool = False) -> list[Arm]:
     """Mark the arms that need a process of their own, and add a baseline that runs alone for them.
 
-    With several ranks every arm is a process group of its own, and with ``isolate`` every arm
-    runs alone (the baseline too, so nothing is added). Otherwise an arm shares the
+    With several ranks every arm is a process group of its own, and with ``isolate``, or data that
+    loads in DataLoader workers of the user's (``ctx.loader_workers``), every arm runs alone (the
+    baseline too, so nothing is added). Otherwise an arm shares the
     block unless one of its techniques says why it cannot (``Technique.own_process``), or a
     technique allowed once per process (``Technique.one_per_process``: torch.compile) is
     already held by an earlier arm of the block.
     """
     runnable = [arm for arm in arms if not arm.unavailable]
-    if ctx.world_size > 1 or isolate:
+    if ctx.world_size > 1:
+        every_arm_alone = DDP_OWN_PROCESS
+    elif isolate:
+        every_arm_alone = ISOLATED
+    elif ctx.loader_workers:
+        every_arm_alone = loader_workers_apart(ctx.loader_workers)
+    else:
+        every_arm_alone = None
+    if every_arm_alone:
         for arm in runnable:
-            arm.own_process = DDP_OWN_PROCESS if ctx.world_size > 1 else ISOLATED
+            arm.own_process = every_arm_alone
         return arms
     holder: dict[str, str] = {}  # a once-per-process technique -> the arm that holds it in the block
     for arm in runnable:

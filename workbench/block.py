@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from workbench.config import OVER_THE_CAP, RunConfig
 from workbench.data import (
@@ -209,13 +208,9 @@ class BlockArm:
             )
         if self.data.images is not None and self.data.images.skipped:
             self.notes.append(self.data.images.note())
-        if (workers := getattr(self.data.user, "num_workers", 0)) and isinstance(self.data.user, DataLoader):
-            # a user's loader is each arm's copy, workers included: what the technique isolates, not here
-            self.notes.append(
-                f"the DataLoader given as data loads in {workers} worker process(es): cpu_util_pct leaves "
-                "them out, and beside other arms in a block they keep loading while those arms' windows "
-                "run; pass its Dataset, with the dataloader technique, to measure workers in a process of their own"
-            )
+        if workers := self.data.loader_workers:
+            # its arm runs alone for them (arms.loader_workers_apart), but their CPU is not this process's
+            self.notes.append(f"cpu_util_pct leaves out the DataLoader's {workers} worker process(es)")
         data = self.data.for_one_arm()  # a DataLoader's shuffling state is this arm's alone
         with self.active():  # a technique's switches may matter while its pipeline is built
             if setup.make_batches is not None:  # an input pipeline that replaces the DataLoader (dali)

@@ -146,6 +146,9 @@ class DataSource:
     collate_fn: Callable[[list], Any] | None = None  # the user's, for the DataLoaders workbench makes
     # the samples the user's Dataset holds, as resolving it saw them (a factory's Dataset too)
     samples: int | None = None
+    # the worker processes of a DataLoader given as data (or that a factory gives): 0 loads in the
+    # arm's own process
+    loader_workers: int = 0
 
     def for_one_arm(self) -> DataSource:
         """This source with the user's data as one arm's own: see ``arms_own``."""
@@ -310,7 +313,9 @@ def resolve_data(data: object, model: object) -> DataSource:
             "pass a list of batches, or a callable that returns a fresh iterator"
         )
     if isinstance(data, Iterable):
-        return DataSource(label=type(data).__name__, user=data, is_dataset=False)
+        return DataSource(
+            label=type(data).__name__, user=data, is_dataset=False, loader_workers=_loader_workers(data)
+        )
     if callable(data):
         # Called once here only to learn whether it gives a Dataset; each arm calls it again.
         sample = data()
@@ -351,7 +356,13 @@ def _user_source(label: str, user: object, data: object) -> DataSource:
         is_dataset=isinstance(data, Dataset),
         whole_stream_per_worker=whole_stream_per_worker(data),
         samples=_length(data) if isinstance(data, Dataset) else None,
+        loader_workers=_loader_workers(data),
     )
+
+
+def _loader_workers(data: object) -> int:
+    """The worker processes ``data`` loads in, when it is a DataLoader; else 0."""
+    return data.num_workers if isinstance(data, DataLoader) else 0
 
 
 def _refuse_unsized(data: Dataset) -> None:

@@ -174,6 +174,7 @@ def technique_context(
         image_count=len(source.images.files) if source is not None and source.images is not None else None,
         world_size=run.world_size,
         warmup=run.warmup,
+        loader_workers=source.loader_workers if source is not None else 0,
     )
 
 

@@ -60,6 +60,7 @@ class Context:
     image_size: int | None = None  # the crop size, when the data is a folder of JPEG files
     image_count: int | None = None  # the files of that folder, as its scan kept them
     world_size: int = 1  # ranks per arm (DDP)
+    loader_workers: int = 0  # worker processes of a DataLoader the user gave as data (data.DataSource)
     warmup: int = 5  # untimed steps before the clock starts
 
 
