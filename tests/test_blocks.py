@@ -141,6 +141,26 @@ def test_memory_is_measured_per_arm_inside_a_shared_process():
     assert answer["block"]["rss_growth_mib"] > 0
 
 
+def test_an_arm_over_the_memory_cap_fails_before_its_windows_and_the_others_go_on():
+    """memory_cap_mb: the arm over it was refused only after running all its windows, whose figures
+    were then thrown away (a search paid for them from its budget). It is now refused after its
+    warm-up, on one extra step's peak, and the arm under the cap is measured as before."""
+    arms = {"plain": {}, "checkpointed": {"checkpointing": True}}
+    job = {"arms": arms, "steps": 4, "batch_size": 32, "rounds": 2}
+    peaks = {
+        name: arm["peak_mem_mib"] for name, arm in run_block(block_spec("gpt-mini", **job))["arms"].items()
+    }
+    between = (peaks["plain"] + peaks["checkpointed"]) / 2
+    said: list[dict] = []
+    answer = run_block(block_spec("gpt-mini", memory_cap_mb=between, **job), said.append)
+    assert set(answer["arms"]) == {"checkpointed"}
+    failure = answer["failures"]["plain"]
+    assert failure["over_cap_peak_mib"] == pytest.approx(peaks["plain"], rel=0.05), (failure, peaks)
+    assert f"more than memory_cap_mb={between:g} allows" in failure["reason"]
+    windows = [m for m in said if m.get("phase") == "measure" and m.get("arm")]
+    assert {m["arm"] for m in windows} == {"checkpointed"}, windows
+
+
 def test_where_each_arm_runs_is_planned_with_reasons():
     plan = wb.plan(
         model="mlp", techniques={"dataloader": {"num_workers": [0, 2]}, "amp": True}, device="cpu"

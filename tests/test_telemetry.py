@@ -123,6 +123,26 @@ def test_cpu_peak_memory_sees_a_known_allocation():
     assert activations == 0  # nothing was saved for a backward
 
 
+def test_the_early_cap_check_reads_the_peak_that_the_final_measurement_reads():
+    """memory_cap_mb is checked on one step before the windows (peak_of_one_step) and again on the
+    peak reported after them (measure_step): the two must agree, or an arm could pass the one and
+    fail the other."""
+    model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        return torch.ones(16, 2**20).add_(1)[0, 0].item()  # 64 MiB, freed before the step ends
+
+    early = ArmMemory(torch.device("cpu")).peak_of_one_step(step, model, optimizer)
+    final, _ = ArmMemory(torch.device("cpu")).measure_step(step, model, optimizer)
+    assert 68 <= early < 74 and early == pytest.approx(final, abs=0.5)
+    model(torch.ones(1, 1024)).sum().backward()  # the gradients a graph's pool holds
+    graphed = ArmMemory(torch.device("cpu")).peak_of_one_step(
+        step, model, optimizer, graph_pool_bytes=20 * 2**20
+    )
+    assert graphed == pytest.approx(4 + 20, abs=0.1)  # as measure_step counts it (the test below)
+
+
 def test_a_steps_peak_is_its_own_not_what_an_earlier_profiled_step_kept():
     """The profiler's running count carried over: 64 MiB kept by one step read as 65 MiB in the
     next step's 1 MiB, even once freed (the arms measured later in a block read higher)."""

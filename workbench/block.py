@@ -305,6 +305,35 @@ class BlockArm:
             }
         )
 
+    def refuse_if_over_the_cap(self) -> None:
+        """After the warm-up, when memory_cap_mb is set: one extra untimed step's peak. An arm over
+        the cap fails here, before its windows, instead of after them all (finish checks again, on
+        the peak it reports)."""
+        if self.run.memory_cap_mb is None:
+            return
+        trainer, graph = self.trainer, self.setup.graph_step
+
+        def untimed_step() -> None:  # a training step like the warm-up's: its loss is kept with theirs
+            self.losses.append(trainer.step(StepClock(self.device)))
+            self.timed.append(False)
+
+        with self.active():
+            peak_mib = self.memory.peak_of_one_step(
+                untimed_step,
+                trainer.model,
+                trainer.optimizer,
+                graph_pool_bytes=getattr(graph, "pool_bytes", 0) if graph is not None else None,
+            )
+        self._refuse_over_the_cap(peak_mib)
+
+    def _refuse_over_the_cap(self, peak_mib: float | None) -> None:
+        cap = self.run.memory_cap_mb
+        if cap is not None and peak_mib is not None and peak_mib > cap:
+            raise MemoryCapExceeded(
+                f"{self.name} needs {peak_mib:.0f} MiB at its peak, {OVER_THE_CAP}{cap:g} allows",
+                peak_mib,
+            )
+
     def finish(self, emit: Callable[[dict], None], flop_counts: dict | None = None) -> dict:
         """After the clock stopped: memory (one extra, untimed step) and FLOPs. The arm's measurements.
 
@@ -326,12 +355,7 @@ class BlockArm:
             flops = (
                 {} if self.spec.loader_only else self._count_flops({} if flop_counts is None else flop_counts)
             )
-        cap = self.run.memory_cap_mb
-        if cap is not None and peak_mib is not None and peak_mib > cap:
-            raise MemoryCapExceeded(
-                f"{self.name} needs {peak_mib:.0f} MiB at its peak, {OVER_THE_CAP}{cap:g} allows",
-                peak_mib,
-            )
+        self._refuse_over_the_cap(peak_mib)
         wall_s = sum(w["wall_s"] for w in self.windows)
         samples = sum(w["samples"] for w in self.windows)
         steps = sum(w["steps"] for w in self.windows)

@@ -386,6 +386,32 @@ class ArmMemory:
             return float("nan"), activation
         return (resident + transient) / 2**20, activation
 
+    def peak_of_one_step(
+        self,
+        step: Callable[[], object],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        graph_pool_bytes: int | None = None,
+    ) -> float:
+        """Peak MiB of one extra step measured on its own, before the windows (memory_cap_mb's early
+        check): as ``measure_step`` counts it, without the activation hooks. NaN: not measurable.
+        ``graph_pool_bytes``: the step is a replayed CUDA graph with a private pool that size."""
+        resident = _live_tensor_bytes(model, optimizer)
+        if graph_pool_bytes is not None:
+            step()  # a replay allocates nothing: the pool holds the step's memory (measure_step)
+            return (resident + max(0, graph_pool_bytes - _gradient_bytes(model))) / 2**20
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            started = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            step()
+            torch.cuda.synchronize(self.device)
+            return (resident + torch.cuda.max_memory_allocated(self.device) - started) / 2**20
+        try:
+            return (resident + _profiled_peak_bytes(step)) / 2**20
+        except (ImportError, AttributeError):
+            return float("nan")
+
     def _run(self, hooked_step: Callable[[], None], step: Callable[[], object]) -> None:
         try:
             hooked_step()

@@ -259,6 +259,7 @@ class _Block:
             try:
                 arm.build()
                 arm.warm_up(self.run.warmup, self.emit)
+                arm.refuse_if_over_the_cap()
             except Exception as error:
                 self._fail(arm, error)
             self._check_state(arm)
