@@ -5,7 +5,8 @@
 // cuda-python's NVRTC bindings in the CPU-side compile check (tests/test_kernels_compile.py).
 // So this header includes nothing. fp16 and bf16 values travel as their 16-bit patterns and
 // are converted by single PTX instructions (cvt), which keeps the sources free of the CUDA
-// toolkit's headers. cvt to bf16 needs sm_80 or newer, the oldest architecture we target.
+// toolkit's headers. cvt to bf16 needs sm_80 or newer; on sm_75 (T4, the oldest architecture
+// CUDA 13's NVRTC compiles for, and the one we target) the bf16 store rounds the bits itself.
 //
 // All arithmetic happens in the accumulation type: float for fp16, bf16 and fp32 storage,
 // double for fp64 storage (which exists so that torch.autograd.gradcheck can test the kernels).
@@ -50,7 +51,18 @@ template <> struct Element<bfloat16> {
     }
     static __device__ __forceinline__ bfloat16 store(float f) {
         bfloat16 v;
+#if __CUDA_ARCH__ >= 800
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v.bits) : "f"(f));  // round to nearest even
+#else
+        // sm_75 (T4) has no bf16 cvt: the same rounding on the bits. A NaN keeps its sign and
+        // stays a (quiet) NaN; any other value rounds to nearest, ties to even, as cvt.rn does.
+        const unsigned int u = __float_as_uint(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            v.bits = static_cast<unsigned short>((u >> 16) | 0x0040u);
+        } else {
+            v.bits = static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+#endif
         return v;
     }
 };

@@ -121,6 +121,92 @@ def test_fused_ops_refuse_cpu_tensors_clearly():
         FusedAdamW([weight]).step()
 
 
+def test_a_fused_model_copies_and_pickles_with_its_own_parameters():
+    """The fused transformer block's forward was a closure stored on the instance: a deep copy (an
+    EMA or eval copy) computed with the original block's parameters, and the model did not pickle."""
+    import copy
+    import pickle
+
+    model, _ = inspect_model("gpt-mini")
+    fuse_model(model)
+    copied = copy.deepcopy(model)
+    block = copied.blocks[0]
+    assert block.forward.__self__ is block and block.ln2.weight is not model.blocks[0].ln2.weight
+    restored = pickle.loads(pickle.dumps(model))
+    assert type(restored.blocks[0]) is type(model.blocks[0]) and "forward" not in vars(restored.blocks[0])
+    # still fused: fusing again finds no block left to fuse
+    assert all(swap.before != "residual add + ln2" for swap in fuse_model(restored, dry_run=True))
+
+
+def test_fused_adamw_takes_gradients_whose_size_one_dimensions_have_other_strides():
+    """Autograd gives a (1, 8) parameter's gradient strides (1, 1) where the parameter has (8, 1):
+    the same memory order, refused as another memory layout."""
+    from workbench.fused_ops import _same_layout
+
+    weight = nn.Parameter(torch.randn(1, 8))
+    (torch.ones(4, 1) @ weight).sum().backward()
+    assert _same_layout(weight.grad.as_strided((1, 8), (1, 1)), weight)
+    assert not _same_layout(torch.randn(8, 3).t(), torch.randn(3, 8))  # a transpose is another order
+
+
+def test_tensors_reach_the_kernels_by_address_without_cupy_arrays():
+    """Through DLPack, CuPy 13 refused bfloat16 (and CuPy 14 needs ml_dtypes for it)."""
+    from workbench import raw_kernels
+
+    tensor = torch.ones(4, dtype=torch.bfloat16)
+    assert raw_kernels.view(tensor) == tensor.data_ptr() and raw_kernels.view(None) == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        raw_kernels.view(torch.ones(4, 4).t())
+
+
+def _fusion_setup(model_name: str, make_optimizer):
+    from workbench.loop import TrainSetup
+
+    model, _ = inspect_model(model_name)
+    return TrainSetup(
+        model=model, device=CPU, loss_fn=lambda out, y: out.sum(), make_optimizer=make_optimizer
+    )
+
+
+def test_an_arm_that_would_fuse_nothing_is_refused_not_measured(monkeypatch):
+    """resnet-mini under SGD: no module matches and the optimizer is not AdamW. The arm measured
+    the unfused model, with a verdict, and only a note said nothing was fused."""
+    import workbench.techniques.cupy_fusion as cupy_fusion
+    from workbench.loop import make_optimizer
+
+    with pytest.raises(
+        ValueError, match="cupy_fusion fused nothing in this model.*optimizer SGD left unfused"
+    ):
+        FUSION.apply(_fusion_setup("resnet-mini", make_optimizer("sgd", 0.1)), FUSION.Config())
+    # Planned: where CUDA and CuPy are ready, the run's optimizer decides it before anything runs.
+    monkeypatch.setattr(cupy_fusion, "cupy_unavailable_reason", lambda device: None)
+    model, label = inspect_model("resnet-mini")
+    ctx = Context(device=torch.device("cuda"), model=model, model_name=label, optimizer="sgd")
+    assert "the run's optimizer is sgd" in FUSION.check(ctx, FUSION.Config())
+    assert (
+        FUSION.check(Context(device=torch.device("cuda"), model=model, model_name=label), FUSION.Config())
+        is None
+    )
+
+
+def test_an_adamw_that_cannot_be_fused_is_left_unfused_with_the_reason():
+    """amsgrad=True: it failed at the first optimizer step; a namesake class was taken for torch's AdamW."""
+
+    class AdamW(torch.optim.SGD):  # a namesake (as in some libraries), not torch.optim.AdamW
+        pass
+
+    amsgrad = _fusion_setup("gpt-mini", lambda params: torch.optim.AdamW(params, amsgrad=True))
+    assert "AdamW left unfused: FusedAdamW does not implement AdamW's amsgrad=True" in FUSION.apply(
+        amsgrad, FUSION.Config()
+    )
+    assert type(amsgrad.make_optimizer([nn.Parameter(torch.zeros(1))])) is torch.optim.AdamW
+    namesake = _fusion_setup("gpt-mini", lambda params: AdamW(params, lr=0.1))
+    assert "optimizer AdamW left unfused" in FUSION.apply(namesake, FUSION.Config())
+    plain = _fusion_setup("gpt-mini", lambda params: torch.optim.AdamW(params))
+    assert "AdamW steps in one launch" in FUSION.apply(plain, FUSION.Config())
+    assert type(plain.make_optimizer([nn.Parameter(torch.zeros(1))])) is FusedAdamW
+
+
 def test_fused_adamw_settings():
     weight = nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="does not implement AdamW's amsgrad=True"):

@@ -231,3 +231,62 @@ def test_fused_adamw_state_survives_a_state_dict_round_trip():
     restored.step()
     state = restored.state[param]
     assert state["step"] == 2 and state["exp_avg"].dtype == torch.float32 and torch.isfinite(param).all()
+
+
+def test_the_fused_ops_take_non_contiguous_and_empty_inputs():
+    """A transposed input is made contiguous first; an empty one launches nothing, either way."""
+    x = inputs((33, 64), torch.float32).t().requires_grad_()  # (64, 33), not contiguous
+    bias = inputs((33,), torch.float32, seed=1).requires_grad_()
+    y = bias_gelu(x, bias)
+    close(y, F.gelu(x.double() + bias.double()), torch.float32)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and bias.grad.shape == bias.shape
+    empty = torch.empty((0, 8), device=CUDA, requires_grad=True)
+    empty_bias = torch.zeros(8, device=CUDA, requires_grad=True)
+    bias_gelu(empty, empty_bias).sum().backward()
+    assert empty.grad.shape == (0, 8) and torch.equal(empty_bias.grad, torch.zeros(8, device=CUDA))
+    with pytest.raises(ValueError, match="normalized dimension has no values"):
+        layer_norm(torch.empty((4, 0), device=CUDA), torch.ones(0, device=CUDA), torch.zeros(0, device=CUDA))
+
+
+def test_a_second_derivative_is_refused_not_silently_without_a_graph():
+    x = inputs((4, 8), torch.float64).requires_grad_()
+    bias = torch.zeros(8, device=CUDA, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(bias_gelu(x, bias).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
+def test_fused_adamw_reuses_its_address_table_and_takes_size_one_dimensions_and_empty_parameters():
+    """Gradients zeroed in place keep their addresses: the table is not copied (nor waited for)
+    again. A (1, 8) parameter's gradient may have other strides; an empty parameter has nothing to do."""
+    weight = torch.nn.Parameter(inputs((1, 8), torch.float32))
+    empty = torch.nn.Parameter(torch.empty(0, device=CUDA))
+    reference = torch.nn.Parameter(weight.detach().clone())
+    fused, plain = FusedAdamW([weight, empty], lr=0.1), torch.optim.AdamW([reference], lr=0.1)
+    tables = set()
+    for step in range(3):
+        for param, optimizer in ((weight, fused), (reference, plain)):
+            optimizer.zero_grad(set_to_none=False)
+            (torch.ones(4, 1, device=CUDA) @ param * (step + 1)).sum().backward()
+        empty.grad = torch.empty(0, device=CUDA)
+        fused.step()
+        plain.step()
+        tables |= {id(table) for _, table in fused._pointers.values()}
+    close(weight, reference, torch.float32)
+    assert len(tables) == 1, "the address table was rebuilt although no address changed"
+
+
+def test_a_deep_copy_of_a_fused_model_computes_with_its_own_parameters():
+    import copy
+
+    from workbench.fused_ops import fuse_model
+    from workbench.models import inspect_model
+
+    model = inspect_model("gpt-mini")[0].to(CUDA)
+    fuse_model(model)
+    copied = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (2, 16), device=CUDA)
+    torch.testing.assert_close(copied(tokens), model(tokens))
+    copied(tokens).sum().backward()
+    assert copied.blocks[0].ln2.weight.grad is not None and model.blocks[0].ln2.weight.grad is None

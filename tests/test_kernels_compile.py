@@ -1,4 +1,4 @@
-"""The CPU-side check of kernels/: every .cu file compiles with NVRTC for sm_80 and sm_90.
+"""The CPU-side check of kernels/: every .cu file compiles with NVRTC for sm_75, sm_80 and sm_90.
 
 CI has no GPU, but NVRTC is a compiler library, so a syntax or type error in any kernel
 (or a macro that stops instantiating an entry point) fails here, before a GPU ever sees it.
@@ -52,3 +52,11 @@ def test_compile_check_table_covers_every_kernel_and_architecture():
     assert len(table) == len(raw_kernels.KERNELS) * len(raw_kernels.ARCHITECTURES)
     assert table["ok"].all(), table[~table["ok"]]["log"].tolist()
     assert set(table["arch"]) == set(raw_kernels.ARCHITECTURES)
+
+
+@pytest.mark.parametrize("name", raw_kernels.KERNELS)
+def test_each_source_carries_the_header_it_includes(name):
+    """CuPy's disk cache is keyed by the source text, not by the files it includes: with the
+    #include left in, a kernel built from an older common.cuh was loaded again after an edit."""
+    text = raw_kernels.source(name)
+    assert raw_kernels.HEADER_INCLUDE not in text and "struct bfloat16" in text

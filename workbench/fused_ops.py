@@ -4,14 +4,17 @@
 - ``residual_dropout_layer_norm(x, residual, weight, bias, eps, p)``: returns
   ``(h, y)`` with ``h = residual + dropout(x)`` and ``y = LayerNorm(h)``; ``layer_norm``
   is the same kernel with no residual and no dropout.
-- ``FusedAdamW``: ``torch.optim.AdamW``'s update for every parameter in one launch.
+- ``FusedAdamW``: ``torch.optim.AdamW``'s update in one launch per parameter group (per device
+  and dtype within it).
 - ``fuse_model(model)``: swaps matching submodules for fused ones and reports each swap.
 
 Each op runs one CUDA kernel forward and one backward, launched through CuPy on PyTorch's
-current stream with tensors exchanged zero-copy (see workbench/raw_kernels.py). The kernels
-accept float64, float32, float16 and bfloat16 tensors and accumulate in float32 (float64 for
-float64). Parameters of LayerNorm and the bias of GELU are read in the accumulation type, so
-an fp16 activation under autocast meets fp32 parameters without a cast kernel.
+current stream with tensors passed by address, without a copy (see workbench/raw_kernels.py).
+The kernels accept float64, float32, float16 and bfloat16 tensors of any shape (non-contiguous
+ones are made contiguous first) and accumulate in float32 (float64 for float64). Parameters of
+LayerNorm and the bias of GELU are read in the accumulation type, so an fp16 activation under
+autocast meets fp32 parameters without a cast kernel. Their backwards are written by the kernels,
+so they are differentiable once (``create_graph=True`` is refused, not silently graph-less).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from workbench import raw_kernels
 from workbench.models import TransformerBlock
@@ -91,10 +95,13 @@ class BiasGELU(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
         x, bias_acc = ctx.saved_tensors
-        grad_y = grad_y.contiguous().to(x.dtype)
         cols = bias_acc.numel()
+        if not x.numel():  # nothing to launch (and no columns to size a grid by, when cols is 0)
+            return torch.zeros_like(x), torch.zeros(cols, dtype=ctx.bias_dtype, device=x.device)
+        grad_y = grad_y.contiguous().to(x.dtype)
         rows = x.numel() // cols
         grad_x = torch.empty_like(x)
         # Blocks of 32 columns x 8 rows; grid y is sized so the whole grid fills the device.
@@ -130,6 +137,8 @@ class ResidualDropoutLayerNorm(torch.autograd.Function):
                 f"layer_norm: weight and bias must have x.shape[-1] = {x.shape[-1]} values; "
                 f"got {weight.numel()} and {bias.numel()}"
             )
+        if cols == 0:
+            raise ValueError("layer_norm: the normalized dimension has no values (x.shape[-1] is 0)")
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}; got {tuple(residual.shape)}")
         x = x.contiguous()
@@ -155,6 +164,7 @@ class ResidualDropoutLayerNorm(torch.autograd.Function):
         return (h, y) if materialize_h else y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         h, gamma, mean, rstd = ctx.saved_tensors
         p, seed, has_residual, materialize_h, weight_dtype, bias_dtype = ctx.settings
@@ -258,20 +268,19 @@ class FusedLayerNorm(nn.Module):
         return f"{self.normalized_shape}, eps={self.eps}, fused=LayerNorm"
 
 
-def fused_pre_ln_forward(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The forward of a pre-LayerNorm transformer block with its middle residual add fused:
+class FusedPreLNTransformerBlock(TransformerBlock):
+    """The built-in pre-LayerNorm transformer block with its middle residual add fused:
 
     ``x = x + attn(ln1(x)); return x + mlp(ln2(x))`` becomes one kernel for the add and ln2.
+    ``fuse_model`` gives a block this class in place (its modules and parameters stay): a class,
+    not a forward closure stored on the instance, so that a deep copy (an EMA or eval copy)
+    computes with its own parameters, and the model still pickles.
     """
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        ln2 = block.ln2
-        x, normalized = residual_dropout_layer_norm(
-            block.attn(block.ln1(x)), x, ln2.weight, ln2.bias, ln2.eps
-        )
-        return x + block.mlp(normalized)
-
-    return forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ln2 = self.ln2
+        x, normalized = residual_dropout_layer_norm(self.attn(self.ln1(x)), x, ln2.weight, ln2.bias, ln2.eps)
+        return x + self.mlp(normalized)
 
 
 # --- swapping modules ----------------------------------------------------------------------------
@@ -314,9 +323,7 @@ def fuse_model(
             if type(module) is TransformerBlock and _fusable_norm(module.ln2):
                 absorbed.add(id(module.ln2))
                 if not dry_run:
-                    module.forward = fused_pre_ln_forward(
-                        module
-                    )  # an instance attribute; the class is untouched
+                    module.__class__ = FusedPreLNTransformerBlock  # this block only; the class is untouched
                 replaced.append(Replacement(name, "residual add + ln2", "one fused kernel"))
     if bias_gelu:
         for name, module in list(model.named_modules()):
@@ -339,6 +346,15 @@ def fuse_model(
                     where = f"{name}.{child_name}" if name else child_name
                     replaced.append(Replacement(where, "LayerNorm", "fused LayerNorm"))
     return replaced
+
+
+def _same_layout(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """The same shape and the same strides where they matter: a dimension of size 1 can have any
+    stride (autograd gives a (1, 8) parameter's gradient strides (1, 1) where the parameter has
+    (8, 1)), and both are walked in the same linear order."""
+    return grad.shape == param.shape and all(
+        size == 1 or a == b for size, a, b in zip(param.shape, grad.stride(), param.stride(), strict=True)
+    )
 
 
 def _is_exact_gelu(module: nn.Module) -> bool:
@@ -374,11 +390,12 @@ CHUNK = 16384  # elements per block: 64 per thread at 256 threads
 
 
 class FusedAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) in one kernel launch per step.
+    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) in few kernel launches per step.
 
-    One launch per (device, dtype, step count) group of parameters, which in practice is one
-    launch for the whole model. The moments are kept in float32 (float64 for float64
-    parameters). Not supported: amsgrad, maximize, sparse gradients; ``from_adamw`` says so.
+    One launch per parameter group and (device, dtype, step count) within it: one launch for a
+    model with one group on one device in one dtype. The moments are kept in float32 (float64
+    for float64 parameters). Not supported: amsgrad, maximize, sparse gradients; ``from_adamw``
+    says so.
     """
 
     def __init__(
@@ -397,6 +414,7 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"FusedAdamW: eps and weight_decay must be >= 0; got {eps}, {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pointers: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}  # see _pointer_table
 
     @classmethod
     def from_adamw(cls, optimizer: torch.optim.AdamW) -> FusedAdamW:
@@ -441,30 +459,50 @@ class FusedAdamW(torch.optim.Optimizer):
     def _launch(self, group: dict, device: torch.device, dtype: torch.dtype, step: int, params: list) -> None:
         _require_cuda(*params)
         for param in params:
-            if param.grad.dtype != param.dtype or param.grad.stride() != param.stride():
+            if param.grad.dtype != param.dtype or not _same_layout(param.grad, param):
                 raise RuntimeError(
                     "FusedAdamW needs each gradient in its parameter's dtype and memory layout"
                 )
             if not (param.is_contiguous() or param.is_contiguous(memory_format=torch.channels_last)):
                 raise RuntimeError("FusedAdamW walks each parameter's memory linearly; it must be dense")
+        params = [p for p in params if p.numel()]  # an empty parameter has nothing to update
+        if not params:  # and a grid of no blocks is not a launch CUDA accepts
+            return
         beta1, beta2 = group["betas"]
         sizes, chunk_tensor, chunk_start = self._chunk_table(device, tuple(p.numel() for p in params))
-        states = [self.state[p] for p in params]
-        # Four tables of addresses (parameters, gradients, moments), copied to the device each
-        # step: gradients are new tensors after zero_grad(set_to_none=True).
-        addresses = [
-            [p.data_ptr() for p in params],
-            [p.grad.data_ptr() for p in params],
-            [s["exp_avg"].data_ptr() for s in states],
-            [s["exp_avg_sq"].data_ptr() for s in states],
-        ]
-        pointers = torch.tensor(addresses, dtype=torch.int64).to(device)
+        pointers = self._pointer_table(group, device, dtype, params)
         args = (
             pointers[0], pointers[1], pointers[2], pointers[3], sizes, chunk_tensor, chunk_start, np.int32(CHUNK),
             np.float64(group["lr"]), np.float64(beta1), np.float64(beta2), np.float64(group["eps"]),
             np.float64(group["weight_decay"]), np.float64(1 - beta1**step), np.float64(math.sqrt(1 - beta2**step)),
         )  # fmt: skip
         _launch("adamw", "adamw_step", dtype, device, (chunk_tensor.numel(),), (256,), args)
+
+    def _pointer_table(
+        self, group: dict, device: torch.device, dtype: torch.dtype, params: list
+    ) -> torch.Tensor:
+        """The addresses of the parameters, gradients and moments, as a (4, n) tensor on ``device``.
+
+        Kept while the addresses stay the same (gradients that are zeroed in place, or that the
+        caching allocator gives the same memory again). Otherwise copied from pinned memory without
+        waiting: a copy from pageable memory would make the CPU wait for the GPU every step, for
+        the backward to finish, which is the overlap this optimizer exists to keep.
+        """
+        states = [self.state[p] for p in params]
+        addresses = (
+            *(p.data_ptr() for p in params),
+            *(p.grad.data_ptr() for p in params),
+            *(s["exp_avg"].data_ptr() for s in states),
+            *(s["exp_avg_sq"].data_ptr() for s in states),
+        )
+        key = (id(group), device, dtype)
+        cached = self._pointers.get(key)
+        if cached is not None and cached[0] == addresses:
+            return cached[1]
+        host = torch.tensor(addresses, dtype=torch.int64).view(4, len(params)).pin_memory()
+        table = host.to(device, non_blocking=True)  # the pinned buffer is kept until the copy ends
+        self._pointers[key] = (addresses, table)
+        return table
 
     def _chunk_table(self, device: torch.device, sizes: tuple[int, ...]):
         """Which tensor and which offset each block takes; depends only on the sizes, so cached."""

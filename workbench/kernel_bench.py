@@ -67,51 +67,57 @@ def _speedup(baseline: list[float], arm: list[float]) -> tuple[float, float, flo
     return speedup.point, speedup.low, speedup.high
 
 
+IMPLEMENTATIONS = ("fused", "eager", "compiled")
+
+
 def _cases(rows: int, cols: int, dtype: torch.dtype, dropout: float):
     """(operator, pass, bytes the fused kernel moves, {implementation: zero-argument call})."""
     device = torch.device("cuda")
     x = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
     residual = torch.randn_like(x, requires_grad=True)
-    # Parameters in the activations' dtype, so the eager chain does not promote to float32.
-    bias = torch.zeros(cols, device=device, dtype=dtype, requires_grad=True)
-    weight = torch.ones(cols, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    yield from _bias_gelu_cases(x, bias, grad)
-    yield from _residual_layer_norm_cases(x, residual, weight, bias, grad, dropout)
+    # Each implementation's parameters as it would meet them: the eager and compiled chains'
+    # in the activations' dtype (else they would promote to float32), the kernels' in their
+    # accumulation dtype, which they read without a cast (as under autocast, whose parameters
+    # stay float32); handing the kernels bf16 parameters would time a cast kernel with them.
+    params = {}
+    for name in IMPLEMENTATIONS:
+        kind = raw_kernels.accumulate_dtype(dtype) if name == "fused" else dtype
+        params[name] = (
+            torch.ones(cols, device=device, dtype=kind, requires_grad=True),  # LayerNorm's weight
+            torch.zeros(cols, device=device, dtype=kind, requires_grad=True),  # a bias
+        )
+    yield from _bias_gelu_cases(x, params, grad)
+    yield from _residual_layer_norm_cases(x, residual, params, grad, dropout)
 
 
-def _bias_gelu_cases(x: torch.Tensor, bias: torch.Tensor, grad: torch.Tensor):
+def _bias_gelu_cases(x: torch.Tensor, params: dict, grad: torch.Tensor):
     """bias + GELU, forward and backward: fused kernel, eager chain, compiled chain."""
     size = x.element_size()
 
     def gelu_chain(a, b):
         return F.gelu(a + b)
 
-    compiled_gelu = torch.compile(gelu_chain)
+    functions = {"fused": fused_ops.bias_gelu, "eager": gelu_chain, "compiled": torch.compile(gelu_chain)}
     yield (
         "bias + GELU",
         "forward",
         2 * x.numel() * size,
-        {
-            "fused": lambda: fused_ops.bias_gelu(x, bias),
-            "eager": lambda: gelu_chain(x, bias),
-            "compiled": lambda: compiled_gelu(x, bias),
-        },
+        {name: (lambda f=f, b=params[name][1]: f(x, b)) for name, f in functions.items()},
     )
-    graphs = {name: f(x, bias) for name, f in (("fused", fused_ops.bias_gelu), ("eager", gelu_chain),
-                                                ("compiled", compiled_gelu))}  # fmt: skip
+    graphs = {name: (f(x, params[name][1]), params[name][1]) for name, f in functions.items()}
     yield (
         "bias + GELU",
         "backward",
         3 * x.numel() * size,
         {
-            name: (lambda y=y: torch.autograd.grad(y, (x, bias), grad, retain_graph=True))
-            for name, y in graphs.items()
+            name: (lambda y=y, b=b: torch.autograd.grad(y, (x, b), grad, retain_graph=True))
+            for name, (y, b) in graphs.items()
         },
     )
 
 
-def _residual_layer_norm_cases(x, residual, weight, bias, grad: torch.Tensor, dropout: float):
+def _residual_layer_norm_cases(x, residual, params: dict, grad: torch.Tensor, dropout: float):
     """residual + dropout + LayerNorm, forward and backward: fused kernel, eager chain, compiled chain."""
     size, cols = x.element_size(), x.shape[-1]
 
@@ -119,28 +125,26 @@ def _residual_layer_norm_cases(x, residual, weight, bias, grad: torch.Tensor, dr
         h = r + F.dropout(a, dropout)
         return h, F.layer_norm(h, (cols,), w, b)
 
-    compiled_residual = torch.compile(residual_chain)
-    fused_residual = lambda a, r, w, b: fused_ops.residual_dropout_layer_norm(a, r, w, b, p=dropout)  # noqa: E731
-    args = (x, residual, weight, bias)
+    functions = {
+        "fused": lambda a, r, w, b: fused_ops.residual_dropout_layer_norm(a, r, w, b, p=dropout),
+        "eager": residual_chain,
+        "compiled": torch.compile(residual_chain),
+    }
+    args = {name: (x, residual, *params[name]) for name in functions}
     yield (
         f"residual + dropout({dropout}) + LayerNorm",
         "forward",
         4 * x.numel() * size,
-        {
-            "fused": lambda: fused_residual(*args),
-            "eager": lambda: residual_chain(*args),
-            "compiled": lambda: compiled_residual(*args),
-        },
+        {name: (lambda f=f, a=args[name]: f(*a)) for name, f in functions.items()},
     )
-    outputs = {name: f(*args) for name, f in (("fused", fused_residual), ("eager", residual_chain),
-                                              ("compiled", compiled_residual))}  # fmt: skip
+    outputs = {name: (f(*args[name]), args[name]) for name, f in functions.items()}
     yield (
         f"residual + dropout({dropout}) + LayerNorm",
         "backward",
         5 * x.numel() * size,
         {
-            name: (lambda hy=hy: torch.autograd.grad(hy, args, (grad, grad), retain_graph=True))
-            for name, hy in outputs.items()
+            name: (lambda hy=hy, a=a: torch.autograd.grad(hy, a, (grad, grad), retain_graph=True))
+            for name, (hy, a) in outputs.items()
         },
     )
 
@@ -150,7 +154,7 @@ def _adamw_case(parameters: int, dtype: torch.dtype):
     width = max(64, int(math.sqrt(parameters / 12)) // 64 * 64)
     shapes = [(width, width)] * 12 + [(width,)] * 24  # weight matrices and per-channel vectors
     implementations = {}
-    for name in ("fused", "eager", "compiled"):
+    for name in IMPLEMENTATIONS:
         params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes]
         for p in params:
             p.grad = torch.randn_like(p)

@@ -3,13 +3,13 @@
 Each ``kernels/<name>.cu`` file is one fused operator, instantiated for four element types
 (``_f64``, ``_f32``, ``_f16``, ``_bf16`` after each entry point's name). On a GPU, a file is
 compiled once per device by CuPy's ``RawModule`` (NVRTC under the hood) and its entry points
-are launched on PyTorch's current stream, with tensors handed over through DLPack: no copy,
-and no synchronization between the two libraries.
+are launched on PyTorch's current stream, with each tensor handed over as its device address:
+no copy, and no synchronization between the two libraries.
 
 CI machines have no GPU, but NVRTC is a compiler library that needs none: ``compile_check``
-compiles every file for the architectures the kernels target (sm_80: A100, sm_90: H100/H200)
-with cuda-python's NVRTC bindings, so a syntax or type error in kernels/ fails the tests
-before anyone reaches a GPU.
+compiles every file for the architectures the kernels target (sm_75: T4, sm_80: A100, sm_90:
+H100/H200) with cuda-python's NVRTC bindings, so a syntax or type error in kernels/ fails the
+tests before anyone reaches a GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import torch
 from workbench.optional import install_hint
 
 KERNELS = ("bias_gelu", "residual_dropout_layer_norm", "adamw")
-ARCHITECTURES = ("sm_80", "sm_90")  # cvt.rn.bf16.f32 in common.cuh needs sm_80 or newer
+# sm_75 is the oldest that CUDA 13's NVRTC compiles for; common.cuh rounds to bf16 itself there
+ARCHITECTURES = ("sm_75", "sm_80", "sm_90")
+OLDEST_CAPABILITY = (7, 5)
 COMPILE_OPTIONS = ("--std=c++17",)
 
 DTYPE_SUFFIX = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -41,10 +43,17 @@ def kernel_dir() -> Path:
     return Path(str(importlib.resources.files("workbench.kernels")))
 
 
+HEADER_INCLUDE = '#include "common.cuh"'
+
+
 def source(name: str) -> str:
+    """kernels/<name>.cu with common.cuh pasted in place of its #include: CuPy's disk cache of
+    compiled kernels is keyed by the source text, not by the files it includes, so an edited
+    header alone would otherwise load the kernels compiled from the old one."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernel {name!r}; the kernels are: {', '.join(KERNELS)}")
-    return (kernel_dir() / f"{name}.cu").read_text()
+    text = (kernel_dir() / f"{name}.cu").read_text()
+    return text.replace(HEADER_INCLUDE, (kernel_dir() / "common.cuh").read_text())
 
 
 def entry_points(name: str) -> list[str]:
@@ -182,6 +191,13 @@ def cupy_unavailable_reason(device: torch.device | None = None) -> str | None:
         cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # a CuPy built for another CUDA major version than the driver's
         return f"CuPy is installed but cannot reach the GPU ({exc}); {CUPY_HINT}"
+    capability = torch.cuda.get_device_capability(device if device is not None else None)
+    if capability < OLDEST_CAPABILITY:
+        oldest = ".".join(map(str, OLDEST_CAPABILITY))
+        return (
+            f"the CuPy kernels are built for compute capability {oldest} or newer (Turing, T4); "
+            f"this GPU has {'.'.join(map(str, capability))}"
+        )
     return None
 
 
@@ -190,7 +206,7 @@ def _module(name: str, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=source(name), options=(*COMPILE_OPTIONS, f"-I{kernel_dir()}"))
+        module = cupy.RawModule(code=source(name), options=COMPILE_OPTIONS)  # the header is pasted in
         module.compile()  # compile now, so a failure names the file instead of a later launch
     return module
 
@@ -202,7 +218,10 @@ def kernel(name: str, entry: str, dtype: torch.dtype, device: torch.device):
 
 @functools.cache
 def _function(name: str, entry: str, device_index: int):
-    return _module(name, device_index).get_function(entry)
+    import cupy
+
+    with cupy.cuda.Device(device_index):  # loaded on this device, not on whichever is current
+        return _module(name, device_index).get_function(entry)
 
 
 @functools.cache
@@ -232,16 +251,18 @@ def on_torch_stream(device: torch.device):
 
 
 def view(tensor: torch.Tensor | None):
-    """A zero-copy CuPy view of a contiguous CUDA tensor (DLPack), or a null pointer for None.
+    """A contiguous CUDA tensor as the kernel argument it is read through: its device address
+    (a null pointer for None).
 
-    Call it inside ``on_torch_stream``: DLPack then sees producer and consumer on the same
-    stream and adds no synchronization.
+    Not a CuPy array through DLPack: CuPy 13 refuses bfloat16 there, and CuPy 14 takes it only
+    with ml_dtypes installed, while the kernels need nothing but the address. The tensor stays
+    alive while the caller holds it, and the launch runs on PyTorch's current stream
+    (``on_torch_stream``), where the caching allocator reuses its memory only after the kernel.
     """
-    import cupy
     import numpy as np
 
     if tensor is None:
         return np.uint64(0)
     if not tensor.is_contiguous():
         raise ValueError("the fused kernels read contiguous memory; call .contiguous() first")
-    return cupy.from_dlpack(tensor.detach())
+    return np.uint64(tensor.data_ptr())

@@ -175,6 +175,7 @@ def technique_context(
         world_size=run.world_size,
         warmup=run.warmup,
         loader_workers=source.loader_workers if source is not None else 0,
+        optimizer=run.optimizer,
     )
 
 

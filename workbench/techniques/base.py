@@ -61,6 +61,7 @@ class Context:
     image_count: int | None = None  # the files of that folder, as its scan kept them
     world_size: int = 1  # ranks per arm (DDP)
     loader_workers: int = 0  # worker processes of a DataLoader the user gave as data (data.DataSource)
+    optimizer: str = "adamw"  # the run's optimizer, by name (RunConfig.optimizer)
     warmup: int = 5  # untimed steps before the clock starts
 
 

@@ -10,8 +10,8 @@ What it does
       itself become one kernel (the same kernel also fuses dropout, unused here because the
       built-in models have none);
     - ``AdamW``: the whole optimizer step in one launch over all parameters.
-    The run's notes count the modules replaced of each kind, and name the first of them. Each kernel exchanges tensors with
-    PyTorch through DLPack (no copy) and runs on PyTorch's current stream.
+    The run's notes count the modules replaced of each kind, and name the first of them. Each
+    kernel takes PyTorch's tensors by address (no copy) and runs on PyTorch's current stream.
 
 When it helps
     Memory-bound chains of small ops on a GPU. Every unfused elementwise op reads its inputs
@@ -26,14 +26,16 @@ When it hurts
     the step. ``torch.compile`` generates similar fusions automatically (the benchmark
     compares both), and cannot trace through CuPy launches, so the two are not combined.
     First use compiles each kernel file with NVRTC (about a second, cached per process).
-    Unavailable on CPU, without CuPy, and when optimizer fusion is off and nothing in the model
-    matches the enabled patterns. Not combined with compile or cuda_graphs.
+    Unavailable on CPU, without CuPy, on GPUs older than Turing (compute capability 7.5), and
+    when nothing in the model matches the enabled patterns and the optimizer is not fused
+    (optimizer fusion off, or the run's optimizer is not AdamW): the arm would measure the
+    unfused model. Not combined with compile or cuda_graphs.
 
 Settings
     ``bias_gelu``, ``layer_norm``, ``residual_layer_norm``, ``optimizer``: switch each fused
     operator on or off (all True by default), so one ablation can measure each kernel's
-    share, e.g. ``{"cupy_fusion": {"optimizer": [True, False]}}``. Only AdamW is fused; with
-    another optimizer the notes say it was left unfused.
+    share, e.g. ``{"cupy_fusion": {"optimizer": [True, False]}}``. Only ``torch.optim.AdamW``
+    is fused (not amsgrad or maximize); with another optimizer the notes say it was left unfused.
 """
 
 from __future__ import annotations
@@ -89,26 +91,46 @@ class CupyFusion(Technique):
         reason = cupy_unavailable_reason(ctx.device)
         if reason:
             return reason
-        if ctx.model is not None and not config.optimizer:
+        fuses_optimizer = config.optimizer and ctx.optimizer == "adamw"
+        if ctx.model is not None and not fuses_optimizer:
             if not fuse_model(ctx.model, **config.patterns(), dry_run=True):
+                why = (
+                    "optimizer fusion is off"
+                    if not config.optimizer
+                    else f"the run's optimizer is {ctx.optimizer}"
+                )
                 return (
                     f"{ctx.model_name or 'the model'} has nothing the enabled patterns match (Linear+GELU in "
-                    "a Sequential, LayerNorm, the built-in transformer block), and optimizer fusion is off"
+                    f"a Sequential, LayerNorm, the built-in transformer block), and {why} (the fused "
+                    "optimizer is AdamW): the arm would measure the unfused model"
                 )
         return None
 
     def apply(self, setup, config: CupyFusionConfig) -> str:
-        notes = [describe_replacements(fuse_model(setup.model, **config.patterns()))]
+        replaced = fuse_model(setup.model, **config.patterns())
+        notes = [describe_replacements(replaced)]
+        fused_optimizer = False
         if config.optimizer:
-            build = setup.make_optimizer
-            # Which optimizer the run uses is only known by building one: probe it on a scalar.
-            probe = type(build([nn.Parameter(torch.zeros(1))])).__name__
-            if probe == "AdamW":
-                setup.make_optimizer = lambda params: FusedAdamW.from_adamw(build(params))
-                notes.append("AdamW steps in one launch")
-            else:
-                notes.append(f"optimizer {probe} left unfused (the fused step is AdamW)")
+            fused_optimizer, said = _fuse_the_optimizer(setup)
+            notes.append(said)
+        if not replaced and not fused_optimizer:  # what check() could not see: a measured no-op
+            raise ValueError(f"cupy_fusion fused nothing in this model: {'; '.join(notes)}")
         return "; ".join(notes)
+
+
+def _fuse_the_optimizer(setup) -> tuple[bool, str]:
+    """Make the run's optimizer FusedAdamW where it is torch's AdamW; (fused?, what the notes say)."""
+    build = setup.make_optimizer
+    # Which optimizer the run uses is only known by building one: probe it on a scalar.
+    probe = build([nn.Parameter(torch.zeros(1))])
+    if type(probe) is not torch.optim.AdamW:  # a subclass or a namesake may mean something else
+        return False, f"optimizer {type(probe).__name__} left unfused (the fused step is torch.optim.AdamW)"
+    try:
+        FusedAdamW.from_adamw(probe)  # its refusals (amsgrad, maximize) said here, not at the first step
+    except ValueError as error:
+        return False, f"AdamW left unfused: {error}"
+    setup.make_optimizer = lambda params: FusedAdamW.from_adamw(build(params))
+    return True, "AdamW steps in one launch per parameter group"
 
 
 TECHNIQUE = CupyFusion()
