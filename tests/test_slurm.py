@@ -204,7 +204,9 @@ def test_a_slow_node_cancels_in_the_speedups_and_is_warned_about(tmp_path, monke
     fast = 1 - slowed
     assert speeds[(fast, "baseline")] > 2 * speeds[(slowed, "baseline")], "one block was meant to be slow"
     control = results.table.set_index("arm").loc["baseline (control)"]
-    assert abs(math.log(control.speedup)) < 0.1, f"blocking should cancel the slow node: {control.speedup}"
+    # Within 25%, not 10%: the fast block times only about 150 ms per arm, which the other xdist
+    # worker's load moved by 12%; a split by arm would be off by the slow node's factor, over 2.
+    assert abs(math.log(control.speedup)) < 0.22, f"blocking should cancel the slow node: {control.speedup}"
     naive = speeds[(fast, "baseline (control)")] / speeds[(slowed, "baseline")]  # arm by node: biased
     assert naive > 2
     warnings = " ".join(results.warnings())

@@ -1,5 +1,6 @@
 """The tuner: successive halving under a budget finds the known winner, keeps loss parity, resumes."""
 
+import contextlib
 import json
 import re
 import threading
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import workbench as wb
+from workbench import tuner
 from workbench.cli import parse_budget
 from workbench.config import NothingMeasured
 from workbench.results import Results
@@ -436,8 +438,43 @@ def test_ctrl_c_in_a_round_keeps_the_time_it_took_spent(known_techniques, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timing
+def test_a_budget_that_runs_out_while_calibrating_ends_the_search_then(known_techniques):
+    """The budget holds the calibration too: a calibration longer than the whole budget ran on for
+    as long as it took (minutes, on a large job), and the search was refused only after it."""
+    with pytest.raises(ValueError, match=r"budget_s=1 ran out while calibrating") as cut:
+        wb.tune(
+            PausingNet,
+            batches(),
+            budget_s=1,
+            techniques=known_techniques,
+            out=False,
+            **{**RUN, "steps": 2000},
+            **QUIET,
+        )
+    said = str(cut.value)
+    # how long calibrating takes here, when the baseline got far enough to tell; else only that it did not
+    assert re.search(r"calibrating alone takes about \d+ s here\. Pass a budget_s above that", said) or (
+        "had not reported a timed step" in said
+    ), said
+    assert said.endswith("the search then says the least it needs")
+
+
+@pytest.fixture
+def calibration_past_the_budget(monkeypatch):
+    """The calibration runs to its end whatever the budget (as before it was bounded): the refusal
+    that follows a calibration shorter than the budget, tested with a budget of 1 s."""
+
+    @contextlib.contextmanager
+    def unbounded(self):
+        yield tuner.Deadline(), lambda event: None
+
+    monkeypatch.setattr(tuner._Search, "_within_the_budget", unbounded)
+
+
+@pytest.mark.slow
+@pytest.mark.timing
 def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_work(
-    known_techniques, tmp_path
+    known_techniques, tmp_path, calibration_past_the_budget
 ):
     with pytest.raises(ValueError, match=r"budget_s=1 is too small.*Pass budget_s=\d+ or more") as refused:
         wb.tune(PausingNet, batches(), budget_s=1, techniques=known_techniques, out=False, **RUN, **QUIET)

@@ -1251,6 +1251,8 @@ class _Runner:
         run = self.run_config
         why = getattr(self.stop, "why", None)  # a tuner's round, cut by the search's budget on purpose
         if why is not None:
+            if not self.done:  # a calibration cut, say: nothing that could count
+                return f"Stopped, as {why}, before any process finished."
             return f"Stopped, as {why}: {len(self.done)} of {planned} processes finished, and count"
         if not self.kept:
             where = "are in the returned results only (out=False)."

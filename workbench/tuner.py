@@ -42,6 +42,7 @@ is the last round's ablation figure, as any ablation's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -50,7 +51,7 @@ import math
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,9 @@ class Candidate:
 
 
 class Deadline(threading.Event):
-    """A round's stop: set when the search's budget runs out (``why`` then says so, and the
-    round's ablation does not offer to resume what the search meant to cut), or when the user
-    stops the search."""
+    """A round's (or the calibration's) stop: set when the search's budget runs out (``why`` then
+    says so, and the round's ablation does not offer to resume what the search meant to cut), or
+    when the user stops the search."""
 
     why: str | None = None
 
@@ -540,14 +541,16 @@ class _Search:
         if techniques is None:
             if advice is None:
                 self._say("calibrating: the advisor profiles the baseline and ranks what could help")
-                advice = advise(
-                    self.model,
-                    self.data,
-                    self.loss_fn,
-                    progress=self.progress,
-                    stop=self.stop,
-                    **run_settings,
-                )
+                with self._within_the_budget() as (deadline, watch):
+                    advice = advise(
+                        self.model,
+                        self.data,
+                        self.loss_fn,
+                        progress=self.progress,
+                        stop=deadline,
+                        on_event=watch,
+                        **run_settings,
+                    )
             check_advice_has_candidates(advice)
             pool = pool_from_advice(advice.recommended)
             self.state["advice"] = advice.to_json()
@@ -572,10 +575,9 @@ class _Search:
                 **{**self.run_config.to_json(), "blocks": 1, "control": False, "isolate": False}
             )
             # Stop is heard here too: a search stopped while it calibrates ends now, not after it.
-            calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False, False,
-                                         False, self.progress, None, self.stop, None, "tune: calibrate")  # fmt: skip
-            if self.stop is not None and self.stop.is_set():
-                raise NothingMeasured("tune: stopped while calibrating; nothing was measured")
+            with self._within_the_budget() as (deadline, watch):
+                calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False,
+                                             False, False, self.progress, watch, deadline, None, "tune: calibrate")  # fmt: skip
             ran_here = True
         self._learn_calibration(calibration, time.monotonic() - began, list(costly), ran_here)
         self._price_candidates()
@@ -766,13 +768,6 @@ class _Search:
                            "loader_arms": False, "profile_steps": 0, "trace_dir": None})  # fmt: skip
         prepared = prepare(self.model, self.data, self.loss_fn, {}, run, {c.name: c.pairs for c in alive})
         self._hold_template()  # held already, unless this search resumed: not part of the round's cost
-        deadline = Deadline()
-        if self.left_s <= 0:
-            deadline.expire()  # at once, not from the timer's thread: no block may start
-        timer = threading.Timer(max(self.left_s, 0.0), deadline.expire)
-        relay = threading.Thread(target=self._relay_stop, args=(deadline,), daemon=True)
-        timer.start()
-        relay.start()
         starts: list[float] = []
         last_unit = [0.0]
 
@@ -789,21 +784,20 @@ class _Search:
         self.state["rounds"][index]["folder"] = sub
         try:
             round_label = f"tune: round {index + 1}"  # the progress bar's name
-            results = _run_in_folder(
-                prepared,
-                where,
-                False,
-                False,
-                self.progress,
-                watch,
-                deadline,
-                None,
-                round_label,
-                made_for_it=True,
-            )
+            with self._deadline() as deadline:
+                results = _run_in_folder(
+                    prepared,
+                    where,
+                    False,
+                    False,
+                    self.progress,
+                    watch,
+                    deadline,
+                    None,
+                    round_label,
+                    made_for_it=True,
+                )
         finally:
-            timer.cancel()
-            deadline.set()  # ends the relay thread
             self._save_state()  # Ctrl-C included: the time this round took stays spent when it resumes
         self.costs.learn(results, began, starts, last_unit[0] or time.monotonic(), time.monotonic())
         ran = len({u["block"] for u in results.record["units"] if u["status"] == "ok"})
@@ -847,8 +841,67 @@ class _Search:
             self._save_state()
         return grown
 
-    def _relay_stop(self, deadline: threading.Event) -> None:
-        while not deadline.wait(0.2):
+    @contextlib.contextmanager
+    def _within_the_budget(self) -> Iterator[tuple[Deadline, Callable[[dict], None]]]:
+        """The calibration's stop, set when the budget runs out or the user stops the search, and
+        a watch of its progress. Either stop ends the search here: a cut calibration measured
+        nothing to price a round by, and it had spent the whole budget (it used to run on past the
+        budget, for as long as it took)."""
+        steps = self.run_config.steps
+        timed = {"step": 0, "of": steps}  # the baseline's timed steps, as its progress reports them
+
+        def watch(event: dict) -> None:
+            # of all its steps (a window's own progress counts that window's steps: another "of")
+            if (
+                event.get("type") == "progress"
+                and event.get("arm") == "baseline"
+                and event.get("of") == steps
+            ):
+                timed["step"] = max(timed["step"], event["step"])
+
+        with self._deadline() as deadline:
+            try:
+                yield deadline, watch
+            except NothingMeasured:  # an advise cut short says so in its own words
+                if not deadline.is_set():
+                    raise
+        if deadline.why is not None:
+            raise ValueError(self._calibration_cut(timed["step"], timed["of"]))
+        if deadline.is_set():
+            raise NothingMeasured("tune: stopped while calibrating; nothing was measured")
+
+    def _calibration_cut(self, step: int, of: int) -> str:
+        """Why the budget cannot hold the search, when it ran out while calibrating: how long
+        calibrating alone would take, from how far the baseline got (start-up included: about)."""
+        said = f"tune: budget_s={self.budget_s:g} ran out while calibrating, after {self.spent_s:.0f} s: "
+        if step and of:
+            needs = math.ceil(self.spent_s * of / step)
+            said += (
+                f"the baseline had run {step} of its {of} timed steps, so calibrating alone takes about "
+                f"{needs} s here. Pass a budget_s above that"
+            )
+        else:
+            said += "the baseline had not reported a timed step (starting and warming up took it all). Pass a larger budget_s"
+        return said + "; if it is still too small for a search, the search then says the least it needs"
+
+    @contextlib.contextmanager
+    def _deadline(self) -> Iterator[Deadline]:
+        """A Deadline that expires when the budget left runs out, and is set when the user stops."""
+        deadline, ended = Deadline(), threading.Event()
+        if self.left_s <= 0:
+            deadline.expire()  # at once, not from the timer's thread: nothing may start
+        timer = threading.Timer(max(self.left_s, 0.0), deadline.expire)
+        relay = threading.Thread(target=self._relay_stop, args=(deadline, ended), daemon=True)
+        timer.start()
+        relay.start()
+        try:
+            yield deadline
+        finally:
+            timer.cancel()
+            ended.set()  # ends the relay thread
+
+    def _relay_stop(self, deadline: threading.Event, ended: threading.Event) -> None:
+        while not ended.wait(0.2):
             if self.stop is not None and self.stop.is_set():
                 deadline.set()
 
