@@ -248,3 +248,26 @@ def pytest_collection_modifyitems(config, items):
         tiers = ("slow", "notebooks", "browser", "thirdparty", "slurm")
         if not any(item.get_closest_marker(tier) for tier in tiers):
             item.add_marker(pytest.mark.fast)
+    _timing_tests_last_in_their_file(items)
+
+
+def _timing_tests_last_in_their_file(items: list) -> None:
+    """Each test file's timing tests one after another, after its other tests (a notebook's cells
+    keep their order: they are one kernel's session).
+
+    Under xdist a file runs on one worker, and a timing test waits for the other worker's test
+    to end before it has the machine alone (TimingTestsHaveTheMachineToThemselves); a timing test
+    followed by another keeps it. Scattered through their files, the timing tests made 15 such
+    waits in a CI run; together, one per file.
+    """
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(str(item.fspath), index)
+
+    def place(pair: tuple[int, object]) -> tuple[int, bool, int]:
+        index, item = pair
+        path = str(item.fspath)
+        timing = path.endswith(".py") and item.get_closest_marker("timing") is not None
+        return first_seen[path], timing, index
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=place)]
