@@ -350,3 +350,21 @@ def test_a_checkpointing_select_that_matches_nothing_names_what_it_could_match()
     reason = plan.set_index("name").loc["checkpointing", "unavailable"]
     assert reason.startswith("select='layers.*' matches no submodule of mlp; its submodules include ")
     assert "blocks.0 (MLPBlock)" in reason and "more" in reason
+    for typo, meant in (
+        ("blokcs.*", "blocks.*"),
+        ("type:MLPBlok", "type:MLPBlock"),
+    ):  # a misspelling is named
+        plan = wb.plan(model="mlp", techniques={"checkpointing": {"select": typo}}, device="cpu")
+        assert f"(did you mean {meant!r}?)" in plan.set_index("name").loc["checkpointing", "unavailable"]
+
+
+def test_advise_names_itself_and_its_own_arguments_when_one_is_unknown():
+    """advise's settings were checked by the ablation inside it: "unknown ablate argument 'out'",
+    listing ablate's out and techniques as valid, and "ablate: steps must be >= 1"."""
+    with pytest.raises(
+        ValueError, match=r"^unknown advise argument 'out'; valid advise arguments: model, "
+    ) as unknown:
+        wb.advise("mlp", out="somewhere", progress=False)
+    assert "techniques" not in str(unknown.value) and "retry_failed" not in str(unknown.value)
+    with pytest.raises(ValueError, match=r"^advise: steps must be >= 1"):
+        wb.advise("mlp", steps=0, progress=False)

@@ -231,6 +231,18 @@ def test_bad_distributed_settings_fail_clearly():
     )
 
 
+def test_a_launchers_rank_variables_are_not_taken_by_a_one_rank_run(monkeypatch):
+    """A pod's RANK/WORLD_SIZE (Kubeflow sets them, without torchrun) reached the block's process,
+    which took itself for rank 1 of 2: every arm failed ("a data-parallel block holds exactly one
+    arm"), and with MASTER_ADDR/PORT set and isolate=True the run hung in a group that never formed."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    res = wb.ablate(
+        "mlp", techniques={}, steps=4, warmup=1, blocks=1, device="cpu", out=False, progress=False
+    )
+    assert list(res.table.status) == ["ok", "ok"], res.table[["arm", "status", "notes"]]
+
+
 def test_the_simulated_link_delays_each_bucket_by_its_bytes():
     link = Link(bandwidth_gbps=0.08, latency_ms=2.0)  # 10 MB/s
     assert link.delay_s(1e6) == pytest.approx(0.002 + 0.1)

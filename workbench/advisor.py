@@ -665,6 +665,10 @@ def _capacity(results: Results, gpu: bool, memory_cap_mb: float | None) -> tuple
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20, "this machine's RAM"
 
 
+# advise's keywords besides the run settings (RunConfig's): named among the valid ones
+ADVISE_ONLY = ("model", "data", "loss_fn", "collate_fn", "progress", "on_event", "stop")
+
+
 @takes_run_options
 def advise(
     model="mlp",
@@ -694,6 +698,9 @@ def advise(
     {run_options}
     """
     data = with_collate_fn(data, collate_fn)  # how the Dataset's samples are batched, as for ablate
+    # Checked here, in advise's words: checked first by the ablation inside, an unknown keyword
+    # was "an unknown ablate argument", with ablate's own (out, techniques) listed as valid.
+    RunConfig.from_options("advise", settings, also=ADVISE_ONLY)
     for name, value in ADVISOR_FIXES.items():
         if name in settings and settings[name] != value:
             raise ValueError(f"advise: {name} is fixed at {value!r} (one block of the baseline alone)")

@@ -5,7 +5,8 @@ package is probed through :func:`missing`, or imported inside a ``try`` that tur
 into a reason, and every message about one gives its :func:`install_hint`. ``find_spec`` alone
 is not enough: for a dotted name it imports the parent first, so ``find_spec("nvidia.dali")``
 *raises* ModuleNotFoundError when no ``nvidia`` package exists at all, and a half-installed
-package can raise anything while its parent imports.
+package can raise anything while its parent imports: SystemExit too (a library that "exits" when
+its shared object is missing), which would otherwise end ``workbench list`` and every run.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ class OptionalPackage:
     module: str  # what is imported
     purpose: str  # what workbench uses it for
     install: str  # how to get it
-    # Probed by importing it, not only found: a technique shown available must run, and an
-    # installed package can still fail to import (a library it loads is missing). The others are
-    # only found: importing them costs seconds (jupyterlab) for what no arm depends on.
+    # Probed by importing it, not only found: a technique or a view shown available must work, and
+    # an installed package can still fail to import (a library it loads is missing). The others
+    # are only found: importing them costs seconds (jupyterlab), or imports torch's own copy.
     imported: bool = False
+    probe: str = ""  # the module imported to probe it, when not ``module`` itself (what workbench imports)
 
 
 OPTIONAL_PACKAGES = (
@@ -33,6 +35,7 @@ OPTIONAL_PACKAGES = (
         "the dali technique",
         "pip install 'workbench[dali]'; its CPU operators need no GPU",
         imported=True,
+        probe="nvidia.dali.plugin.pytorch",  # the technique's iterator: DALI can import without it
     ),
     OptionalPackage(
         "cupy",
@@ -44,12 +47,13 @@ OPTIONAL_PACKAGES = (
     OptionalPackage(
         "cuda.bindings", "the NVRTC compile check of kernels/", "pip install cuda-bindings nvidia-cuda-nvrtc"
     ),
-    OptionalPackage("ipywidgets", "the notebook panel", "pip install 'workbench[notebook]'"),
+    OptionalPackage("ipywidgets", "the notebook panel", "pip install 'workbench[notebook]'", imported=True),
     OptionalPackage("jupyterlab", "the teaching notebooks", "pip install 'workbench[notebook]'"),
     OptionalPackage(
         "submitit",
         "executor='slurm': blocks as Slurm jobs",
         "pip install 'workbench[cluster]', or pip install -e .[cluster] from a clone",
+        imported=True,
     ),
 )
 
@@ -66,24 +70,39 @@ def missing(module: str, install: str = "") -> str | None:
         spec = importlib.util.find_spec(module)
     except ModuleNotFoundError as error:  # a parent package is missing: nvidia for nvidia.dali
         return f"{module} is not installed: no module named {error.name!r}{hint}"
-    except Exception as error:  # noqa: BLE001 - a broken parent package; its error is the reason
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001 - a broken parent package; its error is the reason
         return f"{module} could not be probed: {type(error).__name__}: {error}{hint}"
     if spec is None:
         return f"{module} is not installed{hint}"
-    if any(p.module == module and p.imported for p in OPTIONAL_PACKAGES):
-        return _import_fails(module, hint)
+    for package in OPTIONAL_PACKAGES:
+        if package.module == module and package.imported:
+            return _import_fails(module, package.probe or module, hint)
     return None
 
 
 @functools.cache
-def _import_fails(module: str, hint: str) -> str | None:
-    """Why an installed ``module`` cannot be imported (once per process), or None."""
+def _import_fails(module: str, probe: str, hint: str) -> str | None:
+    """Why an installed ``module`` cannot be imported (its ``probe`` module; once per process), or None."""
     try:
-        importlib.import_module(module)
-    except Exception as error:  # noqa: BLE001 - whatever a broken install raises is the reason
+        importlib.import_module(probe)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001 - whatever a broken install raises (SystemExit too) is the reason
         said = " ".join(str(error).split())[:300]
-        return f"{module} is installed but cannot be imported: {type(error).__name__}: {said}{hint}"
+        part = f" ({probe})" if probe != module else ""
+        return f"{module} is installed but cannot be imported{part}: {type(error).__name__}: {said}{hint}"
     return None
+
+
+def require(module: str, needed_by: str) -> None:
+    """Raise one ImportError that names the install, where ``needed_by`` (a module of workbench's
+    own) cannot work without ``module``: imported directly, it failed with a bare
+    ModuleNotFoundError that said nothing of the extra to install."""
+    reason = missing(module, install_hint(module))
+    if reason:
+        raise ImportError(f"{needed_by} needs {module}: {reason}")
 
 
 def report() -> list[dict]:

@@ -11,7 +11,13 @@ import types
 import typing
 from typing import Any
 
-import ipywidgets as w
+from workbench.optional import require
+
+try:
+    import ipywidgets as w
+except Exception:
+    require("ipywidgets", "workbench.panel_controls")  # the notebook extra, said with how to install it
+    raise
 
 from workbench.config import Option
 from workbench.techniques import Technique

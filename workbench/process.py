@@ -191,6 +191,13 @@ def run_in_fresh_process(
     return answer
 
 
+# What torchrun (or another launcher) tells a process of its place in a process group.
+RANK_VARIABLES = frozenset(
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
+)  # fmt: skip
+
+
 def rank_log(log_path: Path, rank: int) -> Path:
     return log_path if rank == 0 else log_path.with_name(f"{log_path.stem}.rank{rank}{log_path.suffix}")
 
@@ -206,8 +213,14 @@ def _start_ranks(
     header = json.dumps({"sys_path": sys.path}).encode() + b"\n"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # Under torchrun the parent's environment says to use torchrun's own store; a unit's ranks
-    # form a fresh group of their own, so they must not inherit that.
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    # form a fresh group of their own, so they must not inherit that. A one-rank process takes no
+    # rank from its parent either: a job launcher's RANK/WORLD_SIZE/MASTER_* (a Kubeflow pod's,
+    # without torchrun) made every arm a rank of a group that never formed, and hang or fail.
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TORCHELASTIC_") and not (world_size == 1 and k in RANK_VARIABLES)
+    }
     common = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     ranks = [(rank, rank) for rank in range(world_size)]  # (global rank, local rank)
     if world_size > 1:

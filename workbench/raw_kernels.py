@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.optional import install_hint
+from workbench.optional import install_hint, missing
 
 KERNELS = ("bias_gelu", "residual_dropout_layer_norm", "adamw")
 # sm_75 is the oldest that CUDA 13's NVRTC compiles for; common.cuh rounds to bf16 itself there
@@ -181,12 +181,11 @@ def cupy_unavailable_reason(device: torch.device | None = None) -> str | None:
         return f"the CuPy kernels need a CUDA device; this run is on {device.type}"
     if not torch.cuda.is_available():
         return "the CuPy kernels need a CUDA device; none is visible"
-    try:
-        import cupy
-    except ImportError:
-        return f"needs CuPy, which is not installed ({CUPY_HINT})"
-    except Exception as exc:  # noqa: BLE001 - a half-installed CuPy: its error is the reason
-        return f"CuPy is installed but does not import ({type(exc).__name__}: {exc}); {CUPY_HINT}"
+    reason = missing("cupy", CUPY_HINT)  # imports it: a half-installed CuPy's error is the reason
+    if reason:
+        return f"needs CuPy: {reason}"
+    import cupy
+
     try:
         cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # a CuPy built for another CUDA major version than the driver's

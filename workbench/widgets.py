@@ -25,7 +25,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import ipywidgets as w
+from workbench.optional import require
+
+try:
+    import ipywidgets as w
+except Exception:
+    require("ipywidgets", "workbench.widgets")  # the notebook extra, said with how to install it
+    raise
 
 from workbench.ablation import ablate, check_before_run
 from workbench.advisor import ADVISOR_FIXES, Advice, advise

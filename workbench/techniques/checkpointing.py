@@ -37,6 +37,7 @@ Settings
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
 from collections.abc import Callable
@@ -139,6 +140,25 @@ def _some_submodules(model: nn.Module, shown: int = 6) -> str:
     return f"its submodules include {listed}{more}" if found else "it has no submodules"
 
 
+def _closest_select(model: nn.Module, select: Selector) -> str:
+    """The words " (did you mean 'blocks'?)" for a misspelt name or class in a string select; else ""."""
+    if not isinstance(select, str):
+        return ""
+    if select.startswith(TYPE_PREFIX):
+        classes = sorted({type(module).__name__ for module in model.modules()})
+        wanted = [name.strip() for name in select[len(TYPE_PREFIX) :].split(",") if name.strip()]
+        close = [found for name in wanted for found in difflib.get_close_matches(name, classes, n=1)]
+        return f" (did you mean {TYPE_PREFIX + ','.join(close)!r}?)" if len(close) == len(wanted) else ""
+    names = [name for name, _ in model.named_modules() if name]
+    # a glob's fixed part against the names: 'blokcs.*' is close to 'blocks'
+    stem = select.split("*")[0].split("?")[0].split("[")[0].rstrip(".")
+    close = difflib.get_close_matches(stem, names, n=1) if stem else []
+    if not close:
+        return ""
+    suggestion = select.replace(stem, close[0], 1)
+    return f" (did you mean {suggestion!r}?)"
+
+
 def checkpoint_module(module: nn.Module) -> None:
     """Make ``module`` recompute its activations in backward instead of storing them."""
     forward = module.forward
@@ -166,8 +186,8 @@ class Checkpointing(Technique):
                 "2+ same-type blocks); pass checkpointing={'select': 'glob'} or {'select': 'type:ClassName'}"
             )
         return (
-            f"select={config.select!r} matches no submodule of {ctx.model_name or 'the model'}; "
-            f"{_some_submodules(ctx.model)}"
+            f"select={config.select!r} matches no submodule of {ctx.model_name or 'the model'}"
+            f"{_closest_select(ctx.model, config.select)}; {_some_submodules(ctx.model)}"
         )
 
     def apply(self, setup, config: CheckpointingConfig) -> str:
