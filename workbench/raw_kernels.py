@@ -47,13 +47,17 @@ HEADER_INCLUDE = '#include "common.cuh"'
 
 
 def source(name: str) -> str:
-    """kernels/<name>.cu with common.cuh pasted in place of its #include: CuPy's disk cache of
-    compiled kernels is keyed by the source text, not by the files it includes, so an edited
-    header alone would otherwise load the kernels compiled from the old one."""
+    """kernels/<name>.cu, as written."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernel {name!r}; the kernels are: {', '.join(KERNELS)}")
-    text = (kernel_dir() / f"{name}.cu").read_text()
-    return text.replace(HEADER_INCLUDE, (kernel_dir() / "common.cuh").read_text())
+    return (kernel_dir() / f"{name}.cu").read_text()
+
+
+def compiled_source(name: str) -> str:
+    """What is compiled of kernels/<name>.cu: the file with common.cuh pasted in place of its
+    #include. CuPy's disk cache of compiled kernels is keyed by the source text, not by the files
+    it includes, so an edited header alone would otherwise load the kernels built from the old one."""
+    return source(name).replace(HEADER_INCLUDE, (kernel_dir() / "common.cuh").read_text())
 
 
 def entry_points(name: str) -> list[str]:
@@ -113,7 +117,7 @@ def nvrtc_version() -> str:
 
 def compile_kernel(name: str, arch: str) -> CompileResult:
     """Compile kernels/<name>.cu for ``arch`` (e.g. "sm_90") with NVRTC; no GPU is involved."""
-    return compile_source(source(name), name, arch, entry_points(name))
+    return compile_source(compiled_source(name), name, arch, entry_points(name))
 
 
 def compile_source(text: str, name: str, arch: str, expected: list[str]) -> CompileResult:
@@ -205,7 +209,7 @@ def _module(name: str, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=source(name), options=COMPILE_OPTIONS)  # the header is pasted in
+        module = cupy.RawModule(code=compiled_source(name), options=COMPILE_OPTIONS)
         module.compile()  # compile now, so a failure names the file instead of a later launch
     return module
 
