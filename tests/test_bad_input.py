@@ -356,6 +356,9 @@ def test_a_checkpointing_select_that_matches_nothing_names_what_it_could_match()
     ):  # a misspelling is named
         plan = wb.plan(model="mlp", techniques={"checkpointing": {"select": typo}}, device="cpu")
         assert f"(did you mean {meant!r}?)" in plan.set_index("name").loc["checkpointing", "unavailable"]
+    for no_better in ("blocks.[5-9]", "blocks.9?"):  # only a select that would match is offered
+        plan = wb.plan(model="mlp", techniques={"checkpointing": {"select": no_better}}, device="cpu")
+        assert "did you mean" not in plan.set_index("name").loc["checkpointing", "unavailable"]
 
 
 def test_advise_names_itself_and_its_own_arguments_when_one_is_unknown():

@@ -138,6 +138,23 @@ def test_a_fused_model_copies_and_pickles_with_its_own_parameters():
     assert all(swap.before != "residual add + ln2" for swap in fuse_model(restored, dry_run=True))
 
 
+def test_checkpointing_by_class_name_still_finds_the_fused_blocks():
+    """cupy_fusion (order 16) gives each transformer block a fused subclass before checkpointing
+    (20) selects: "type:TransformerBlock" then matched nothing, and the arm ran unchecked, its
+    note saying "checkpointed " and no module."""
+    from workbench.loop import make_optimizer
+
+    setup = _fusion_setup("gpt-mini", make_optimizer("adamw", 1e-3))
+    FUSION.apply(setup, FUSION.Config())
+    checkpointing = get_technique("checkpointing")
+    note = checkpointing.apply(setup, checkpointing.configure({"select": "type:TransformerBlock"}))
+    assert note.startswith("checkpointed blocks.0, blocks.1, blocks.2, ... (4 in all)"), note
+    with pytest.raises(
+        ValueError, match="matches no submodule of the model as the techniques before it left it"
+    ):
+        checkpointing.apply(setup, checkpointing.configure({"select": "decoder.*"}))
+
+
 def test_fused_adamw_takes_gradients_whose_size_one_dimensions_have_other_strides():
     """Autograd gives a (1, 8) parameter's gradient strides (1, 1) where the parameter has (8, 1):
     the same memory order, refused as another memory layout."""

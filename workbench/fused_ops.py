@@ -495,7 +495,7 @@ class FusedAdamW(torch.optim.Optimizer):
             *(s["exp_avg"].data_ptr() for s in states),
             *(s["exp_avg_sq"].data_ptr() for s in states),
         )
-        key = (id(group), device, dtype)
+        key = (id(group), device, dtype, tuple(map(id, params)))  # one launch of the group's step
         cached = self._pointers.get(key)
         if cached is not None and cached[0] == addresses:
             return cached[1]

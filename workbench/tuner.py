@@ -119,6 +119,26 @@ class Candidate:
         self.dropped, self.dropped_in = why, round_index
 
 
+@dataclass
+class _Calibrating:
+    """One calibration run: its stop, whether it finished, and how far the baseline's timed steps
+    got (from its progress events), which say how long calibrating takes when the budget cuts it."""
+
+    deadline: Deadline
+    steps: int  # the baseline's timed steps in all
+    step: int = 0
+    finished: bool = False
+
+    def watch(self, event: dict) -> None:
+        # of all its steps (a window's own progress counts that window's steps: another "of")
+        if (
+            event.get("type") == "progress"
+            and event.get("arm") == "baseline"
+            and event.get("of") == self.steps
+        ):
+            self.step = max(self.step, event["step"])
+
+
 class Deadline(threading.Event):
     """A round's (or the calibration's) stop: set when the search's budget runs out (``why`` then
     says so, and the round's ablation does not offer to resume what the search meant to cut), or
@@ -541,16 +561,17 @@ class _Search:
         if techniques is None:
             if advice is None:
                 self._say("calibrating: the advisor profiles the baseline and ranks what could help")
-                with self._within_the_budget() as (deadline, watch):
+                with self._within_the_budget() as calibrating:
                     advice = advise(
                         self.model,
                         self.data,
                         self.loss_fn,
                         progress=self.progress,
-                        stop=deadline,
-                        on_event=watch,
+                        stop=calibrating.deadline,
+                        on_event=calibrating.watch,
                         **run_settings,
                     )
+                    calibrating.finished = True  # a run cut short raised NothingMeasured
             check_advice_has_candidates(advice)
             pool = pool_from_advice(advice.recommended)
             self.state["advice"] = advice.to_json()
@@ -575,9 +596,11 @@ class _Search:
                 **{**self.run_config.to_json(), "blocks": 1, "control": False, "isolate": False}
             )
             # Stop is heard here too: a search stopped while it calibrates ends now, not after it.
-            with self._within_the_budget() as (deadline, watch):
+            with self._within_the_budget() as calibrating:
                 calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False,
-                                             False, False, self.progress, watch, deadline, None, "tune: calibrate")  # fmt: skip
+                                             False, False, self.progress, calibrating.watch, calibrating.deadline,
+                                             None, "tune: calibrate")  # fmt: skip
+                calibrating.finished = calibration.complete
             ran_here = True
         self._learn_calibration(calibration, time.monotonic() - began, list(costly), ran_here)
         self._price_candidates()
@@ -842,44 +865,38 @@ class _Search:
         return grown
 
     @contextlib.contextmanager
-    def _within_the_budget(self) -> Iterator[tuple[Deadline, Callable[[dict], None]]]:
+    def _within_the_budget(self) -> Iterator[_Calibrating]:
         """The calibration's stop, set when the budget runs out or the user stops the search, and
-        a watch of its progress. Either stop ends the search here: a cut calibration measured
-        nothing to price a round by, and it had spent the whole budget (it used to run on past the
-        budget, for as long as it took)."""
-        steps = self.run_config.steps
-        timed = {"step": 0, "of": steps}  # the baseline's timed steps, as its progress reports them
-
-        def watch(event: dict) -> None:
-            # of all its steps (a window's own progress counts that window's steps: another "of")
-            if (
-                event.get("type") == "progress"
-                and event.get("arm") == "baseline"
-                and event.get("of") == steps
-            ):
-                timed["step"] = max(timed["step"], event["step"])
-
+        a watch of its progress. The user's stop ends the search here; so does the budget's, when it
+        cut the calibration short: that measured nothing to price a round by, and spent the whole
+        budget (it used to run on past the budget, for as long as it took). A calibration that
+        finished as the budget ran out is kept: the budget's check then says the least it needs."""
         with self._deadline() as deadline:
+            calibrating = _Calibrating(deadline, self.run_config.steps)
             try:
-                yield deadline, watch
+                yield calibrating
             except NothingMeasured:  # an advise cut short says so in its own words
                 if not deadline.is_set():
                     raise
-        if deadline.why is not None:
-            raise ValueError(self._calibration_cut(timed["step"], timed["of"]))
-        if deadline.is_set():
+        if deadline.is_set() and deadline.why is None:  # the user's stop
             raise NothingMeasured("tune: stopped while calibrating; nothing was measured")
+        if deadline.why is not None and not calibrating.finished:
+            raise ValueError(self._calibration_cut(calibrating.step, calibrating.steps))
 
     def _calibration_cut(self, step: int, of: int) -> str:
-        """Why the budget cannot hold the search, when it ran out while calibrating: how long
-        calibrating alone would take, from how far the baseline got (start-up included: about)."""
+        """Why the budget cannot hold the search, when it ran out while calibrating: about how long
+        calibrating takes, from how far the baseline got. Rough both ways: the progress it goes by
+        comes now and then (so it lags), and what follows the timed steps (the advisor's profile, a
+        slow-starting arm) adds to it."""
         said = f"tune: budget_s={self.budget_s:g} ran out while calibrating, after {self.spent_s:.0f} s: "
-        if step and of:
+        if step and of and step < of:
             needs = math.ceil(self.spent_s * of / step)
             said += (
                 f"the baseline had run {step} of its {of} timed steps, so calibrating alone takes about "
-                f"{needs} s here. Pass a budget_s above that"
+                f"{needs} s here, or more. Pass a budget_s well above that"
             )
+        elif step:
+            said += "the baseline had run its timed steps; what follows them took the rest. Pass a larger budget_s"
         else:
             said += "the baseline had not reported a timed step (starting and warming up took it all). Pass a larger budget_s"
         return said + "; if it is still too small for a search, the search then says the least it needs"

@@ -29,7 +29,9 @@ from workbench.optional import require
 
 try:
     import ipywidgets as w
-except Exception:
+except KeyboardInterrupt:
+    raise
+except BaseException:  # noqa: BLE001 - a broken install can raise anything (SystemExit too)
     require("ipywidgets", "workbench.widgets")  # the notebook extra, said with how to install it
     raise
 

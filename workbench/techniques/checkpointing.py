@@ -30,8 +30,9 @@ Settings
       blocks), the innermost lists' blocks are checkpointed and the outer ones are not;
     - a glob over module names from ``model.named_modules()``, e.g. ``"layers.*"`` (the
       outermost matches are wrapped);
-    - ``"type:Name"`` (or ``"type:A,B"``): every module whose class is named so, e.g.
-      ``"type:GPT2Block"``; from Python, a class or a tuple of classes does the same;
+    - ``"type:Name"`` (or ``"type:A,B"``): every module whose class, or a class it derives
+      from, is named so, e.g. ``"type:GPT2Block"``; from Python, a class or a tuple of classes
+      does the same (``isinstance``);
     - from Python, a callable ``(name, module) -> bool``.
 """
 
@@ -115,7 +116,11 @@ def select_modules(model: nn.Module, select: Selector) -> list[str]:
     classes = _module_classes(select)
     if isinstance(select, str) and select.startswith(TYPE_PREFIX):
         names = {name.strip() for name in select[len(TYPE_PREFIX) :].split(",") if name.strip()}
-        matches_select: Callable[[str, nn.Module], bool] = lambda _, m: type(m).__name__ in names  # noqa: E731
+        # a subclass too, as a class given from Python (isinstance): a block that cupy_fusion
+        # swapped to its fused subclass is still the block the name selects
+        matches_select: Callable[[str, nn.Module], bool] = lambda _, m: any(  # noqa: E731
+            base.__name__ in names for base in type(m).__mro__
+        )
     elif classes is not None:
         matches_select = lambda _, m: isinstance(m, classes)  # noqa: E731
     elif callable(select):
@@ -148,7 +153,10 @@ def _closest_select(model: nn.Module, select: Selector) -> str:
         classes = sorted({type(module).__name__ for module in model.modules()})
         wanted = [name.strip() for name in select[len(TYPE_PREFIX) :].split(",") if name.strip()]
         close = [found for name in wanted for found in difflib.get_close_matches(name, classes, n=1)]
-        return f" (did you mean {TYPE_PREFIX + ','.join(close)!r}?)" if len(close) == len(wanted) else ""
+        suggestion = TYPE_PREFIX + ",".join(close)
+        return (
+            f" (did you mean {suggestion!r}?)" if len(close) == len(wanted) and suggestion != select else ""
+        )
     names = [name for name, _ in model.named_modules() if name]
     # a glob's fixed part against the names: 'blokcs.*' is close to 'blocks'
     stem = select.split("*")[0].split("?")[0].split("[")[0].rstrip(".")
@@ -156,6 +164,8 @@ def _closest_select(model: nn.Module, select: Selector) -> str:
     if not close:
         return ""
     suggestion = select.replace(stem, close[0], 1)
+    if suggestion == select or not select_modules(model, suggestion):  # only a select that would match
+        return ""
     return f" (did you mean {suggestion!r}?)"
 
 
@@ -192,6 +202,11 @@ class Checkpointing(Technique):
 
     def apply(self, setup, config: CheckpointingConfig) -> str:
         names = select_modules(setup.model, config.select)
+        if not names:  # check() saw the model as built; a technique before this one changed it
+            raise ValueError(
+                f"checkpointing: select={config.select!r} matches no submodule of the model as the "
+                f"techniques before it left it; {_some_submodules(setup.model)}"
+            )
         modules = dict(setup.model.named_modules())
         for name in names:
             checkpoint_module(modules[name])
