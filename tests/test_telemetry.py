@@ -138,7 +138,7 @@ def test_the_early_cap_check_reads_the_peak_that_the_final_measurement_reads():
     assert 68 <= early < 74 and early == pytest.approx(final, abs=0.5)
     model(torch.ones(1, 1024)).sum().backward()  # the gradients a graph's pool holds
     graphed = ArmMemory(torch.device("cpu")).peak_of_one_step(
-        step, model, optimizer, graph_pool_bytes=20 * 2**20
+        step, model, optimizer, graphed=True, graph_pool_bytes=20 * 2**20
     )
     assert graphed == pytest.approx(4 + 20, abs=0.1)  # as measure_step counts it (the test below)
 

@@ -53,9 +53,7 @@ from workbench.config import (
     MEMORY_LIMIT,
     NothingMeasured,
     RunConfig,
-    run_options,
     takes_run_options,
-    unknown_name_error,
 )
 from workbench.data import resolve_data, with_collate_fn
 from workbench.devices import cpu_lacks_native
@@ -706,14 +704,13 @@ def advise(
     {run_options}
     """
     data = with_collate_fn(data, collate_fn)  # how the Dataset's samples are batched, as for ablate
-    for name in settings:  # in advise's words: the ablation inside named ablate, and its out, techniques
-        if name not in run_options():
-            raise unknown_name_error("advise argument", name, [*ADVISE_ONLY, *run_options()])
     for name, value in ADVISOR_FIXES.items():
         if name in settings and settings[name] != value:
             raise ValueError(f"advise: {name} is fixed at {value!r} (one block of the baseline alone)")
     settings = {**settings, **ADVISOR_FIXES, "profile_steps": settings.get("profile_steps") or PROFILE_STEPS}
-    RunConfig.from_options("advise", settings)  # each value checked in advise's words too
+    # Checked here, in advise's words: checked by the ablation inside, an unknown name was "an
+    # unknown ablate argument", with ablate's own (out, techniques) listed as valid.
+    RunConfig.from_options("advise", settings, also=ADVISE_ONLY)
     # The cap is the capacity the advice judges the peak against, not a limit on the profiled
     # run: a baseline over it was refused as out of memory, and the advice, whose question that
     # is, gave up ("the baseline did not run").

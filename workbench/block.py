@@ -311,7 +311,7 @@ class BlockArm:
         the peak it reports)."""
         if self.run.memory_cap_mb is None:
             return
-        trainer, graph = self.trainer, self.setup.graph_step
+        trainer = self.trainer
 
         def untimed_step() -> None:  # a training step like the warm-up's: its loss is kept with theirs
             self.losses.append(trainer.step(StepClock(self.device)))
@@ -319,12 +319,14 @@ class BlockArm:
 
         with self.active():
             peak_mib = self.memory.peak_of_one_step(
-                untimed_step,
-                trainer.model,
-                trainer.optimizer,
-                graph_pool_bytes=getattr(graph, "pool_bytes", 0) if graph is not None else None,
+                untimed_step, trainer.model, trainer.optimizer, **self._graph_memory()
             )
         self._refuse_over_the_cap(peak_mib)
+
+    def _graph_memory(self) -> dict:
+        """What the memory figures need to know of a replayed CUDA graph (ArmMemory's arguments)."""
+        graph = self.setup.graph_step
+        return {"graphed": graph is not None, "graph_pool_bytes": getattr(graph, "pool_bytes", 0)}
 
     def _refuse_over_the_cap(self, peak_mib: float | None) -> None:
         cap = self.run.memory_cap_mb
@@ -349,8 +351,7 @@ class BlockArm:
                 lambda: trainer.step(StepClock(self.device)),
                 trainer.model,
                 trainer.optimizer,
-                graphed=self.setup.graph_step is not None,
-                graph_pool_bytes=getattr(self.setup.graph_step, "pool_bytes", 0),
+                **self._graph_memory(),
             )
             flops = (
                 {} if self.spec.loader_only else self._count_flops({} if flop_counts is None else flop_counts)

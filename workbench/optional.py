@@ -11,9 +11,11 @@ its shared object is missing), which would otherwise end ``workbench list`` and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -96,13 +98,21 @@ def _import_fails(module: str, probe: str, hint: str) -> str | None:
     return None
 
 
-def require(module: str, needed_by: str) -> None:
-    """Raise one ImportError that names the install, where ``needed_by`` (a module of workbench's
-    own) cannot work without ``module``: imported directly, it failed with a bare
-    ModuleNotFoundError that said nothing of the extra to install."""
-    reason = missing(module, install_hint(module))
-    if reason:
-        raise ImportError(f"{needed_by} needs {module}: {reason}")
+@contextlib.contextmanager
+def needed_by(needer: str, module: str) -> Iterator[None]:
+    """Around ``import module`` in ``needer``, a module of workbench's own that cannot work
+    without it: an import that fails, however it fails (SystemExit too), is one ImportError that
+    names the install. Imported directly, it failed with a bare ModuleNotFoundError that said
+    nothing of the extra to install."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001 - a broken install can raise anything
+        reason = missing(module, install_hint(module))
+        if reason:
+            raise ImportError(f"{needer} needs {module}: {reason}") from error
+        raise
 
 
 def report() -> list[dict]:

@@ -11,15 +11,10 @@ import types
 import typing
 from typing import Any
 
-from workbench.optional import require
+from workbench.optional import needed_by
 
-try:
+with needed_by("workbench.panel_controls", "ipywidgets"):  # the notebook extra, said with how to install it
     import ipywidgets as w
-except KeyboardInterrupt:
-    raise
-except BaseException:  # noqa: BLE001 - a broken install can raise anything (SystemExit too)
-    require("ipywidgets", "workbench.panel_controls")  # the notebook extra, said with how to install it
-    raise
 
 from workbench.config import Option
 from workbench.techniques import Technique

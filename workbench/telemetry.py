@@ -214,6 +214,11 @@ def _gradient_bytes(model: torch.nn.Module) -> int:
     return sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
 
 
+def _held_by_graph(pool_bytes: int, model: torch.nn.Module) -> int:
+    """What a CUDA graph's private pool holds beyond the gradients, which the resident term counts."""
+    return max(0, pool_bytes - _gradient_bytes(model))
+
+
 def _profiled_peak_bytes(step: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator held during ``step`` beyond what it held when the step began,
     read from profiler allocation events.
@@ -369,7 +374,7 @@ class ArmMemory:
         if graphed:  # a replayed CUDA graph runs no autograd: there is nothing to hook
             step()
             self.notes.append("activation memory not measured: the step is a replayed CUDA graph")
-            held_by_graph = max(0, graph_pool_bytes - _gradient_bytes(model))
+            held_by_graph = _held_by_graph(graph_pool_bytes, model)
             return (resident + self._transient_bytes + held_by_graph) / 2**20, activation
 
         def hooked_step() -> None:
@@ -391,15 +396,16 @@ class ArmMemory:
         step: Callable[[], object],
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        graph_pool_bytes: int | None = None,
+        graphed: bool = False,
+        graph_pool_bytes: int = 0,
     ) -> float:
         """Peak MiB of one extra step measured on its own, before the windows (memory_cap_mb's early
-        check): as ``measure_step`` counts it, without the activation hooks. NaN: not measurable.
-        ``graph_pool_bytes``: the step is a replayed CUDA graph with a private pool that size."""
+        check): as ``measure_step`` counts it (the same arguments), without the activation hooks.
+        NaN: not measurable."""
         resident = _live_tensor_bytes(model, optimizer)
-        if graph_pool_bytes is not None:
+        if graphed:
             step()  # a replay allocates nothing: the pool holds the step's memory (measure_step)
-            return (resident + max(0, graph_pool_bytes - _gradient_bytes(model))) / 2**20
+            return (resident + _held_by_graph(graph_pool_bytes, model)) / 2**20
         if self.cuda:
             torch.cuda.synchronize(self.device)
             started = torch.cuda.memory_allocated(self.device)

@@ -25,15 +25,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from workbench.optional import require
+from workbench.optional import needed_by
 
-try:
+with needed_by("workbench.widgets", "ipywidgets"):  # the notebook extra, said with how to install it
     import ipywidgets as w
-except KeyboardInterrupt:
-    raise
-except BaseException:  # noqa: BLE001 - a broken install can raise anything (SystemExit too)
-    require("ipywidgets", "workbench.widgets")  # the notebook extra, said with how to install it
-    raise
 
 from workbench.ablation import ablate, check_before_run
 from workbench.advisor import ADVISOR_FIXES, Advice, advise
