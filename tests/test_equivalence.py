@@ -105,6 +105,34 @@ def test_checkpointing_really_recomputes():
     assert len(calls) == 2
 
 
+def test_a_deep_copy_of_a_checkpointed_model_computes_with_its_own_parameters_and_pickles():
+    """An EMA or eval copy: the copy's blocks recompute with the copy's weights, not the original's."""
+    import copy
+    import io
+
+    spec, inputs, targets = _batch("mlp", size=4)
+    model = build_model("mlp", spec)
+    setup = TrainSetup(
+        model=model, device=CPU, loss_fn=default_loss, make_optimizer=make_optimizer("sgd", 0.1)
+    )
+    get_technique("checkpointing").apply(setup, get_technique("checkpointing").Config())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in twin.blocks.parameters():
+            parameter.mul_(0.5)
+    assert not torch.allclose(twin(inputs), model(inputs))
+    plain = build_model("mlp", spec)
+    plain.load_state_dict(twin.state_dict())
+    torch.testing.assert_close(twin(inputs), plain(inputs))
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)  # the test's own bytes, not a results file
+    default_loss(loaded(inputs), targets).backward()  # still checkpointed, and with its own weights
+    torch.testing.assert_close(loaded(inputs), model(inputs))
+
+
 def test_checkpointing_selector_on_a_user_module():
     from torch import nn
 

@@ -170,14 +170,21 @@ def _closest_select(model: nn.Module, select: Selector) -> str:
 
 
 def checkpoint_module(module: nn.Module) -> None:
-    """Make ``module`` recompute its activations in backward instead of storing them."""
-    forward = module.forward
+    """Make ``module`` recompute its activations in backward instead of storing them.
 
-    @functools.wraps(forward)
-    def checkpointed_forward(*args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    Its ``forward`` becomes an instance attribute (the class stays untouched): a partial that
+    holds the module itself, not a closure over its bound forward. A deep copy (an EMA or eval
+    copy) then holds its copy and computes with the copy's parameters, and the model pickles.
+    A forward already set on the instance (a hook library's wrapper) is kept and checkpointed.
+    """
+    own = module.__dict__.get("forward")
+    module.forward = functools.partial(_recompute_in_backward, module, own)
 
-    module.forward = checkpointed_forward  # an instance attribute: the class stays untouched
+
+def _recompute_in_backward(module: nn.Module, own_forward, *args, **kwargs):
+    """``module``'s forward (its instance's own, else its class's) under non-reentrant checkpointing."""
+    forward = own_forward if own_forward is not None else type(module).forward.__get__(module)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 class Checkpointing(Technique):
