@@ -1,5 +1,7 @@
 import fcntl
+import json
 import os
+import statistics
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -217,6 +219,7 @@ def pytest_configure(config):
             plugin = Workers(workers, Path(os.environ[Workers.LOCKS]))
             config.pluginmanager.register(plugin, "workbench-timing-tests-alone")
     elif getattr(config.option, "numprocesses", None):  # the xdist controller: workers inherit the folder
+        config.option.loadscopereorder = False  # the files in collection order: longest first
         config.stash[LOCK_FOLDER] = os.environ[Workers.LOCKS] = tempfile.mkdtemp(
             prefix="workbench-test-locks-"
         )
@@ -249,6 +252,32 @@ def pytest_collection_modifyitems(config, items):
         if not any(item.get_closest_marker(tier) for tier in tiers):
             item.add_marker(pytest.mark.fast)
     _timing_tests_last_in_their_file(items)
+    _longest_files_first(items)
+
+
+# Each test file's seconds in a full run (.ci/file-seconds refreshes them from a JUnit XML).
+FILE_SECONDS = Path(__file__).resolve().parent / "file_seconds.json"
+
+
+def _longest_files_first(items: list) -> None:
+    """The files in the order xdist hands them out (--dist loadfile): the longest first.
+
+    xdist gives a free worker the next file in collection order (its own reordering, by number
+    of tests, is turned off in pytest_configure). By number of tests, test_slurm (10 tests, over
+    two minutes) came among the last files, and one worker ran it while the other idled. Longest
+    first, the short files at the end even out the two workers. A file not in FILE_SECONDS
+    counts as a median one. The order within each file is kept.
+    """
+    root = FILE_SECONDS.parent.parent
+    known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    typical = statistics.median(known.values()) if known else 0.0
+
+    def seconds(item) -> float:
+        path = Path(str(item.fspath))
+        name = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
+        return known.get(name, typical)
+
+    items.sort(key=lambda item: -seconds(item))  # stable: each file's own order stays
 
 
 def _timing_tests_last_in_their_file(items: list) -> None:
