@@ -10,9 +10,11 @@ bare install does (``find_spec("nvidia.dali")`` raises there, because ``nvidia``
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,60 @@ def test_installed_packages_that_fail_to_import_are_reasons_in_list_env_and_the_
         "panel: workbench.widgets needs ipywidgets: ipywidgets is installed but cannot be imported",
     ):
         assert said in words, said + "\n" + done.stdout
+
+
+def test_a_package_that_hangs_on_import_is_named_and_can_be_set_aside(tmp_path):
+    """A CuPy whose import hangs (a driver that does not answer) stalled `workbench list` without
+    a word. It cannot be cut short, so after a while the probe says which package it waits on and
+    how to go on without it; WORKBENCH_WITHOUT then lists it as set aside, never importing it."""
+    (tmp_path / "hanging" / "cupy").mkdir(parents=True)
+    (tmp_path / "hanging" / "cupy" / "__init__.py").write_text("import time\ntime.sleep(600)\n")
+    script = tmp_path / "hanging.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(tmp_path / "hanging")!r})
+            from workbench import optional
+            optional.SLOW_IMPORT_S = 1.0
+            from workbench.cli import main
+            sys.exit(main(["list"]))
+            """
+        )
+    )
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as sink:
+        hanging = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=sink)
+        try:
+            for _ in range(1200):  # up to two minutes for torch's import and the probes before cupy's
+                if "has taken" in stderr.read_text() or hanging.poll() is not None:
+                    break
+                time.sleep(0.1)
+        finally:
+            hanging.kill()
+            hanging.wait()
+    said = " ".join(stderr.read_text().split())
+    assert "importing cupy to probe cupy has taken 1 s so far" in said, said
+    assert "set WORKBENCH_WITHOUT=cupy to go on without it" in said, said
+
+    environment = {**os.environ, "WORKBENCH_WITHOUT": "cupy, pynvml"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    words = " ".join(done.stdout.split())
+    assert "cupy is set aside (WORKBENCH_WITHOUT=cupy, pynvml): workbench goes on without it" in words, words
+    assert "pynvml is set aside" in words, words
+
+    environment["WORKBENCH_WITHOUT"] = "cuppy"
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (
+        "WORKBENCH_WITHOUT names 'cuppy', not an optional package of workbench; valid names: nvidia.dali, cupy"
+        in (" ".join(done.stderr.split()))
+    )
 
 
 def test_a_probe_never_raises(monkeypatch):

@@ -645,7 +645,7 @@ def test_the_sampler_reads_nvml_when_a_gpu_is_there(monkeypatch):
 def test_without_nvidia_ml_py_the_reason_is_given(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # importing it raises ImportError
     reader = _NvmlReader()
-    assert not reader.available and "nvidia-ml-py is not installed" in reader.reason
+    assert not reader.available and "pynvml is not installed (pip install nvidia-ml-py)" in reader.reason
 
 
 @pytest.mark.slow  # a real ablation in fresh processes

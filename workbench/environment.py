@@ -79,6 +79,9 @@ def _gpu_info() -> dict:
         "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
         "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
     }
+    info["driver_version"] = None
+    if optional.missing("pynvml"):
+        return info
     try:
         import pynvml
 

@@ -15,6 +15,9 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import os
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,6 +63,27 @@ OPTIONAL_PACKAGES = (
 )
 
 
+# Optional packages to go without: their names, comma-separated. Each is then unavailable, with
+# this as its reason, and is not imported: the way on when one hangs on import (a driver that does
+# not answer, a network file system), or to see what the bare install would.
+WITHOUT_ENV = "WORKBENCH_WITHOUT"
+# An import probe that takes longer than this says so on stderr, naming the package and the way on.
+SLOW_IMPORT_S = 20.0
+
+
+def set_aside() -> set[str]:
+    """The optional packages WORKBENCH_WITHOUT names; a name that is not one is refused, naming them."""
+    named = {name.strip() for name in os.environ.get(WITHOUT_ENV, "").split(",") if name.strip()}
+    valid = [package.module for package in OPTIONAL_PACKAGES]
+    unknown = sorted(named - set(valid))
+    if unknown:
+        raise ValueError(
+            f"{WITHOUT_ENV} names {', '.join(map(repr, unknown))}, not an optional package of "
+            f"workbench; valid names: {', '.join(valid)} (comma-separated)"
+        )
+    return named
+
+
 def install_hint(module: str) -> str:
     """How to install one of OPTIONAL_PACKAGES: every message that names it says the same."""
     return next(p.install for p in OPTIONAL_PACKAGES if p.module == module)
@@ -68,6 +92,10 @@ def install_hint(module: str) -> str:
 def missing(module: str, install: str = "") -> str | None:
     """None when ``module`` can be found, else why not, as one line for the user."""
     hint = f" ({install})" if install else ""
+    if module in set_aside():
+        return (
+            f"{module} is set aside ({WITHOUT_ENV}={os.environ[WITHOUT_ENV]}): workbench goes on without it"
+        )
     try:
         spec = importlib.util.find_spec(module)
     except ModuleNotFoundError as error:  # a parent package is missing: nvidia for nvidia.dali
@@ -88,7 +116,8 @@ def missing(module: str, install: str = "") -> str | None:
 def _import_fails(module: str, probe: str, hint: str) -> str | None:
     """Why an installed ``module`` cannot be imported (its ``probe`` module; once per process), or None."""
     try:
-        importlib.import_module(probe)
+        with _said_if_slow(module, probe):
+            importlib.import_module(probe)
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - whatever a broken install raises (SystemExit too) is the reason
@@ -96,6 +125,30 @@ def _import_fails(module: str, probe: str, hint: str) -> str | None:
         part = f" ({probe})" if probe != module else ""
         return f"{module} is installed but cannot be imported{part}: {type(error).__name__}: {said}{hint}"
     return None
+
+
+@contextlib.contextmanager
+def _said_if_slow(module: str, probe: str) -> Iterator[None]:
+    """Say on stderr when importing ``probe`` outlasts SLOW_IMPORT_S, and how to go on without it.
+
+    An import cannot be cut short from another thread, and one that hangs would otherwise stall
+    ``workbench list`` and every run without a word."""
+
+    def say() -> None:
+        print(
+            f"workbench: importing {probe} to probe {module} has taken {SLOW_IMPORT_S:.0f} s so far. "
+            f"If it hangs, stop with Ctrl-C and set {WITHOUT_ENV}={module} to go on without it.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    timer = threading.Timer(SLOW_IMPORT_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @contextlib.contextmanager

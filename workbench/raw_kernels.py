@@ -94,6 +94,9 @@ class CompileResult:
 
 def nvrtc_unavailable_reason() -> str | None:
     """None when cuda-python's NVRTC bindings and the NVRTC library load, else why not."""
+    reason = missing("cuda.bindings", install_hint("cuda.bindings"))
+    if reason:
+        return f"the compile check needs cuda-python's NVRTC bindings and the NVRTC library: {reason}"
     try:
         from cuda.bindings import nvrtc
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workbench.optional import install_hint
+from workbench.optional import install_hint, missing
 from workbench.stats import PHASES
 
 # How often the CUDA clock marks the phases inside a step: every 8th step. Every step still gets
@@ -571,7 +571,9 @@ class _NvmlReader:
 
     def __init__(self):
         self.available = False
-        self.reason = ""
+        self.reason = missing("pynvml", install_hint("pynvml")) or ""
+        if self.reason:  # not installed, or set aside (WORKBENCH_WITHOUT)
+            return
         try:
             import pynvml
 
@@ -610,6 +612,8 @@ def nvml_indices(device: torch.device, world_size: int = 1) -> list[int]:
     is matched to its NVML twin by PCI address; without NVML the CUDA index is returned.
     """
     cuda_indices = [device.index or 0] if world_size == 1 else list(range(world_size))
+    if missing("pynvml"):
+        return cuda_indices
     try:
         import pynvml
 
