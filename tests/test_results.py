@@ -554,6 +554,33 @@ def test_the_blocks_behind_a_speedup_are_those_its_baseline_measured_in_too():
     assert _figures(0, row, "faster", (1.0, 1.0))["blocks"] == 1
 
 
+def test_an_arms_samples_per_s_and_step_are_read_in_the_baselines_typical_block():
+    """Another job came and went: the baseline's blocks ran at 334, 1804 and 5612 samples/s, amp's
+    at 318, 6692 and 4870. amp was slower than the baseline in two blocks of three, but its own
+    median over blocks (4870, from the third block) read 2.7x the baseline's (1804, from the
+    second), and its bar in the step breakdown was the shorter. Its figures are now its median
+    ratio inside the blocks (0.95) times the baseline's median."""
+    from workbench.results import summarize
+
+    arms = [
+        {"name": name, "role": role, "techniques": name, "unavailable": None}
+        for name, role in (("baseline", "baseline"), ("amp", "treatment"))
+    ]
+    speeds = {"baseline": (334, 1804, 5612), "amp": (318, 6692, 4870)}
+    units = [
+        _fake_unit(arm, [1.0] * 5, [1 / speed] * 4, block=block)
+        for arm, per_block in speeds.items()
+        for block, speed in enumerate(per_block)
+    ]
+    rows = {row["arm"]: row for row in summarize(arms, units, planned_blocks=3, complete=True)}
+    base, amp = rows["baseline"], rows["amp"]
+    assert base["samples_per_s"] == pytest.approx(1804)
+    assert amp["samples_per_s"] == pytest.approx(318 / 334 * 1804)
+    assert amp["step_ms"] == pytest.approx(1e3 / amp["samples_per_s"])
+    phases = ("data_ms", "forward_ms", "backward_ms", "optimizer_ms")
+    assert sum(amp[p] for p in phases) > sum(base[p] for p in phases)  # the longer bar, as it was slower
+
+
 def test_near_the_end_of_the_fall_a_ratio_of_tiny_losses_is_not_a_loss_of_parity():
     """mlp on digits nearly fits its data: final losses of a few thousandths, whose ratio is noise
     (0.01x to 110x over five seeds). An arm 3x the baseline's there is 1% of the fall from 2.0,
@@ -657,10 +684,25 @@ def test_samples_per_s_far_from_the_speedup_is_explained_beside_the_arm():
     assert control["speedup"] == pytest.approx(1.0, abs=0.02)
     said = "samples/s, which counts every timed step, came out at 0.53x the baseline's inside the blocks"
     assert said in control["notes"]
-    # Not the ratio of the table's two columns when blocks ran at different speeds: it says so.
-    assert "the table's samples/s are each arm's median over blocks" in control["notes"]
+    # and so is the ratio of the table's two columns: both are read in the baseline's typical block
+    assert control["samples_per_s"] / rows["baseline"]["samples_per_s"] == pytest.approx(0.53, abs=0.01)
     assert "against a speedup of 1.00x from typical steps" in control["notes"]
     assert "samples/s" not in rows["steady"]["notes"] and "samples/s" not in rows["baseline"]["notes"]
+
+
+def test_the_wall_clock_note_names_the_estimator_the_speedup_used():
+    """When the job's own slow steps made the speedup count every step (capped), the note said it
+    came "from typical steps" and that stalls could not move it, beside a note saying the opposite."""
+    from workbench.results import _wall_clock_notes
+
+    paired = [({"samples_per_s": 100.0}, {"samples_per_s": 40.0})]
+    (typical,) = _wall_clock_notes(0.6, paired, stats.ESTIMATOR)
+    assert "0.40x the baseline's" in typical and "from typical steps" in typical
+    (capped,) = _wall_clock_notes(0.6, paired, "capped_mean")
+    assert "from typical steps" not in capped and "does not let such stalls move it" not in capped
+    assert (
+        f"from the mean step with no step counting for more than {stats.STALL_CAP:.0f} median steps" in capped
+    )
 
 
 @pytest.mark.timing

@@ -551,6 +551,10 @@ def test_compare_says_when_the_runs_differ_and_refuses_bad_input(tmp_path):
     once.record["created"] = "2026-11-28T03:05:28"
     with pytest.raises(ValueError, match=r"runs 1 and 3 are the same run \(created 2026-11-28T03:05:28\)"):
         wb.compare(once, _run(1.25, 1.12, 1.35), once)  # "within noise" with itself would say nothing
+    # An arm without a rate (unavailable here) made it pass: NaN never equals itself.
+    partly = _run(1.2, 1.1, 1.3, extra=[_row("cuda_graphs", status="unavailable", reason="needs CUDA")])
+    with pytest.raises(ValueError, match=r"runs 1 and 2 are the same run"):
+        wb.compare(partly, partly)
 
 
 def test_compare_fits_80_columns_with_long_run_names_and_many_runs(tmp_path, capsys, monkeypatch):

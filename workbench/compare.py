@@ -71,7 +71,9 @@ def _refuse_a_run_twice(runs: list[Results]) -> None:
         created = run.record.get("created")
         # Its start (to the second), its settings and every arm's measured rate: two runs started
         # in the same second with the same settings still differ in what they measured.
-        rates = tuple(run.table["samples_per_s"].round(9)) if "samples_per_s" in run.table else ()
+        # (an arm with no rate, unavailable or not run, is None: NaN never equals itself)
+        column = run.table["samples_per_s"].round(9) if "samples_per_s" in run.table else ()
+        rates = tuple(None if math.isnan(rate) else rate for rate in column)
         identity = (run_identity(run.record), rates)
         if created and identity in seen:
             raise ValueError(
