@@ -482,5 +482,14 @@ def test_the_report_fits_a_narrow_window_and_its_full_table_reads(tmp_path):
                     - document.querySelector(`details tbody tr td:nth-child(${i + 1})`).getBoundingClientRect().left))"""
             )
             assert max(offsets) < 2, offsets  # each heading starts where its column does
+            # Printed (a browser's Print makes the PDF the README speaks of), the plot kept its
+            # 1000 px least width inside a box that clips: its right quarter, memory panel and all,
+            # was lost on A4. On paper it shrinks to the page instead.
+            page.emulate_media(media="print")
+            page.set_viewport_size({"width": 700, "height": 1000})
+            widths = page.evaluate(
+                "[...document.querySelectorAll('.wb-figure')].map(f => [f.scrollWidth, f.clientWidth])"
+            )
+            assert widths and all(scrolled <= shown for scrolled, shown in widths), widths
         finally:
             browser.close()

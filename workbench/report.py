@@ -110,6 +110,8 @@ h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28
 .wb-meta { color: #666; margin-top: 0; }
 img { max-width: 100%; height: auto; border: 1px solid #eee; box-sizing: border-box; }  /* the border inside the width: no scrollbar for 2 px */
 .wb-figure { overflow-x: auto; }
+@media print {  /* paper does not scroll: the figure shrinks to the page, its least width aside */
+  body { max-width: none; margin: 0; } .wb-figure img { min-width: 0 !important; } }
 pre { background: #f6f6f6; padding: 8px 10px; overflow-x: auto; white-space: pre-wrap;
   word-break: break-word; font-size: 12.5px; }
 table.wb-plain { border-collapse: collapse; font-size: 13px; }
