@@ -353,7 +353,13 @@ def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
 
     table, names = comparison.table, comparison.names
     palette = colormaps["tab10"]
-    figure = ResultsFigure(figsize=(9, 1.2 + 0.55 * len(table) * max(1, len(names) / 2)))
+    # The runs' legend, above the axes: one row when the names fit across the figure, else one
+    # name a line (a legend wider than the figure crushed the axes and lost its last names, and
+    # matplotlib fills several columns top to bottom, which scrambles the runs' order).
+    across = len(names) if sum(len(name) + 6 for name in names) <= LEGEND_CHARACTERS else 1
+    legend_rows = math.ceil(len(names) / across)
+    height = 1.2 + 0.55 * len(table) * max(1, len(names) / 2) + 0.22 * (legend_rows - 1)
+    figure = ResultsFigure(figsize=(9, height))
     axes = figure.add_subplot(1, 1, 1)
     step = 0.8 / len(names)
     lows, highs = [], []
@@ -368,7 +374,7 @@ def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
                       capsize=3, label=name)  # fmt: skip
         # Where it has no point, the run says why in its slot ("absent", "failed"), not a blank.
         for row in np.flatnonzero(~shown):
-            axes.text(0.01, y[row], f"{name}: {table[f'{name} verdict'].iloc[row]}", transform=at_the_left,
+            axes.text(0.01, y[row], f"{_shortened(name)}: {table[f'{name} verdict'].iloc[row]}", transform=at_the_left,
                       fontsize=8, va="center", color=palette(index % 10))  # fmt: skip
         lows += list(low)
         highs += list(high)
@@ -381,8 +387,16 @@ def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
     axes.set_xlabel("speedup vs each run's own baseline (95% interval, log scale)")
     axes.grid(axis="x", alpha=0.3)
     # Above the axes, never over the points.
-    axes.legend(loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=min(len(names), 4), frameon=False)
+    axes.legend(loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=across, frameon=False)
     figure.tight_layout()
     if path is not None:
         figure.savefig(Path(path), dpi=110)
     return figure
+
+
+LEGEND_CHARACTERS = 90  # what fits across the 9-inch figure at the legend's size, markers counted
+
+
+def _shortened(name: str, most: int = 24) -> str:
+    """A run's name for a label inside the axes, where a long one ran out of the figure."""
+    return name if len(name) <= most else name[: most - 1] + "…"

@@ -347,6 +347,11 @@ def readable_log_ticks(axis, lows, highs) -> None:
     # the nearest at least a ninth of the axis (in log terms; a fifth beyond 3 decades) from 1; then, nearest to 1 first,
     # the ticks inside at least that far from every tick kept.
     span = math.log(max(high, 1.0) * 1.08 / (min(low, 1.0) / 1.08))
+    # Across decades, only their round numbers: 0.001, 0.01, 0.1, 1, 8, 100 read as a misprint.
+    if span > math.log(1000):
+        candidates = [t for t in candidates if _leading_digit(t) == 1]
+    elif span > math.log(100):
+        candidates = [t for t in candidates if _leading_digit(t) in (1, 2, 5)]
     # At most 9 ticks across, and fewer on a narrow axis: a label such as "0.33" needs about
     # TICK_LABEL_INCHES (in the panel's 2.7-inch axis, 0.25 and 0.33 ran together).
     inches = axis.figure.get_figwidth() * axis.get_position().width
@@ -371,6 +376,11 @@ def readable_log_ticks(axis, lows, highs) -> None:
     # The axis reaches the outermost ticks kept, so the farthest interval has a number beyond it
     # (an amp arm at 0.11x showed no tick below 0.2 when the axis stopped at 0.102).
     axis.set_xlim(min(min(low, 1.0) / 1.08, min(ticks) / 1.02), max(max(high, 1.0) * 1.08, max(ticks) * 1.02))
+
+
+def _leading_digit(value: float) -> float:
+    """1 for 0.01, 10 and 1000; 2 for 0.2 and 20; 3.3 for 0.33: the value over its decade."""
+    return round(value / 10 ** math.floor(math.log10(value) + 1e-9), 6)
 
 
 # tab10 without its green, red and brown: under the live view, the results' plot colours bars
