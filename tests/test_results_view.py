@@ -98,7 +98,8 @@ def test_a_wide_noise_band_says_what_it_hides_and_about_how_many_blocks_would_na
     single = " ".join(
         _with_control_spread(0.79, 1.27, between=math.nan, within=9.0, blocks=1).summary().split()
     )
-    assert "the control's band is ±23.7% wide" in single
+    # ±23.7% (the log half-width) would read as -24% and +24%: the band is -21% and +27%
+    assert "the control's band runs from 0.79× to 1.27×, so a change that lands inside it" in single
     assert (
         "from one block's rounds alone" in single
         and "blocks=3 or more would measure how processes differ" in single
@@ -189,8 +190,16 @@ def test_numbers_are_never_in_scientific_notation(value):
 
 @pytest.mark.parametrize(
     ("low", "high"),
-    [(0.11, 1.16), (0.95, 9.3), (0.62, 1.42), (0.98, 7.07), (1.0, 19.1), (1.68, 1.73), (5.4e-5, 1491.48),
-     (0.0097, 62.75)],
+    [
+        (0.11, 1.16),
+        (0.95, 9.3),
+        (0.62, 1.42),
+        (0.98, 7.07),
+        (1.0, 19.1),
+        (1.68, 1.73),
+        (5.4e-5, 1491.48),
+        (0.0097, 62.75),
+    ],
 )
 def test_the_speedup_axis_has_a_number_beyond_its_farthest_interval(low, high):
     import matplotlib
@@ -526,7 +535,9 @@ def test_compare_writes_intervals_as_the_results_table_does():
     one_step, wide = _run(1.05, nan, nan), _run(1.2, 0.000054, 30.0)
     text = repr(wb.compare(one_step, wide, names=["a", "b"]))
     assert "[no interval]" in text and "nan" not in text
-    assert "[0.000054, 30.00]" in text, "a very wide interval's low end does not read as 0.00"
+    assert "[<0.001, 30.00]" in text, "a very wide interval's low end does not read as 0.00"
+    huge = repr(wb.compare(_run(1.05, 0.0054, 3.0), _run(1.2, 7.6e-13, 1.06e14), names=["a", "b"]))
+    assert "[0.0054, 3.00]" in huge and "[<0.001, >1000]" in huge and "105924" not in huge
 
 
 def test_compare_matches_arms_and_gives_the_ratio_with_its_interval(tmp_path):
@@ -725,8 +736,10 @@ def test_a_very_wide_intervals_low_end_does_not_read_as_zero():
 
     from workbench.results_view import speedup_text
 
+    row = SimpleNamespace(speedup=1.2, speedup_low=0.0054, speedup_high=149.48)
+    assert speedup_text(row).endswith("[0.0054, 149.48]")
     row = SimpleNamespace(speedup=1.2, speedup_low=0.000054, speedup_high=1491.48)
-    assert speedup_text(row).endswith("[0.000054, 1491.48]")
+    assert speedup_text(row).endswith("[<0.001, >1000]")  # beyond 1000x either way, the digits mean nothing
 
 
 def _search_record() -> dict:

@@ -165,8 +165,17 @@ def interval_text(point: float, low: float, high: float) -> str:
 
 def _interval_end(value: float) -> str:
     """Two decimals, as people read speedups; below 0.01 two significant digits, so that a very
-    wide interval's low end (0.000054 from one noisy block) does not read as a speedup of 0.00."""
+    wide interval's low end (0.000054 from one noisy block) does not read as a speedup of 0.00.
+    Past 1000x either way the end says only that: an end of 105924279137559.03 (one block whose
+    rounds disagreed) split the table's columns, and its digits mean nothing."""
+    if value < 1 / INTERVAL_ENDS_SHOWN:
+        return f"<{1 / INTERVAL_ENDS_SHOWN:g}"
+    if value > INTERVAL_ENDS_SHOWN:
+        return f">{INTERVAL_ENDS_SHOWN:g}"
     return f"{value:.2f}" if value >= 0.01 else plain_number(value, digits=2)
+
+
+INTERVAL_ENDS_SHOWN = 1000.0  # an interval end beyond 1000x (or below 1/1000) is shown as ">1000"
 
 
 def loss_drifted(ratio: float | None, gap_of_fall: float | None = math.nan) -> bool:
@@ -353,7 +362,13 @@ def noise_note(table, folder=None) -> str | None:
     if half <= NOISY_BAND_PCT:
         return None
     blocks = int(blocks)
-    note = f"noise: the control's band is ±{half:.1f}% wide, so a change smaller than that reads within noise here. "
+    # ±x% is the log half-width: near the percentage either side for a narrow band, but far from it
+    # for a wide one ([0.38, 2.31] is -62% and +131%, not ±90.6%), which is then given by its ends.
+    if half <= 20:
+        note = f"noise: the control's band is ±{half:.1f}% wide, so a change smaller than that reads within noise here. "
+    else:
+        ends = f"{_interval_end(row.speedup_low)}× to {_interval_end(row.speedup_high)}×"
+        note = f"noise: the control's band runs from {ends}, so a change that lands inside it reads within noise here. "
     if blocks == 1:
         needed = FEWEST_BLOCKS_FOR_SPREAD
         note += (
