@@ -123,6 +123,23 @@ def test_cpu_peak_memory_sees_a_known_allocation():
     assert activations == 0  # nothing was saved for a backward
 
 
+@pytest.mark.parametrize(
+    ("peak", "cap", "said"), [(4.85, 4.8, "4.85"), (82.34, 82.3, "82.34"), (37.21, 30, "37.2")]
+)
+def test_the_memory_cap_message_shows_the_peak_above_the_cap(peak, cap, said):
+    """It rounded to whole MiB: 'needs 5 MiB ... more than 4.8' beside 4.85 in the table, and
+    'needs 82 MiB ... more than 82.3' would read as under the cap."""
+    from types import SimpleNamespace
+
+    from workbench.block import BlockArm, MemoryCapExceeded
+
+    arm = SimpleNamespace(run=SimpleNamespace(memory_cap_mb=cap), name="baseline")
+    with pytest.raises(
+        MemoryCapExceeded, match=rf"baseline needs {said} MiB at its peak, more than .*{cap:g} allows"
+    ):
+        BlockArm._refuse_over_the_cap(arm, peak)
+
+
 def test_the_early_cap_check_reads_the_peak_that_the_final_measurement_reads():
     """memory_cap_mb is checked on one step before the windows (peak_of_one_step) and again on the
     peak reported after them (measure_step): the two must agree, or an arm could pass the one and

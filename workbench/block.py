@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -331,8 +332,13 @@ class BlockArm:
     def _refuse_over_the_cap(self, peak_mib: float | None) -> None:
         cap = self.run.memory_cap_mb
         if cap is not None and peak_mib is not None and peak_mib > cap:
+            # three significant digits, as the table shows it, and more if that would not read above the cap
+            least = max(0, 2 - math.floor(math.log10(max(peak_mib, 1e-3))))
+            shown = next(
+                f"{peak_mib:.{d}f}" for d in range(least, least + 4) if float(f"{peak_mib:.{d}f}") > cap
+            )
             raise MemoryCapExceeded(
-                f"{self.name} needs {peak_mib:.0f} MiB at its peak, {OVER_THE_CAP}{cap:g} allows",
+                f"{self.name} needs {shown} MiB at its peak, {OVER_THE_CAP}{cap:g} allows",
                 peak_mib,
             )
 
