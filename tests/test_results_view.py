@@ -511,6 +511,27 @@ def test_compare_in_80_columns_keeps_every_cell_in_its_column_and_breaks_no_name
     assert "1.52× [1.43, 1.61]" in text and "0.97× [" in text  # a figure and its interval on one line
 
 
+def test_compare_warns_first_of_different_jobs_and_of_each_runs_own_warnings(tmp_path):
+    """mlp against resnet-mini read 'worse', with the difference in a note under the table; a run
+    whose control failed its A/A check was compared without a word of it, in the text and the plot."""
+    failed_control = _run(
+        0.8, 0.7, 0.9, control=(0.40, 0.97), config={"model": "resnet-mini", "data": "textures"}
+    )
+    comparison = wb.compare(_run(1.2, 1.1, 1.3), failed_control, names=["int1", "int2"])
+    text = " ".join(comparison.text().split())
+    assert text.startswith(
+        "WARNING: these runs measured different jobs (model: int1=mlp, int2=resnet-mini; data:"
+    )
+    assert "WARNING: run int2: the control arm (the baseline measured again) came out at" in text
+    assert "The runs differ in model" not in text  # said once, first
+    assert "these runs measured different jobs" in comparison._repr_html_()
+    title = comparison.plot()._suptitle.get_text()
+    assert "these runs measured different jobs (model, data)" in " ".join(title.split())
+    assert "int2: the control arm" in " ".join(title.split())
+    same_job = wb.compare(_run(1.2, 1.1, 1.3), _run(1.25, 1.1, 1.4))
+    assert "WARNING" not in same_job.text() and same_job.plot()._suptitle is None
+
+
 def test_the_compare_plot_keeps_every_runs_name_inside_the_figure(tmp_path):
     """Four runs under their folder names (27 characters): the legend, four columns wide, ran off
     the figure, the fourth run's entry was lost, and the axes were crushed to make room."""

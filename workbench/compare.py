@@ -24,13 +24,15 @@ from pathlib import Path
 import numpy as np
 
 from workbench.core_sync import STATE_RATIO
-from workbench.plots import ResultsFigure, readable_log_ticks
+from workbench.plots import ResultsFigure, first_clause, readable_log_ticks
 from workbench.results import Results, load_results, run_identity
 from workbench.results_view import READER_CSS, TERMINAL_WIDTH, badge, interval_text, text_table
 
 # The run settings that do not change what a speedup means (where a trace or the jobs went, how
 # its processes started, how long an arm may take): every other one is listed when runs differ,
 # and so is each technique's own settings (amp in bfloat16 against amp in float16).
+# Settings and machine facts that make two runs different jobs (not the same job measured again).
+JOB_SETTINGS = ("model", "data", "loss_fn", "device", "world_size", "cpu", "gpus")
 NOT_COMPARED = ("trace_dir", "profile_steps", "timeout_s", "executor", "slurm", "start")
 
 
@@ -154,7 +156,11 @@ def _thread_state_notes(names: list[str], runs: list[Results]) -> list[str]:
 
 def _stopped_note(name: str, run: Results) -> str:
     finished = len({unit.get("block") for unit in run.record["units"] if unit.get("status") == "ok"})
-    planned = run.config.get("blocks")
+    planned = run.config.get("blocks", run.config.get("repeats"))  # repeats: results from before blocks
+    if not finished:
+        return (
+            f"{name} was stopped before any of its {planned} blocks finished: it has no figures to compare."
+        )
     return (
         f"{name} was stopped before it finished ({finished} of {planned} blocks): its figures are its finished "
         "blocks', with their wider intervals."
@@ -212,6 +218,29 @@ class Comparison:
             values = [run.environment.get(key) for run in self.runs]
             if any(value != values[0] for value in values[1:]):
                 found[key] = values
+        return found
+
+    def warnings(self, short: bool = False) -> list[str]:
+        """What to read before the table: runs of different jobs, whose ratios say how a technique's
+        gain differs between the jobs rather than that a change made it better or worse; then each
+        run's own warnings (a control that failed its A/A check, a busy machine...). ``short``:
+        each in a few words, for the plot's title."""
+        found = []
+        jobs = {key: values for key, values in self.differences.items() if key in JOB_SETTINGS}
+        if jobs and short:
+            found.append(f"these runs measured different jobs ({', '.join(jobs)})")
+        elif jobs:
+            said = "; ".join(
+                f"{key}: " + ", ".join(f"{n}={v}" for n, v in zip(self.names, values, strict=True))
+                for key, values in jobs.items()
+            )
+            found.append(
+                f"these runs measured different jobs ({said}): a ratio says how much more or less a technique "
+                "gains in one job than in the other, not that a change made it better or worse"
+            )
+        for name, run in zip(self.names, self.runs, strict=True):
+            for warning in run.warnings(thread_states=False):
+                found.append(f"{name}: {first_clause(warning)}" if short else f"run {name}: {warning}")
         return found
 
     def _technique_differences(self) -> dict[str, list]:
@@ -273,6 +302,7 @@ class Comparison:
             )
             + "."
             for key, values in self.differences.items()
+            if key not in JOB_SETTINGS  # those come first, in the warnings
         ]
         return notes
 
@@ -310,8 +340,12 @@ class Comparison:
         headings, rows = self._text_rows(labels)
         table = text_table(headings, rows, [False, False, True, True, False], width, split_intervals=True)
         notes = "\n".join(textwrap.fill(note, width, break_on_hyphens=False) for note in self._notes())
+        warned = "".join(
+            textwrap.fill(f"WARNING: {warning}", width, break_on_hyphens=False) + "\n\n"
+            for warning in self.warnings()
+        )
         above = "".join(textwrap.fill(line, width, break_on_hyphens=False) + "\n" for line in key)
-        return f"{above}{table}\n\n{notes}"
+        return f"{warned}{above}{table}\n\n{notes}"
 
     def __repr__(self) -> str:
         return f"<workbench Comparison of {len(self.runs)} runs>\n{self.text()}"
@@ -336,8 +370,9 @@ class Comparison:
             for cells in rows
         ]
         notes = "".join(f'<p class="wb-legend">{html.escape(note)}</p>' for note in self._notes())
+        warned = "".join(f'<p class="wb-warning">{html.escape(warning)}</p>' for warning in self.warnings())
         return (
-            f'<div class="wb-results"><style>{READER_CSS}</style><table class="wb-reader">'
+            f'<div class="wb-results"><style>{READER_CSS}</style>{warned}<table class="wb-reader">'
             f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{notes}</div>"
         )
 
@@ -388,6 +423,9 @@ def plot_comparison(comparison: Comparison, path=None) -> ResultsFigure:
     axes.grid(axis="x", alpha=0.3)
     # Above the axes, never over the points.
     axes.legend(loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=across, frameon=False)
+    warnings = comparison.warnings(short=True)
+    if warnings:  # said on the figure itself, as the results plot does: a plot travels without its notes
+        figure.suptitle(textwrap.fill("WARNING: " + "; ".join(warnings), 110), fontsize=9, color="#c44e52")
     figure.tight_layout()
     if path is not None:
         figure.savefig(Path(path), dpi=110)

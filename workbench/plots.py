@@ -324,9 +324,14 @@ def _results_title(results, line_chars: int) -> tuple[str, bool]:
     )
     warnings = results.warnings()
     if warnings:  # said on the figure itself: a plot travels without its table
-        short = [re.split(r": | while ", w, maxsplit=1)[0] for w in warnings]
+        short = [first_clause(w) for w in warnings]
         title += "\n" + textwrap.fill("WARNING: " + "; ".join(short), line_chars)
     return title, bool(warnings)
+
+
+def first_clause(warning: str) -> str:
+    """A warning in a few words, for a figure's title: up to its first colon or 'while'."""
+    return re.split(r": | while ", warning, maxsplit=1)[0]
 
 
 TICK_LABEL_INCHES = 0.45  # a speedup tick's label ("0.67") and the space it needs beside the next

@@ -802,11 +802,12 @@ class Results:
         """The competing load while the run measured (workbench.telemetry.competing_load)."""
         return self.record.get("load") or {}
 
-    def warnings(self) -> list[str]:
+    def warnings(self, thread_states: bool = True) -> list[str]:
         """What makes this run's figures less trustworthy, most important first: a budget cut for a
         smoke test (WORKBENCH_SMOKE=1), a control arm that failed its own A/A check, other processes
         competing for the machine, more CPU threads than cores, blocks that ran at very different
-        speeds, then the CPU threads' cooperation changing state."""
+        speeds, then (``thread_states``; a comparison says it its own way) the CPU threads'
+        cooperation changing state."""
         found = [self.record["smoke_test"]] if self.record.get("smoke_test") else []
         table = self.table
         found += _baseline_did_not_run(table)
@@ -825,6 +826,8 @@ class Results:
             found.append(self.load["warning"])
         found += oversubscribed_blocks(self.record.get("blocks", []))
         found += mixed_blocks(self.record.get("blocks", []), self.record.get("units", []))
+        if not thread_states:
+            return found
         # An oversubscribed block's probe times threads waiting for cores: that is warned of above.
         fitting = [block for block in self.record.get("blocks", []) if not _oversubscribed(block)]
         found += core_sync_states(fitting, self.record.get("units", []), self.record.get("arms"))
@@ -974,8 +977,9 @@ def mixed_blocks(blocks: list[dict], units: list[dict]) -> list[str]:
         )
     speeds: dict[int, list[float]] = {}
     for unit in units:
-        if unit["arm"] == "baseline" and unit["status"] == "ok" and unit["result"]:
-            speeds.setdefault(unit["block"], []).append(unit["result"]["samples_per_s"])
+        rate = (unit.get("result") or {}).get("samples_per_s")
+        if unit["arm"] == "baseline" and unit["status"] == "ok" and rate:
+            speeds.setdefault(unit["block"], []).append(rate)
     if len(speeds) >= 2:
         typical = {block: _median(values) for block, values in speeds.items()}
         slowest, fastest = min(typical, key=typical.get), max(typical, key=typical.get)
