@@ -490,3 +490,21 @@ def test_checkpointing_selects_by_type_name_class_glob_or_predicate():
     assert select_modules(model, lambda name, m: name == "b") == ["b"]
     with pytest.raises(ValueError, match="select must be None"):
         get_technique("checkpointing").configure({"select": 3})
+
+
+def test_an_inline_lambda_is_identified_by_its_own_text_not_the_call_around_it():
+    """Adding blocks to a run reruns the same call with blocks=2: a model given as an inline
+    lambda was identified by inspect.getsource, which gives the whole call, so the rerun read as
+    another model ("differs in: model_structure") and was refused."""
+    from workbench.ablation import _source_of
+
+    def ablate(**arguments):
+        return arguments
+
+    first = ablate(model=lambda: nn.Linear(8,
+                                           4), loss_fn=lambda o, y: (o - y).pow(2).mean(), blocks=1)  # fmt: skip
+    again = ablate(model=lambda: nn.Linear(8, 4), loss_fn=lambda o, y: (o - y).pow(2).mean(), blocks=2)
+    edited = ablate(model=lambda: nn.Linear(8, 5), loss_fn=lambda o, y: (o - y).abs().mean(), blocks=2)
+    for name in ("model", "loss_fn"):
+        assert _source_of(first[name]) == _source_of(again[name]) != _source_of(edited[name])
+    assert _source_of(first["loss_fn"]) == "lambda (o, y): (o - y).pow(2).mean()"

@@ -397,9 +397,35 @@ def _arguments_text(bound: functools.partial) -> list[str]:
 def _source_of(obj: Any) -> str:
     """Its source where Python can find it (a notebook cell's too), else its qualified name."""
     try:
+        if getattr(obj, "__name__", None) == "<lambda>":
+            return _lambda_source(obj) or inspect.getsource(obj)
         return inspect.getsource(obj)
     except (OSError, TypeError):
         return getattr(obj, "__qualname__", type(obj).__qualname__)
+
+
+def _lambda_source(function: Any) -> str | None:
+    """A lambda's own text, as ``lambda (o, y): body`` with its spaces closed up, or None.
+
+    inspect.getsource gives the whole statement a lambda sits in: for ``wb.ablate(model=lambda:
+    Net(), blocks=1)``, the call itself, so a rerun with blocks=2 to add blocks read as another
+    model and was refused. The lambda's instructions know their columns (co_positions), which
+    span its body alone."""
+    lines, first = inspect.getsourcelines(function)
+    spans = [
+        position
+        for position in function.__code__.co_positions()
+        if None not in position and position[2:] != (0, 0)  # (0, 0): the frame's set-up, at no column
+    ]
+    if not spans:
+        return None
+    start_line, start = min((line, column) for line, _, column, _ in spans)
+    end_line, end = max((line, column) for _, line, _, column in spans)
+    text = [line.encode() for line in lines[start_line - first : end_line - first + 1]]  # columns count bytes
+    if not text:
+        return None
+    body = text[0][start:end] if len(text) == 1 else text[0][start:] + b"".join(text[1:-1]) + text[-1][:end]
+    return f"lambda {inspect.signature(function)}: {' '.join(body.decode(errors='replace').split())}"
 
 
 def _shapes_of(batch: Any) -> Any:
