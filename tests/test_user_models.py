@@ -508,3 +508,29 @@ def test_an_inline_lambda_is_identified_by_its_own_text_not_the_call_around_it()
     for name in ("model", "loss_fn"):
         assert _source_of(first[name]) == _source_of(again[name]) != _source_of(edited[name])
     assert _source_of(first["loss_fn"]) == "lambda (o, y): (o - y).pow(2).mean()"
+
+
+def test_the_default_loss_reads_dense_outputs_in_the_layout_their_targets_fit():
+    """A segmentation net's (B, C, H, W) scores were flattened as if the classes came last: with
+    C == W it trained on the widths as classes without a word; otherwise it failed on sizes."""
+    from torch.nn import functional as F
+
+    from workbench.loop import UnusableOutput
+
+    torch.manual_seed(0)
+    tokens = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))  # (batch, tokens, vocabulary)
+    assert default_loss(*tokens) == pytest.approx(
+        F.cross_entropy(tokens[0].reshape(10, 7), tokens[1].reshape(10)).item()
+    )
+    square = torch.randn(2, 16, 16, 16), torch.randint(0, 16, (2, 16, 16))  # C == H == W: both layouts fit
+    assert default_loss(*square) == pytest.approx(F.cross_entropy(*square).item())
+    assert default_loss(*square) != pytest.approx(
+        F.cross_entropy(square[0].reshape(-1, 16), square[1].reshape(-1)).item()
+    )
+    signal = torch.randn(2, 3, 9), torch.randint(0, 3, (2, 9))  # (batch, classes, length)
+    assert default_loss(*signal) == pytest.approx(F.cross_entropy(*signal).item())
+    with pytest.raises(
+        UnusableOutput,
+        match=r"cannot pair this model's output \(a tensor of shape \(2, 3, 9\)\) with targets of shape \(2, 4\)",
+    ):
+        default_loss(signal[0], torch.randint(0, 3, (2, 4)))

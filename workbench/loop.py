@@ -67,8 +67,31 @@ def default_loss(outputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
             "(or your own, returning the batch's mean loss)"
         )
     if logits.dim() > 2:
-        return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+        return _dense_cross_entropy(logits, targets, outputs)
     return F.cross_entropy(logits, targets)
+
+
+def _dense_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, outputs: Any) -> torch.Tensor:
+    """Cross-entropy of a score per class at every position, in whichever layout the targets fit.
+
+    A sequence model gives (batch, tokens, classes), the classes last (gpt-mini, Hugging Face);
+    PyTorch's own layout for dense predictions is (batch, classes, *positions), the classes second
+    (a segmentation net's (B, C, H, W)), as F.cross_entropy takes it. Only the first was read, so
+    a (B, 16, 16, 16) segmentation output trained on its widths as classes, without a word. Where
+    both layouts fit, 3-D outputs read as sequences and 4-D or more as dense predictions."""
+    positions = logits.dim() - 1 == targets.dim()
+    classes_last = positions and logits.shape[:-1] == targets.shape
+    classes_second = positions and logits.shape[:1] + logits.shape[2:] == targets.shape
+    if classes_last and (logits.dim() == 3 or not classes_second):
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+    if classes_second:
+        return F.cross_entropy(logits, targets)
+    raise UnusableOutput(
+        f"the default loss cannot pair this model's output ({describe_output(outputs)}) with targets of shape "
+        f"{tuple(targets.shape)}: cross-entropy takes (batch, tokens, classes) scores with (batch, tokens) "
+        "class indices, or (batch, classes, *positions) with (batch, *positions); pass loss_fn=lambda "
+        "outputs, targets: ... returning a scalar tensor"
+    )
 
 
 def _field(outputs: Any, name: str) -> Any:
