@@ -458,6 +458,13 @@ def test_a_users_model_gets_the_python_call_only():
     )
     assert command is None
     assert "model=make_model" in python and "# model: your own factory" in python
+    # A built-in model with the user's own loss: the CLI cannot give the loss, and a call without
+    # it trained on plain cross-entropy.
+    config = {"model": "mlp", "data": "digits", "device": "cpu", "loss_fn": "my_loss", "collate_fn": "pad"}
+    command, python = reproduce({"config": config, "arms": []})
+    assert command is None
+    assert "loss_fn=my_loss" in python and "# loss_fn: your own, recorded as 'my_loss'" in python
+    assert "collate_fn=pad" in python
 
 
 def _run(amp, amp_low, amp_high, control=(0.98, 1.02), extra=None, config=None):

@@ -218,18 +218,22 @@ def _reproduce_html(record: dict, folder) -> str:
     if folder is None or not resumable(folder):
         return "".join(parts)
     where = str(Path(folder).resolve())  # the page may be read from anywhere
+
+    def both(flags: str, keywords: str) -> str:  # the flags only where the CLI can run it
+        python = f"<code>{html.escape(keywords)}</code>"
+        return python if command is None else f"<code>{html.escape(flags)}</code> ({python})"
+
+    out = shlex.quote(where)
     if not record.get("complete", True):
         # A stopped run: the same command with this folder finishes it, as the run said when it stopped.
         parts.append(
             "<p>This run was stopped before it finished. To finish it, run the same ablation with this "
-            f"folder: <code>--out {html.escape(shlex.quote(where))}</code> "
-            f"(<code>out={html.escape(repr(where))}</code>); the blocks it holds count.</p>"
+            f"folder: {both(f'--out {out}', f'out={where!r}')}; the blocks it holds count.</p>"
         )
     else:
         parts.append(
             "<p>To add blocks to this run instead, run it with more blocks and this folder: "
-            f"<code>--blocks N --out {html.escape(shlex.quote(where))}</code> "
-            f"(<code>blocks=N, out={html.escape(repr(where))}</code>); the blocks it holds count.</p>"
+            f"{both(f'--blocks N --out {out}', f'blocks=N, out={where!r}')}; the blocks it holds count.</p>"
         )
     return "".join(parts)
 
@@ -280,8 +284,13 @@ def reproduce(record: dict) -> tuple[str | None, str]:
     own_model = config["model"] not in BUILTIN_MODELS
     own_data = config["data"] not in BUILTIN_DATA and not str(config["data"]).startswith(JPEG_FOLDER_PREFIX)
     python = _python_call(config, techniques, settings, own_model, own_data)
-    if own_model or own_data:
-        return None, python
+    if (
+        own_model
+        or own_data
+        or config.get("loss_fn", "cross_entropy") != "cross_entropy"
+        or config.get("collate_fn")
+    ):
+        return None, python  # the CLI takes none of the user's own Python objects
     words = ["workbench", "ablate", "--model", config["model"], "--data", config["data"]]
     for name, value in techniques.items():
         words += ["-t", technique_flag(name, value)]
@@ -329,10 +338,18 @@ def _python_call(config: dict, techniques: dict, settings: dict, own_model: bool
     if own_model:
         lines.append(f"# model: your own factory, recorded as {config['model']!r}")
     if own_data:
-        lines.append(f"# data: your own, recorded as {config['data']!r}")
+        lines.append(f"# data: your own, recorded as {config['data']!r} (its type, or a factory's name)")
+    # the loss and the collate function too: left out, a rerun trained on plain cross-entropy
+    own_loss = config.get("loss_fn", "cross_entropy") != "cross_entropy"
+    if own_loss:
+        lines.append(f"# loss_fn: your own, recorded as {config['loss_fn']!r}")
+    if config.get("collate_fn"):
+        lines.append(f"# collate_fn: your own, recorded as {config['collate_fn']!r}")
     arguments = [
         f"model={config['model'] if own_model else repr(config['model'])}",
         f"data={config['data'] if own_data else repr(config['data'])}",
+        *([f"loss_fn={config['loss_fn']}"] if own_loss else []),
+        *([f"collate_fn={config['collate_fn']}"] if config.get("collate_fn") else []),
         f"techniques={techniques!r}",
         *(f"{name}={value!r}" for name, value in settings.items()),
     ]
