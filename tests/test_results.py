@@ -690,6 +690,39 @@ def test_samples_per_s_far_from_the_speedup_is_explained_beside_the_arm():
     assert "samples/s" not in rows["steady"]["notes"] and "samples/s" not in rows["baseline"]["notes"]
 
 
+def test_an_arm_in_its_own_process_gets_a_verdict_only_from_more_than_one_block():
+    """One block of an arm in its own process gave amp 0.73x [0.57, 0.94] 'slower' and, run again,
+    1.37x [0.79, 2.35]: one pair of processes says nothing of how processes differ, and its notes
+    said both that the interval left that out and that it was in it."""
+    from workbench.results import summarize
+
+    arms = [
+        {"name": "baseline", "role": "baseline", "process": "own", "techniques": "none", "unavailable": None},
+        {"name": "amp", "role": "treatment", "process": "own", "techniques": "amp", "unavailable": None},
+    ]
+
+    def units(blocks):
+        found = []
+        for block in range(blocks):
+            found.append({**_fake_unit("baseline", [1.0] * 5, [0.010, 0.011] * 10, block), "process": "own"})
+            found.append({**_fake_unit("amp", [1.0] * 5, [0.014, 0.015] * 10, block), "process": "own"})
+        return found
+
+    one = synthetic_results(
+        summarize(arms, units(1), planned_blocks=1, complete=True), {"baseline": "baseline"}
+    )
+    amp = one.table.set_index("arm").loc["amp"]
+    assert amp.speedup < 0.8 and amp.verdict == "not compared", amp.verdict
+    assert (
+        "is not in this interval, so it gets no verdict" in amp.notes
+        and "is in this interval" not in amp.notes
+    )
+    three = synthetic_results(
+        summarize(arms, units(3), planned_blocks=3, complete=True), {"baseline": "baseline"}
+    )
+    assert three.table.set_index("arm").loc["amp"].verdict == "slower"
+
+
 def test_the_wall_clock_note_names_the_estimator_the_speedup_used():
     """When the job's own slow steps made the speedup count every step (capped), the note said it
     came "from typical steps" and that stalls could not move it, beside a note saying the opposite."""

@@ -344,7 +344,12 @@ def _compare(
                 "state changed what this arm gains, in a way the ratio does not cancel; more blocks, spread in "
                 "time, average it"
             )
-        if not shared:
+        if not shared and speedup.blocks == 1:
+            notes.append(
+                "measured in its own process against a baseline in another, in 1 block: the luck of two "
+                "processes (10-15% here) is not in this interval, so it gets no verdict; blocks=3 or more measure it"
+            )
+        elif not shared:
             notes.append(
                 "measured in its own process against a baseline in its own process: the luck of two processes "
                 "(10-15% here) is in this interval"

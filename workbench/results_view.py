@@ -109,6 +109,8 @@ def against_noise(row, table) -> str:
     (also for an arm whose blocks were cut short: the tuner judges what they measured)."""
     if not math.isfinite(row.speedup_low) or not math.isfinite(row.speedup_high):
         return "not compared"
+    if row.process != "block" and getattr(row, "speedup_blocks", math.nan) == 1:
+        return "not compared"  # two processes' luck, from one pair of them: not in the interval
     band_low, band_high = noise_band(row, table)
     if row.speedup_low > band_high:
         return "faster"
