@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import result_row, synthetic_results
@@ -17,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 import workbench as wb
 from workbench.cli import main
 from workbench.config import RunConfig
+from workbench.results import load_results
 from workbench.results_folder import ResultsFolder
 from workbench.results_view import plain_number, text_table, wrap_cell
 
@@ -1132,3 +1134,24 @@ def test_where_the_memory_cap_refused_an_arm_the_table_shows_each_arms_peak():
     assert "peak MiB" in text and "37.3" in text and "22.8" in text
     assert "peak: the most the arm's tensors held in a step" in text
     assert "peak MiB" not in synthetic_results([result_row("baseline"), result_row("amp")]).summary(width=100)
+
+
+def test_a_record_from_before_blocks_reads_in_todays_terms():
+    """A run saved by workbench before blocks (schema 1, made by ea06827^ with -t amp --repeats 2):
+    the report's Reproduce dropped its technique (its arms kept their settings only in labels)
+    and its repeats, and compare listed repeats, blocks, isolate, heap and amp's settings as
+    differences that were not."""
+    from workbench.report import reproduce
+
+    old = load_results(Path(__file__).parent / "records" / "schema1-mlp-amp")
+    assert old.record["schema"] == "workbench-results/1"
+    assert old.config["blocks"] == 2 and "repeats" not in old.config
+    command, python = reproduce(old.record)
+    assert "-t amp" in command and "--blocks 2" in command and "techniques={'amp': True}" in python
+    new = _run(
+        1.2,
+        1.1,
+        1.3,
+        config={"steps": 10, "blocks": 2, "techniques": {"amp": "amp(dtype=bfloat16, level=O1)"}},
+    )
+    assert set(wb.compare(old, new).differences) <= {"torch", "cpu", "gpus", "warmup", "timeout_s"}

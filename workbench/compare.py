@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.config import RunConfig
 from workbench.core_sync import STATE_RATIO
 from workbench.plots import ResultsFigure, first_clause, readable_log_ticks
-from workbench.results import Results, load_results, run_identity
+from workbench.results import Results, load_results, run_identity, settings_from_label
 from workbench.results_view import READER_CSS, TERMINAL_WIDTH, badge, interval_text, text_table
 
 # The run settings that do not change what a speedup means (where a trace or the jobs went, how
@@ -134,6 +135,19 @@ def change_of(low: float, high: float) -> str:
     return "better" if low > 1.0 else "worse" if high < 1.0 else "within noise"
 
 
+def _with_defaults(technique: str, label: str) -> object:
+    """A technique's label (``amp(dtype=bfloat16)``) as its settings, defaults filled in; the label
+    itself where it does not read so, or the technique is not one of today's."""
+    from workbench.techniques import get_technique, settings_of
+
+    settings = settings_from_label(label) if isinstance(label, str) else None
+    try:
+        defaults = settings_of(get_technique(technique).Config())
+    except ValueError:  # a technique this version does not have
+        return label
+    return label if settings is None else {**defaults, **settings}
+
+
 def _thread_state_notes(names: list[str], runs: list[Results]) -> list[str]:
     """A note when runs on one kind of CPU found its threads working together at different speeds
     (workbench.core_sync): a run's blocks cancel what that state does to every arm alike, not what
@@ -209,8 +223,10 @@ class Comparison:
         with every run's value: what to keep in mind before reading a ratio as the code's doing."""
         found = {}
         settings = dict.fromkeys(key for run in self.runs for key in run.config)
+        # a setting a run's record lacks (saved before it existed) had its default then
+        defaults = RunConfig().to_json()
         for key in settings:
-            values = [run.config.get(key) for run in self.runs]
+            values = [run.config.get(key, defaults.get(key)) for run in self.runs]
             if key not in (*NOT_COMPARED, "techniques") and any(value != values[0] for value in values[1:]):
                 found[key] = values
         found.update(self._technique_differences())
@@ -250,7 +266,8 @@ class Comparison:
         found = {}
         for technique in dict.fromkeys(name for techniques in chosen for name in techniques):
             values = [techniques.get(technique) for techniques in chosen]
-            present = [value for value in values if value is not None]
+            # as settings with the defaults filled in: an older record's label leaves them out
+            present = [_with_defaults(technique, value) for value in values if value is not None]
             if len(present) > 1 and any(value != present[0] for value in present[1:]):
                 found[technique + TECHNIQUE_SETTINGS] = values
         return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -344,16 +345,8 @@ def _compare(
                 "state changed what this arm gains, in a way the ratio does not cancel; more blocks, spread in "
                 "time, average it"
             )
-        if not shared and speedup.blocks == 1:
-            notes.append(
-                "measured in its own process against a baseline in another, in 1 block: the luck of two "
-                "processes (10-15% here) is not in this interval, so it gets no verdict; blocks=3 or more measure it"
-            )
-        elif not shared:
-            notes.append(
-                "measured in its own process against a baseline in its own process: the luck of two processes "
-                "(10-15% here) is in this interval"
-            )
+        if not shared:
+            notes.append(_own_process_note(speedup.blocks))
         _in_the_baselines_typical_block(row, paired, base_results)
         notes += _slow_step_notes(measured, sides, shared)
         notes += _wall_clock_notes(speedup.point, paired, measured.estimator)
@@ -362,6 +355,19 @@ def _compare(
     row["noisy"] = stats.is_noisy(row["speedup"], row["speedup_low"], row["speedup_high"])
     notes += _parity_notes(row, arm, baseline)
     return notes
+
+
+def _own_process_note(blocks: int) -> str:
+    """What an arm measured in a process of its own, against a baseline in another, can claim."""
+    if blocks == 1:  # results_view.against_noise gives it no verdict
+        return (
+            "measured in its own process against a baseline in another, in 1 block: the luck of two "
+            "processes (10-15% here) is not in this interval, so it gets no verdict; blocks=3 or more measure it"
+        )
+    return (
+        "measured in its own process against a baseline in its own process: the luck of two processes "
+        "(10-15% here) is in this interval"
+    )
 
 
 def _slow_step_notes(
@@ -1185,12 +1191,51 @@ def load_results(path: str | os.PathLike) -> Results:
     problem = _malformed(record)
     if problem:
         raise ValueError(f"{file} is a damaged workbench results file: {problem}")
-    if record["schema"] != SCHEMA:  # one process per (arm, repeat): read its repeats as blocks of one
-        for row in record["table"]:
-            row["blocks"] = row.pop("repeats", 0)
-        for unit in record["units"]:
-            unit["block"] = unit.get("repeat", 0)
+    if record["schema"] != SCHEMA:
+        _read_as_blocks(record)
     return Results(record, file.parent)
+
+
+def _read_as_blocks(record: dict) -> None:
+    """A record from before blocks (schema 1: one process per arm and repeat), read in today's terms:
+    its repeats as blocks of one arm each, and each arm's technique settings, which it kept only in
+    labels (``amp(dtype=bfloat16)``), as the settings the report's Reproduce and compare read. Without
+    them Reproduce dropped every technique, and compare saw 'repeats' and 'blocks' differ."""
+    for row in record["table"]:
+        row["blocks"] = row.pop("repeats", 0)
+    for unit in record["units"]:
+        unit["block"] = unit.get("repeat", 0)
+    config = record["config"]
+    if "repeats" in config and "blocks" not in config:
+        config["blocks"] = config.pop("repeats")
+    labels = config.get("techniques") or {}
+    for arm in record.get("arms", []):
+        if "settings" not in arm:
+            found = {
+                name: settings_from_label(labels.get(name, "")) for name in arm.get("technique_names", [])
+            }
+            if all(settings is not None for settings in found.values()):
+                arm["settings"] = found
+
+
+def settings_from_label(label: str) -> dict | None:
+    """``amp(dtype=bfloat16, level=O1)`` -> {"dtype": "bfloat16", "level": "O1"}; a bare name -> {};
+    None when the label does not read so (a value with commas of its own, say)."""
+    import ast
+
+    opened = re.fullmatch(r"\w+(?:\((.*)\))?", label.strip(), flags=re.S)
+    if opened is None:
+        return None
+    settings = {}
+    for item in filter(None, (part.strip() for part in (opened.group(1) or "").split(","))):
+        key, equals, text = item.partition("=")
+        if not equals or not key.strip().isidentifier():
+            return None
+        try:
+            settings[key.strip()] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            settings[key.strip()] = text.strip()  # a bare word: bfloat16, O1
+    return settings
 
 
 def _in_a_run_folder(file: Path) -> str:
