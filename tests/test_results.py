@@ -690,6 +690,32 @@ def test_samples_per_s_far_from_the_speedup_is_explained_beside_the_arm():
     assert "samples/s" not in rows["steady"]["notes"] and "samples/s" not in rows["baseline"]["notes"]
 
 
+def test_a_summed_loss_under_grad_accum_is_named_not_read_as_a_better_fit():
+    """loss_fn with reduction='sum' and grad_accum steps=4: the arm's loss came out at 0.25x the
+    baseline's, and its note read 'final loss 75% below the baseline's ... the technique changed
+    the numerics', as if it fit better."""
+    from workbench.results import summarize
+
+    def arm(name, steps=None):
+        settings = {"grad_accum": {"steps": steps}} if steps else {}
+        return {"name": name, "role": "baseline" if name == "baseline" else "treatment", "techniques": name,
+                "settings": settings, "unavailable": None}  # fmt: skip
+
+    arms = [arm("baseline"), arm("summed", 4), arm("other", 4)]
+    units = [
+        _fake_unit("baseline", [4.0] * 5),
+        _fake_unit("summed", [1.02] * 5),
+        _fake_unit("other", [2.4] * 5),
+    ]
+    rows = {row["arm"]: row for row in summarize(arms, units, planned_blocks=1, complete=True)}
+    summed = rows["summed"]["notes"]
+    assert (
+        "about 1/4 of the baseline's, as a loss summed over the batch gives under 4 micro-batches" in summed
+    )
+    assert "changed the numerics" not in summed
+    assert "the technique changed the numerics" in rows["other"]["notes"]
+
+
 def test_an_arm_in_its_own_process_gets_a_verdict_only_from_more_than_one_block():
     """One block of an arm in its own process gave amp 0.73x [0.57, 0.94] 'slower' and, run again,
     1.37x [0.79, 2.35]: one pair of processes says nothing of how processes differ, and its notes

@@ -98,6 +98,10 @@ def missing(module: str, install: str = "") -> str | None:
         )
     try:
         spec = importlib.util.find_spec(module)
+    except ValueError:  # imported already, without a __spec__ (a stand-in module): it is there
+        spec = sys.modules.get(module)
+        if spec is None:
+            return f"{module} could not be probed: it has no module spec{hint}"
     except ModuleNotFoundError as error:  # a parent package is missing: nvidia for nvidia.dali
         return f"{module} is not installed: no module named {error.name!r}{hint}"
     except KeyboardInterrupt:

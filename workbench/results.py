@@ -357,6 +357,28 @@ def _compare(
     return notes
 
 
+def _summed_loss(ratio: float, arm: dict) -> str | None:
+    """Why a grad_accum arm's loss is about 1/k of the baseline's, when it is: a loss summed over
+    the batch, not averaged. Each micro-batch's sum is 1/k of the batch's, and accumulation weights
+    it by its share again, so the arm's loss and gradients come out k times smaller: that read as a
+    loss far 'below' the baseline's, as if the technique had helped the fit."""
+    settings = (arm.get("settings") or {}).get("grad_accum") or {}
+    steps = settings.get("steps")
+    if (
+        not isinstance(steps, int)
+        or steps < 2
+        or not ratio > 0
+        or abs(math.log(ratio * steps)) > math.log(1.2)
+    ):
+        return None
+    return (
+        f"about 1/{steps} of the baseline's, as a loss summed over the batch gives under {steps} micro-batches: "
+        f"each micro-batch's sum is 1/{steps} of the batch's, so this arm's loss and gradients read {steps} times "
+        "smaller (SGD's updates with them; Adam's mostly not) and its loss does not compare; return the batch's "
+        "mean loss (PyTorch's default reduction) for grad_accum to match"
+    )
+
+
 def _own_process_note(blocks: int) -> str:
     """What an arm measured in a process of its own, against a baseline in another, can claim."""
     if blocks == 1:  # results_view.against_noise gives it no verdict
@@ -470,7 +492,7 @@ def _parity_notes(row: dict, arm: dict, baseline: str | None) -> list[str]:
             "this input pipeline draws its own random augmentations, so the arms saw different "
             "samples; compare over more steps"
             if arm.get("input_pipeline")
-            else "the technique changed the numerics"
+            else _summed_loss(row["loss_vs_baseline"], arm) or "the technique changed the numerics"
         )
         notes.append(
             f"convergence: final loss {abs(drift):.0%} {'above' if drift > 0 else 'below'} the baseline's "
