@@ -29,11 +29,11 @@ from workbench.plots import ResultsFigure, first_clause, readable_log_ticks
 from workbench.results import Results, load_results, run_identity, settings_from_label
 from workbench.results_view import READER_CSS, TERMINAL_WIDTH, badge, interval_text, text_table
 
+# Settings and machine facts that make two runs different jobs (not the same job measured again).
+JOB_SETTINGS = ("model", "data", "loss_fn", "device", "world_size", "cpu", "gpus")
 # The run settings that do not change what a speedup means (where a trace or the jobs went, how
 # its processes started, how long an arm may take): every other one is listed when runs differ,
 # and so is each technique's own settings (amp in bfloat16 against amp in float16).
-# Settings and machine facts that make two runs different jobs (not the same job measured again).
-JOB_SETTINGS = ("model", "data", "loss_fn", "device", "world_size", "cpu", "gpus")
 NOT_COMPARED = ("trace_dir", "profile_steps", "timeout_s", "executor", "slurm", "start")
 
 

@@ -421,7 +421,7 @@ def _in_the_baselines_typical_block(
 
     Each arm's own median over blocks would take its figures from other blocks than the
     baseline's: when blocks differ a lot (another job on the machine slowed one block 17x), an
-    arm 20% slower than the baseline in every block could show 2.7x its samples/s. So, as a
+    arm slower than the baseline in two blocks of three showed 2.7x its samples/s. So, as a
     blocked design adjusts for its blocks, the arm's figure is its ratio to the baseline inside
     each block (the median of those ratios) times the baseline's own median: the columns then
     agree with each other and, up to what typical steps leave out, with the speedup. With blocks
