@@ -752,12 +752,12 @@ def test_an_arm_in_its_own_process_gets_a_verdict_only_from_more_than_one_block(
 def test_the_wall_clock_note_names_the_estimator_the_speedup_used():
     """When the job's own slow steps made the speedup count every step (capped), the note said it
     came "from typical steps" and that stalls could not move it, beside a note saying the opposite."""
-    from workbench.results import _wall_clock_notes
+    from workbench.results import _wall_clock_notes, _wall_ratio
 
-    paired = [({"samples_per_s": 100.0}, {"samples_per_s": 40.0})]
-    (typical,) = _wall_clock_notes(0.6, paired, stats.ESTIMATOR)
+    wall = _wall_ratio([({"samples_per_s": 100.0}, {"samples_per_s": 40.0})])
+    (typical,) = _wall_clock_notes(0.6, wall, stats.ESTIMATOR)
     assert "0.40x the baseline's" in typical and "from typical steps" in typical
-    (capped,) = _wall_clock_notes(0.6, paired, "capped_mean")
+    (capped,) = _wall_clock_notes(0.6, wall, "capped_mean")
     assert "from typical steps" not in capped and "does not let such stalls move it" not in capped
     assert (
         f"from the mean step with no step counting for more than {stats.STALL_CAP:.0f} median steps" in capped

@@ -170,7 +170,7 @@ def _thread_state_notes(names: list[str], runs: list[Results]) -> list[str]:
 
 def _stopped_note(name: str, run: Results) -> str:
     finished = len({unit.get("block") for unit in run.record["units"] if unit.get("status") == "ok"})
-    planned = run.config.get("blocks", run.config.get("repeats"))  # repeats: results from before blocks
+    planned = run.config.get("blocks")
     if not finished:
         return (
             f"{name} was stopped before any of its {planned} blocks finished: it has no figures to compare."

@@ -88,8 +88,8 @@ def _gpu_info() -> dict:
         pynvml.nvmlInit()
         info["driver_version"] = pynvml.nvmlSystemGetDriverVersion()
         pynvml.nvmlShutdown()
-    except Exception:  # nvidia-ml-py missing or NVML unusable: the driver version stays unknown
-        info["driver_version"] = None
+    except Exception:  # NVML unusable (no driver): the driver version stays unknown, as set above
+        pass
     return info
 
 

@@ -283,13 +283,14 @@ def reproduce(record: dict) -> tuple[str | None, str]:
     settings = _changed_run_settings(config)
     own_model = config["model"] not in BUILTIN_MODELS
     own_data = config["data"] not in BUILTIN_DATA and not str(config["data"]).startswith(JPEG_FOLDER_PREFIX)
-    python = _python_call(config, techniques, settings, own_model, own_data)
-    if (
-        own_model
-        or own_data
-        or config.get("loss_fn", "cross_entropy") != "cross_entropy"
-        or config.get("collate_fn")
-    ):
+    # the loss and the collate function too: left out, a rerun trained on plain cross-entropy
+    own_functions = {
+        name: config[name]
+        for name in ("loss_fn", "collate_fn")
+        if config.get(name) and config[name] != "cross_entropy"
+    }
+    python = _python_call(config, techniques, settings, own_model, own_data, own_functions)
+    if own_model or own_data or own_functions:
         return None, python  # the CLI takes none of the user's own Python objects
     words = ["workbench", "ablate", "--model", config["model"], "--data", config["data"]]
     for name, value in techniques.items():
@@ -333,23 +334,19 @@ def run_flag(name: str, value: Any) -> list[str]:
     return [flag, "none" if value is None else str(value)]
 
 
-def _python_call(config: dict, techniques: dict, settings: dict, own_model: bool, own_data: bool) -> str:
+def _python_call(
+    config: dict, techniques: dict, settings: dict, own_model: bool, own_data: bool, own_functions: dict
+) -> str:
     lines = ["import workbench as wb", ""]
     if own_model:
         lines.append(f"# model: your own factory, recorded as {config['model']!r}")
     if own_data:
         lines.append(f"# data: your own, recorded as {config['data']!r} (its type, or a factory's name)")
-    # the loss and the collate function too: left out, a rerun trained on plain cross-entropy
-    own_loss = config.get("loss_fn", "cross_entropy") != "cross_entropy"
-    if own_loss:
-        lines.append(f"# loss_fn: your own, recorded as {config['loss_fn']!r}")
-    if config.get("collate_fn"):
-        lines.append(f"# collate_fn: your own, recorded as {config['collate_fn']!r}")
+    lines += [f"# {name}: your own, recorded as {label!r}" for name, label in own_functions.items()]
     arguments = [
         f"model={config['model'] if own_model else repr(config['model'])}",
         f"data={config['data'] if own_data else repr(config['data'])}",
-        *([f"loss_fn={config['loss_fn']}"] if own_loss else []),
-        *([f"collate_fn={config['collate_fn']}"] if config.get("collate_fn") else []),
+        *(f"{name}={label}" for name, label in own_functions.items()),
         f"techniques={techniques!r}",
         *(f"{name}={value!r}" for name, value in settings.items()),
     ]

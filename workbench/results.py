@@ -6,6 +6,7 @@ Everything is stored as JSON (``results.json``) and CSV (``table.csv``, ``losses
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -347,9 +348,10 @@ def _compare(
             )
         if not shared:
             notes.append(_own_process_note(speedup.blocks))
-        _in_the_baselines_typical_block(row, paired, base_results)
+        wall = _wall_ratio(paired)
+        _in_the_baselines_typical_block(row, wall, base_results)
         notes += _slow_step_notes(measured, sides, shared)
-        notes += _wall_clock_notes(speedup.point, paired, measured.estimator)
+        notes += _wall_clock_notes(speedup.point, wall, measured.estimator)
     else:
         notes.append("no baseline block to compare with")
     row["noisy"] = stats.is_noisy(row["speedup"], row["speedup_low"], row["speedup_high"])
@@ -414,24 +416,28 @@ def _slow_step_notes(
     ]
 
 
-def _in_the_baselines_typical_block(
-    row: dict, paired: list[tuple[dict, dict]], base_results: list[dict]
-) -> None:
+def _wall_ratio(paired: list[tuple[dict, dict]]) -> float:
+    """The arm's samples/s over the baseline's inside the blocks: the median of each block's ratio."""
+    return _median(
+        [arm["samples_per_s"] / base["samples_per_s"] for base, arm in paired if base["samples_per_s"]]
+    )
+
+
+def _in_the_baselines_typical_block(row: dict, wall: float, base_results: list[dict]) -> None:
     """The arm's samples/s, step and phases as they would read in the baseline's typical block.
 
     Each arm's own median over blocks would take its figures from other blocks than the
     baseline's: when blocks differ a lot (another job on the machine slowed one block 17x), an
     arm slower than the baseline in two blocks of three showed 2.7x its samples/s. So, as a
     blocked design adjusts for its blocks, the arm's figure is its ratio to the baseline inside
-    each block (the median of those ratios) times the baseline's own median: the columns then
+    each block (``wall``, the median of those ratios) times the baseline's own median: the columns then
     agree with each other and, up to what typical steps leave out, with the speedup. With blocks
     that agree, this is the arm's own median, near enough."""
-    ratios = [arm["samples_per_s"] / base["samples_per_s"] for base, arm in paired if base["samples_per_s"]]
     typical = _median([result["samples_per_s"] for result in base_results])
     own = row["samples_per_s"]
-    if not (ratios and typical > 0 and own > 0):
+    if not (wall > 0 and typical > 0 and own > 0):
         return
-    factor = _median(ratios) * typical / own
+    factor = wall * typical / own
     row["samples_per_s"] = own * factor
     row["step_ms"] /= factor
     for phase in PHASES:
@@ -441,16 +447,14 @@ def _in_the_baselines_typical_block(
 WALL_CLOCK_GAP = 0.10  # samples/s against the speedup: on a quiet machine they agree within about 1%
 
 
-def _wall_clock_notes(speedup: float, paired: list[tuple[dict, dict]], estimator: str) -> list[str]:
+def _wall_clock_notes(speedup: float, wall: float, estimator: str) -> list[str]:
     """Say why the arm's samples/s and its speedup disagree, when they do by more than WALL_CLOCK_GAP.
 
     samples/s counts every timed step (what a job would see); the speedup compares typical steps,
     so that a stall from outside the job, landing on one arm's window by chance, does not move it
     (workbench.stats). On a loaded machine the two can then differ a lot, and a table showing a
-    control at 0.99x beside 40% fewer samples/s than the baseline needs its reason beside it."""
-    wall = _median(
-        [arm["samples_per_s"] / base["samples_per_s"] for base, arm in paired if base["samples_per_s"]]
-    )
+    control at 0.99x beside 40% fewer samples/s than the baseline needs its reason beside it.
+    ``wall``: the arm's samples/s over the baseline's inside the blocks (``_wall_ratio``)."""
     if not (wall > 0 and speedup > 0) or abs(math.log(wall / speedup)) <= math.log1p(WALL_CLOCK_GAP):
         return []
     if estimator != stats.ESTIMATOR:  # the speedup already counts every step, each stall capped
@@ -1243,8 +1247,6 @@ def _read_as_blocks(record: dict) -> None:
 def settings_from_label(label: str) -> dict | None:
     """``amp(dtype=bfloat16, level=O1)`` -> {"dtype": "bfloat16", "level": "O1"}; a bare name -> {};
     None when the label does not read so (a value with commas of its own, say)."""
-    import ast
-
     opened = re.fullmatch(r"\w+(?:\((.*)\))?", label.strip(), flags=re.S)
     if opened is None:
         return None
