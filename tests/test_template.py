@@ -3,6 +3,7 @@ measure what spawned ones measure, it is kept warm for the next run a while and 
 without it the run still goes on."""
 
 import os
+import tempfile
 import threading
 import time
 
@@ -78,9 +79,14 @@ def test_a_template_that_cannot_start_falls_back_to_spawn_and_says_so(monkeypatc
 
     workbench.template.close_kept_template()  # else the next run forks from the one kept warm
     monkeypatch.setattr(workbench.template, "WarmTemplate", broken)
+    made = []
+    monkeypatch.setattr(
+        workbench.template, "_new_log_dir", lambda: made.append(tempfile.mkdtemp()) or made[-1]
+    )
     res = _ablate()
     assert set(res.table.status) == {"ok"}
     assert res.record["worker_start"] == "plain spawn: the warm template did not start (no fork today)"
+    assert made and not os.path.exists(made[0]), "its empty log folder was left: the reason is in the results"
 
 
 def test_a_forked_worker_that_dies_is_reported_like_a_spawned_one(tmp_path):
@@ -218,9 +224,10 @@ def test_the_fork_safety_check_leaves_cuda_untouched(monkeypatch):
 
 
 def test_log_folders_that_killed_runs_left_are_swept_and_nothing_else(tmp_path):
-    """A run killed outright (SIGKILL: no atexit) leaves its template's log folder in the temporary
-    folder. A later run removes such folders, and only such: workbench's name and log, untouched
-    for an hour, and the template gone (the log's lock, which the template holds, is free)."""
+    """A run killed outright (SIGKILL: no atexit) cannot remove its template's log folder: the
+    template, which ends with it, does. What a template killed outright itself leaves, a later run
+    removes, and only such folders: workbench's name and log, untouched for an hour, and the
+    template gone (the log's lock, which the template holds, is free)."""
     import subprocess
     import sys
     import textwrap
@@ -261,7 +268,8 @@ def test_log_folders_that_killed_runs_left_are_swept_and_nothing_else(tmp_path):
         parent.kill()
         parent.wait()
     psutil.Process(template_pid).wait(timeout=30)  # it ends with the parent that started it
-    assert _sweep_abandoned_log_dirs(tmp_path) == [live_dir]
+    assert not live_dir.exists(), "the template left its log folder, which its killed parent could not remove"
+    assert _sweep_abandoned_log_dirs(tmp_path) == []
     assert recent.exists() and (users / "notes.txt").exists()
 
 

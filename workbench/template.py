@@ -25,9 +25,10 @@ another interpreter, ``sys.path``, working directory or environment (bar ``PYTES
 or an edited workbench source file.
 
 Its log lives in a folder of its own in the temporary folder, removed when it closes. A run
-killed outright (SIGKILL: no exit handlers) cannot remove it; the first template a later Python
-process starts removes such abandoned folders once they are an hour old (a template's log may
-be read for a while), and only those (``_sweep_abandoned_log_dirs``).
+killed outright (SIGKILL: no exit handlers) cannot remove it, so the template, which ends with
+its parent, removes it then (``serve``). What a template killed outright itself leaves, the
+first template a later Python process starts removes once it is an hour old (a template's log
+may be read for a while), and only that (``_sweep_abandoned_log_dirs``).
 
 It falls back to a plain spawn (``python -m workbench.worker`` per process), and the results
 say so, where forking is unsafe or unavailable: on platforms other than Linux, when the
@@ -43,6 +44,7 @@ its message pipe and its log); the template answers ``{"pid": N}``, and ``{"exit
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import importlib.util
 import json
@@ -60,6 +62,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 READY_TIMEOUT_S = 120.0  # importing torch cold (first run after install) takes 5-10 s here
 # Imported by every block (the worker, and torch's compiler stack through FLOP counting and the
@@ -99,8 +102,10 @@ class WarmTemplate:
             # held exactly as long as the template lives, however its parent ended: a later
             # run's sweep (_sweep_abandoned_log_dirs) can tell an abandoned log folder by it.
             fcntl.flock(log.fileno(), fcntl.LOCK_EX)
+            # A folder workbench made for the log is the template's to remove if its parent dies first.
+            own_folder = [str(log_path.parent)] if log_path.parent.name.startswith(LOG_DIR_PREFIX) else []
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "workbench.template", str(theirs.fileno())],
+                [sys.executable, "-m", "workbench.template", str(theirs.fileno()), *own_folder],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -448,7 +453,10 @@ def acquire_template() -> tuple[WarmTemplate | None, str]:
         except BaseException:  # interrupted while it starts (a notebook's interrupt): end it once started
             starting.add_done_callback(lambda future: _end_unclaimed(future, log_dir))
             raise
-        # A template that did not start leaves its log where ``how`` points, for whoever reads why.
+        # A template that did not start leaves its log where ``how`` points, for whoever reads why;
+        # where ``how`` says why itself, nothing is left to read there.
+        if template is None and log_dir not in how:
+            shutil.rmtree(log_dir, ignore_errors=True)
         if template is not None and _kept is None:  # kept for the runs after this one
             _kept = _Kept(template, fingerprint, log_dir, users=1)
         elif template is not None:  # the kept one is busy with another run (another environment)
@@ -542,6 +550,7 @@ def _run_worker(request: dict, fds: list[int], control: socket.socket, in_sessio
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -637,12 +646,19 @@ def _check_fork_safe() -> str | None:
     return None
 
 
-def serve(fd: int) -> int:
-    """The template's loop: import once, then fork a worker per request until the socket closes."""
+def serve(fd: int, log_dir: str | None = None) -> int:
+    """The template's loop: import once, then fork a worker per request until the socket closes.
+
+    ``log_dir``: the folder workbench made for its log. When the run's process ends without
+    closing it (killed outright, or a notebook kernel that was killed), the template gets SIGTERM
+    (``die_with_parent``) or sees its socket close, and removes that folder itself: the parent's
+    exit handlers never ran to do it.
+    """
     control = socket.socket(fileno=fd)
     # Ctrl-C reaches the whole foreground process group; the run's process handles it and then
     # closes the template, which must not die half-way through forking meanwhile.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: _end_with_parent(log_dir))
     try:
         from workbench.worker import die_with_parent
 
@@ -672,7 +688,7 @@ def serve(fd: int) -> int:
                 continue
             data, fds, _flags, _address = socket.recv_fds(control, 1 << 16, 3)
             if not data:  # the run ended, and with it any worker still running (the parent ends them)
-                os._exit(0)  # skip the interpreter's teardown of torch: nothing here needs it
+                _end_with_parent(log_dir)
             pending, received = pending + data, received + fds
             if b"\n" not in pending:
                 continue  # the rest of the request is still on its way
@@ -690,5 +706,15 @@ def serve(fd: int) -> int:
             control.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
+def _end_with_parent(log_dir: str | None) -> NoReturn:
+    """End the template, its log folder with it: nobody is left to read the log or remove it.
+    Only a folder that holds nothing but workbench's log (the sweep's rule, _sweep_abandoned_log_dirs)."""
+    if log_dir is not None:
+        with contextlib.suppress(OSError):
+            if {entry.name for entry in os.scandir(log_dir)} <= {LOG_NAME}:
+                shutil.rmtree(log_dir, ignore_errors=True)
+    os._exit(0)  # skip the interpreter's teardown of torch: nothing here needs it
+
+
 if __name__ == "__main__":
-    raise SystemExit(serve(int(sys.argv[1])))
+    raise SystemExit(serve(int(sys.argv[1]), *sys.argv[2:3]))
