@@ -39,7 +39,35 @@ QUIET = {"progress": False, "out": False}
         ({"mode": "sweep"}, r"unknown mode 'sweep'; valid modes: one-at-a-time, leave-one-out, grid"),
         ({"device": "tpu"}, r"unknown device 'tpu'; valid devices: auto, cpu, cuda, cuda:N"),
         ({"device": torch.device("mps")}, r"unknown device 'mps'; valid devices: auto, cpu, cuda, cuda:N"),
-        ({"optimizer": "lion"}, r"unknown optimizer 'lion'; valid optimizers: adamw, sgd"),
+        (
+            {"optimizer": "lion"},
+            r"unknown optimizer 'lion'; valid optimizers: adamw, sgd; or pass your own factory, e\.g\. functools",
+        ),
+        (
+            {"optimizer": torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)},
+            r"ablate: optimizer is an optimizer already built \(SGD\), over one model's parameters; .* pass a factory",
+        ),
+        (
+            {"optimizer": 3},
+            r"ablate: optimizer must be one of adamw, sgd or a factory params -> torch.optim.Optimizer",
+        ),
+        (
+            {"optimizer": torch.optim.RMSprop, "lr": 0.1},
+            r"ablate: lr=0.1 is for the built-in optimizers; your optimizer factory RMSprop sets its own",
+        ),
+        (
+            {"optimizer": lambda params: "sgd"},
+            r"the optimizer factory <lambda> returned str, not a torch.optim.Optimizer",
+        ),
+        (
+            {"optimizer": lambda params: torch.optim.SGD(torch.nn.Linear(2, 2).parameters())},
+            r"the optimizer factory <lambda> built SGD over none of the parameters it was given",
+        ),
+        (
+            {"optimizer": lambda params: torch.optim.SGD(params, lr=-1.0)},
+            r"the optimizer factory <lambda> fails on the model's parameters, as it would in every arm: "
+            r"ValueError: Invalid learning rate: -1.0",
+        ),
         ({"steps": 0}, r"ablate: steps must be >= 1; got 0"),
         ({"steps": 2.5}, r"ablate: steps must be an integer >= 1; got 2.5"),
         ({"warmup": 0}, r"ablate: warmup must be >= 1; got 0 \(the first steps pay one-off costs"),
@@ -344,21 +372,32 @@ def test_a_torch_device_is_taken_as_its_name():
     assert list(plan["name"]) == ["baseline", "baseline (control)"]
 
 
-def test_a_checkpointing_select_that_matches_nothing_names_what_it_could_match():
-    """ "select='layers.*' matches no submodule of mlp" left the user to guess mlp's names."""
-    plan = wb.plan(model="mlp", techniques={"checkpointing": {"select": "layers.*"}}, device="cpu")
-    reason = plan.set_index("name").loc["checkpointing", "unavailable"]
-    assert reason.startswith("select='layers.*' matches no submodule of mlp; its submodules include ")
-    assert "blocks.0 (MLPBlock)" in reason and "more" in reason
+def test_a_checkpointing_select_that_matches_nothing_is_refused_naming_what_it_could_match():
+    """ "select='layers.*' matches no submodule of mlp" left the user to guess mlp's names, and
+    showed the arm as unavailable beside the others, as if the model could not be checkpointed."""
+
+    def refusal(select) -> str:
+        with pytest.raises(ValueError) as refused:
+            wb.plan(model="mlp", techniques={"checkpointing": {"select": select}}, device="cpu")
+        return str(refused.value)
+
+    said = refusal("layers.*")
+    assert said.startswith(
+        "checkpointing: select='layers.*' matches no submodule of mlp; its submodules include "
+    )
+    assert "blocks.0 (MLPBlock)" in said and "more" in said
     for typo, meant in (
         ("blokcs.*", "blocks.*"),
         ("type:MLPBlok", "type:MLPBlock"),
     ):  # a misspelling is named
-        plan = wb.plan(model="mlp", techniques={"checkpointing": {"select": typo}}, device="cpu")
-        assert f"(did you mean {meant!r}?)" in plan.set_index("name").loc["checkpointing", "unavailable"]
+        assert f"(did you mean {meant!r}?)" in refusal(typo)
     for no_better in ("blocks.[5-9]", "blocks.9?"):  # only a select that would match is offered
-        plan = wb.plan(model="mlp", techniques={"checkpointing": {"select": no_better}}, device="cpu")
-        assert "did you mean" not in plan.set_index("name").loc["checkpointing", "unavailable"]
+        assert "did you mean" not in refusal(no_better)
+    assert "matches no submodule" in refusal(lambda name, module: False)
+    # The default finds the repeated blocks itself: a model without any is unavailable, not refused.
+    plan = wb.plan(model=lambda: torch.nn.Linear(4, 2), data=[(torch.zeros(2, 4), torch.zeros(2).long())],
+                   techniques=["checkpointing"], device="cpu")  # fmt: skip
+    assert "found no repeated blocks" in plan.set_index("name").loc["checkpointing", "unavailable"]
 
 
 def test_advise_names_itself_and_its_own_arguments_when_one_is_unknown():

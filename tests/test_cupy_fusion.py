@@ -204,6 +204,11 @@ def test_an_arm_that_would_fuse_nothing_is_refused_not_measured(monkeypatch):
         FUSION.check(Context(device=torch.device("cuda"), model=model, model_name=label), FUSION.Config())
         is None
     )
+    # The user's own factory may build AdamW: only building one tells (apply's probe, above).
+    own = Context(
+        device=torch.device("cuda"), model=model, model_name=label, optimizer="your own build_adamw"
+    )
+    assert FUSION.check(own, FUSION.Config()) is None
 
 
 def test_an_adamw_that_cannot_be_fused_is_left_unfused_with_the_reason():

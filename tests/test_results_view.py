@@ -469,6 +469,25 @@ def test_a_users_model_gets_the_python_call_only():
     assert "collate_fn=pad" in python
 
 
+def test_an_optimizer_factory_of_the_users_is_in_the_python_call_and_its_lr_is_not():
+    import functools
+
+    import torch
+
+    from workbench.ablation import prepare
+    from workbench.report import reproduce
+
+    factory = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    prepared = prepare("mlp", "digits", None, {"amp": True}, RunConfig(device="cpu", optimizer=factory))
+    assert prepared.config["optimizer"] == "partial(SGD, lr=0.1, momentum=0.9)"
+    assert prepared.config["lr"] is None  # the factory's own, not the built-ins' 1e-3
+    command, python = reproduce({"config": prepared.config, "arms": []})
+    assert command is None  # the command line takes the built-in optimizers only
+    assert "optimizer=partial(SGD, lr=0.1, momentum=0.9)," in python
+    assert "# optimizer: your own, recorded as 'partial(SGD, lr=0.1, momentum=0.9)'" in python
+    assert "lr=" not in python.replace("(SGD, lr=", "")
+
+
 def _run(amp, amp_low, amp_high, control=(0.98, 1.02), extra=None, config=None):
     rows = [
         _row("baseline", speedup=1.0, low=1.0, high=1.0),

@@ -9,6 +9,9 @@ libraries run in the ``thirdparty`` tier (tests/test_thirdparty.py).
 from __future__ import annotations
 
 import copy
+import functools
+import os
+import re
 from collections import OrderedDict
 
 import pytest
@@ -149,6 +152,7 @@ _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
         (_small_mlp, [(x, y.int()) for x, y in _PAIRS], None, r"int64.*targets are torch\.int32: convert them"),
         (_small_mlp, [(x.double(), y) for x, y in _PAIRS], None, r"inputs are torch\.float64 and the model's parameters torch\.float32"),
         (_small_mlp, [(x.byte(), y) for x, y in _PAIRS], None, r"inputs are torch\.uint8 \(image bytes\?\).*inputs\.float\(\) / 255"),
+        (_small_mlp, [(x.long(), y) for x, y in _PAIRS], None, r"inputs are torch\.int64 and the model's parameters torch\.float32: if they are features"),
         (_IgnoresItsInput, _PAIRS, None, r"the loss has no gradient"),
         (_small_mlp, _PAIRS, lambda o, t: nn.functional.cross_entropy(o, t).detach(), r"loss_fn's loss has no gradient"),
         (_small_mlp, [{"x": x, "y": y} for x, y in _PAIRS], nn.CrossEntropyLoss(), r"loss_fn gets targets=None.*pairs"),
@@ -157,7 +161,7 @@ _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
         (lambda: _NotOnMeta(frozen=True), _PAIRS, None, r"nothing to train"),
         (_small_mlp, _PAIRS, _HeadLoss(), r"loss_fn holds parameters to train \(head\.weight, head\.bias\)"),
     ],
-    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "uint8-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers", "not-on-meta-int32", "not-on-meta-frozen", "loss-with-parameters"],
+    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "uint8-inputs", "int64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers", "not-on-meta-int32", "not-on-meta-frozen", "loss-with-parameters"],
 )  # fmt: skip
 def test_a_mistake_every_arm_would_make_is_refused_before_any_arm_runs(model, data, loss_fn, expected):
     if isinstance(data[0], dict):
@@ -394,6 +398,22 @@ def test_grad_accum_repeats_what_is_not_per_sample_and_refuses_to_cut_a_sequence
     with pytest.raises(ValueError, match=r"8 samples and inputs of shape \(12, 8, 5\).*time-major"):
         MicroBatches(2)(time_major, targets)
 
+    class LastStep(nn.Module):  # a time-major GRU, classified from its last step
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.GRU(5, 4), nn.Linear(4, 8)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0][-1])
+
+    # Ready-made batches are read before any arm runs: the arm is unavailable, not failed in every block.
+    plan = wb.plan(model=LastStep, data=[(time_major, targets)] * 2, techniques=["grad_accum"], device="cpu")
+    reason = plan.set_index("name").loc["grad_accum", "unavailable"]
+    assert re.match(
+        r"splits a batch along the first dimension, but this batch has 8 samples and inputs of shape \(12, 8, 5\)",
+        reason,
+    )
+
 
 class _UnusedHead(nn.Module):
     def __init__(self):
@@ -452,6 +472,55 @@ def test_a_dict_batch_model_trains_in_an_ablation(tmp_path):
     assert set(table.status) == {"ok"}, table.reason.to_dict()
     assert (table.loss_vs_baseline.between(0.9, 1.1)).all()  # the same data, the same losses
     assert "checkpointed layers.0, layers.1, layers.2" in table.loc["checkpointing", "notes"]
+
+
+def _logged_sgd(log: str, params, lr: float) -> torch.optim.Optimizer:
+    """SGD that notes which process built it, and over how many tensors."""
+    params = list(params)
+    with open(log, "a") as lines:
+        lines.write(f"{os.getpid()} {len(params)}\n")
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def test_every_arm_trains_with_the_users_own_optimizer(tmp_path):
+    log = tmp_path / "built.txt"
+    results = wb.ablate(
+        model="mlp",
+        techniques=["grad_accum"],
+        optimizer=functools.partial(_logged_sgd, str(log), lr=0.05),
+        steps=4,
+        warmup=1,
+        blocks=1,
+        device="cpu",
+        out=False,
+        progress=False,
+    )
+    table = results.table.set_index("arm")
+    assert set(table.status) == {"ok"}, table.reason.to_dict()
+    built = [line.split() for line in log.read_text().splitlines()]
+    # once here (the check before any arm runs), then once per arm in the block's process
+    here = [count for pid, count in built if int(pid) == os.getpid()]
+    there = [count for pid, count in built if int(pid) != os.getpid()]
+    assert len(here) == 1 and len(there) == 3, built  # baseline, its control, grad_accum
+    assert len(set(here + there)) == 1  # over all of the model's parameters each time
+    assert results.record["config"]["optimizer"].startswith("partial(_logged_sgd, ")
+
+
+def test_an_edited_optimizer_factory_is_another_job():
+    """Two lambdas share a label; their source tells them apart, so a rerun does not resume."""
+    from workbench.ablation import prepare
+    from workbench.config import RunConfig
+
+    def identity(factory):
+        return prepare("mlp", "digits", None, {}, RunConfig(device="cpu", optimizer=factory)).identity
+
+    first = identity(lambda params: torch.optim.SGD(params, lr=0.1))
+    assert first == identity(lambda params: torch.optim.SGD(params, lr=0.1))
+    assert (
+        first["optimizer_source"]
+        != identity(lambda params: torch.optim.SGD(params, lr=0.2))["optimizer_source"]
+    )
+    assert "optimizer_source" not in identity("sgd")
 
 
 class Block(nn.Module):

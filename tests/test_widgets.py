@@ -713,6 +713,23 @@ def test_every_setting_control_shows_its_value():
             assert control.label, f"{name}'s dropdown is blank"
 
 
+def test_an_optimizer_factory_given_to_the_panel_is_a_choice_beside_the_built_in_ones():
+    import functools
+
+    import torch
+
+    factory = functools.partial(torch.optim.SGD, lr=0.1)
+    panel = wb.panel(model="mlp", optimizer=factory)
+    control = panel.settings["optimizer"]
+    assert control.label == "partial(SGD, lr=0.1)" and control.options[:2] == (
+        ("adamw", "adamw"),
+        ("sgd", "sgd"),
+    )
+    assert panel.arguments()["optimizer"] is factory
+    control.value = "sgd"
+    assert panel.arguments()["optimizer"] == "sgd"
+
+
 def test_the_advise_and_tune_page_builds_its_calls_from_the_job_above():
     panel = wb.panel(model="mlp", techniques={"amp": True}, batch_size=8, blocks=3, steps=30)
     assert [panel.tabs.get_title(i) for i in range(2)] == ["Ablate", "Advise & tune"]

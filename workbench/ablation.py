@@ -93,7 +93,7 @@ from workbench.data import (
 from workbench.devices import resolve_device
 from workbench.distributed import Torchrun, ranks_on_this_machine
 from workbench.environment import environment
-from workbench.loop import check_the_loss, error_line
+from workbench.loop import check_optimizer, check_the_loss, error_line
 from workbench.models import build_model, inspect_model, model_label
 from workbench.process import STARTUP_LIMIT_S, Interrupted, first_cause, rank_log, run_in_fresh_process
 from workbench.profiling import trace_owner
@@ -143,6 +143,7 @@ def prepare(
     chosen = parse_techniques(techniques)
     _check_loss_fn(loss_fn)
     inspected = inspect_model(model)
+    check_optimizer(run.optimizer, inspected[0])
     source = resolve_data(data, model)
     run, first_batch = _with_batch_size(run, source)
     own_model = not (
@@ -153,7 +154,8 @@ def prepare(
         first_batch = _first_batch(source, run.batch_size, run.seed)
     if own_model:
         check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn, device, run.world_size)
-    ctx = technique_context(run, model, source, inspected=inspected)
+    ready_made = None if source.is_dataset else first_batch  # a Dataset's batches are workbench's own
+    ctx = technique_context(run, model, source, inspected=inspected, first_batch=ready_made)
     label = ctx.model_name
     runnable, runnable_names, unavailable = [], [], []
     for name, (technique, config) in zip(sweep_names(chosen), chosen, strict=True):  # names see every value
@@ -181,7 +183,7 @@ def prepare(
         arms += loader_twins(arms)
     arms = assign_processes(arms, ctx, run.isolate) + unavailable
     config = _config_of(label, source, loss_fn, chosen, run, device)
-    identity = job_identity(model, inspected[0], source, first_batch, loss_fn)
+    identity = job_identity(model, inspected[0], source, first_batch, loss_fn, run.optimizer)
     return Prepared(run, model, source, loss_fn, arms, config, identity)
 
 
@@ -312,7 +314,12 @@ def _described(chosen: list[tuple[Technique, Any]]) -> dict[str, str]:
 
 
 def job_identity(
-    model: Any, built: Any, source: DataSource, first_batch: Any, loss_fn: Callable | None
+    model: Any,
+    built: Any,
+    source: DataSource,
+    first_batch: Any,
+    loss_fn: Callable | None,
+    optimizer: str | Callable = "adamw",
 ) -> dict:
     """What identifies the job beyond its labels, for deciding whether a folder holds this run.
 
@@ -320,7 +327,7 @@ def job_identity(
     model in a notebook and running again into the same ``out`` would otherwise resume, and
     mix the old model's blocks with the new one's. So: the model's layers (its repr), its
     tensors' names and shapes, and the source of its factory and of each layer class's
-    ``forward``; user data's length and first batch's shapes and dtypes, and for a list of
+    ``forward``; an optimizer factory's source (and a partial's arguments); user data's length and first batch's shapes and dtypes, and for a list of
     batches its first batch's values (not a Dataset's, which random augmentations change from
     run to run); a ``collate_fn``'s source; the loss (``_loss_text``); and the torch and
     workbench versions that measure it. Each part is a short digest, named in the
@@ -348,6 +355,8 @@ def job_identity(
         identity["data_shape"] = _digest([str(size), repr(_shapes_of(first_batch))])
         if isinstance(source.user, (list, tuple)):  # batches given as they are: no augmentation moves them
             identity["data_values"] = _digest([_tensor_digest(t) for t in tensors_of(first_batch)])
+    if not isinstance(optimizer, str):  # its label shows a partial's arguments, not a function's body
+        identity["optimizer_source"] = _digest(_factory_text(optimizer))
     if source.collate_fn is not None:  # padding to another length, say, is another job
         identity["collate_source"] = _digest(_factory_text(source.collate_fn))
     return identity

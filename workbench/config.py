@@ -8,10 +8,12 @@ messages look alike: ``<owner>: <field> must be <rule>; got <value>``. Unknown n
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import math
 import numbers
 import os
+import re
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -23,6 +25,7 @@ from workbench.heap import HEAP_CHOICES
 MODES = ("one-at-a-time", "leave-one-out", "grid")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 OPTIMIZERS = ("adamw", "sgd")
+DEFAULT_LR = 1e-3  # adamw's and sgd's; an optimizer factory of the user's sets its own
 
 # WORKBENCH_SMOKE=1 cuts every run to a smoke test's budget: enough to run every line of a
 # notebook (the notebooks tier sets it: tests/conftest.py), far too little to decide anything.
@@ -111,6 +114,50 @@ def check_choice(owner: str, field: str, value: object, choices: Iterable[str]) 
         listed = " | ".join(repr(c) for c in choices)
         raise ValueError(f"{owner}: {field} must be one of {listed}; got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def callable_label(function: object) -> str:
+    """A user's function, class or ``functools.partial`` as results name it: ``small_gpt2``,
+    ``partial(SGD, lr=0.1, momentum=0.9)`` (with its arguments, which tell two runs apart)."""
+    if isinstance(function, functools.partial):
+        arguments = [callable_label(function.func), *map(repr, function.args)]
+        arguments += [f"{k}={v!r}" for k, v in function.keywords.items()]
+        # without the addresses in default reprs (<Cfg at 0x7f..>): they differ in every process,
+        # and a label that changes from run to run would refuse every resume
+        text = re.sub(r" at 0x[0-9a-fA-F]+", "", f"partial({', '.join(arguments)})")
+        return text if len(text) <= LABEL_CHARACTERS else text[: LABEL_CHARACTERS - 4] + "...)"
+    return getattr(function, "__qualname__", None) or type(function).__name__
+
+
+LABEL_CHARACTERS = 100  # a partial's arguments are cut there (a class weight's repr runs on)
+
+
+def as_optimizer(value: Any) -> Any:
+    """A built-in optimizer's name, or the user's factory: ``params -> torch.optim.Optimizer``."""
+    if isinstance(value, str):
+        if value in OPTIMIZERS:
+            return value
+        error = unknown_name_error("optimizer", value, OPTIMIZERS)
+        raise ValueError(f"{error}; or pass your own factory, e.g. {OPTIMIZER_EXAMPLE}")
+    if hasattr(value, "param_groups") and not isinstance(value, type):  # built over one model already
+        raise ValueError(
+            f"ablate: optimizer is an optimizer already built ({type(value).__name__}), over one model's "
+            f"parameters; every arm builds its own model, so pass a factory: {OPTIMIZER_EXAMPLE}"
+        )
+    if not callable(value):
+        raise ValueError(
+            f"ablate: optimizer must be one of {', '.join(OPTIMIZERS)} or a factory params -> "
+            f"torch.optim.Optimizer, e.g. {OPTIMIZER_EXAMPLE}; got {value!r}"
+        )
+    return value
+
+
+OPTIMIZER_EXAMPLE = "functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True)"
+
+
+def optimizer_label(optimizer: Any) -> str:
+    """The run's optimizer as results record it: a built-in's name, or the user's factory's label."""
+    return optimizer if isinstance(optimizer, str) else callable_label(optimizer)
 
 
 # How an arm refused by memory_cap_mb says so: the reader's views find such arms by it.
@@ -364,7 +411,7 @@ class Option:
         if self.check is not None:
             return self.check(value)
         if self.choices is not None:
-            chosen = self._choice_of(value)
+            chosen = self.choice_of(value)
             if chosen is not None:
                 return chosen[1]
             if all(isinstance(word, str) and word == meant for word, meant in self.choices.items()):
@@ -379,7 +426,7 @@ class Option:
             return check_number("ablate", name, value, above=float(self.least or 0.0))
         return value
 
-    def _choice_of(self, value: Any) -> tuple[str, Any] | None:
+    def choice_of(self, value: Any) -> tuple[str, Any] | None:
         """The (word, value) pair that ``value`` is; ``is`` for True/None, so 1 is not True here."""
         assert self.choices is not None
         for word, meant in self.choices.items():
@@ -389,7 +436,7 @@ class Option:
 
     def word(self, value: Any) -> str:
         """The choice word that stands for ``value`` (``"auto"`` for loader_arms=None)."""
-        chosen = self._choice_of(value)
+        chosen = self.choice_of(value)
         assert chosen is not None, f"{value!r} is none of the choices"
         return chosen[0]
 
@@ -501,10 +548,20 @@ class RunConfig:
         choices={mode: mode for mode in MODES},
         main=True,
     )
-    optimizer: str = option(
-        "adamw", "the optimizer every arm trains with", str, choices={o: o for o in OPTIMIZERS}
+    optimizer: str | Callable = option(
+        "adamw",
+        "the optimizer every arm trains with: adamw, sgd (momentum 0.9), or from Python your own "
+        f"factory params -> torch.optim.Optimizer, called once per arm, e.g. {OPTIMIZER_EXAMPLE}",
+        str,
+        choices={o: o for o in OPTIMIZERS},
+        check=as_optimizer,
     )
-    lr: float = option(1e-3, "the learning rate every arm trains with", float, least=0.0)
+    lr: float = option(
+        DEFAULT_LR,
+        "the learning rate of adamw and sgd (your own optimizer factory sets its own)",
+        float,
+        least=0.0,
+    )
     control: bool = option(
         True, "also run the baseline a second time in every block: an A/A check of the noise", bool
     )
@@ -633,6 +690,12 @@ class RunConfig:
             _check_trace_dir(self.trace_dir)
         if self.slurm is not None and self.executor != "slurm":
             raise ValueError("ablate: slurm options describe Slurm jobs, so they need executor='slurm'")
+        if not isinstance(self.optimizer, str) and self.lr != DEFAULT_LR:
+            raise ValueError(
+                f"ablate: lr={self.lr} is for the built-in optimizers; your optimizer factory "
+                f"{callable_label(self.optimizer)} sets its own learning rate: pass it there, e.g. "
+                f"{OPTIMIZER_EXAMPLE}"
+            )
         if self.link is not None and self.world_size < 2:
             raise ValueError("ablate: link simulates the network between ranks, so it needs world_size >= 2")
 
@@ -657,8 +720,16 @@ class RunConfig:
         return run
 
     def to_json(self) -> dict:
-        """JSON-ready; ``RunConfig(**run.to_json()) == run``."""
-        return asdict(self)
+        """JSON-ready; ``RunConfig(**run.to_json()) == run``, except for an optimizer factory of
+        the user's: the record names it (``optimizer_label``), with no lr, which it sets itself."""
+        if isinstance(self.optimizer, str):
+            return asdict(self)
+        # asdict would deep-copy the factory too, which may hold what cannot be copied
+        return {
+            **asdict(replace(self, optimizer=OPTIMIZERS[0])),
+            "optimizer": optimizer_label(self.optimizer),
+            "lr": None,
+        }
 
 
 def _check_trace_dir(trace_dir: str) -> None:

@@ -704,6 +704,13 @@ def batch_size_of(inputs: Any, targets: torch.Tensor | None) -> int:
     return rows
 
 
+def not_leading_with_samples(inputs: Any, targets: torch.Tensor | None) -> list[tuple[int, ...]]:
+    """The shapes of the batch's input tensors whose first dimension is not its samples (a
+    time-major sequence's (T, B, F)): what splitting along the first dimension would cut in time."""
+    size = batch_size_of(inputs, targets)
+    return sorted({tuple(t.shape) for t in tensors_of(inputs) if t.dim() > 0 and t.shape[0] != size})
+
+
 def rows_of(inputs: Any) -> int | None:
     """The first dimension of the first input tensor that has one (None: only scalars)."""
     return next((tensor.shape[0] for tensor in tensors_of(inputs) if tensor.dim() > 0), None)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.config import OPTIMIZER_EXAMPLE, callable_label
 from workbench.data import batch_size_of, inputs_and_targets, loader_worker_error, map_tensors, tensors_of
 from workbench.distributed import no_sync_context
 from workbench.models import model_label
@@ -385,11 +386,17 @@ def _dtype_mismatch(model: nn.Module, inputs: Any) -> str:
     """'; the batch's inputs are torch.float64 and the model's parameters torch.float32: ...', or ''."""
     held = {p.dtype for p in model.parameters() if p.is_floating_point()}
     given = {t.dtype for t in tensors_of(inputs) if t.is_floating_point()}
-    if len(held) == 1 and not given and any(t.dtype == torch.uint8 for t in tensors_of(inputs)):
-        # bytes, as images are stored (integer token ids are an embedding's, and left alone)
+    integers = sorted({t.dtype for t in tensors_of(inputs) if not t.is_floating_point()}, key=str)
+    if len(held) == 1 and not given and integers == [torch.uint8]:  # bytes, as images are stored
         return (
             f"; the batch's inputs are torch.uint8 (image bytes?) and the model's parameters "
             f"{held.pop()}: convert the data to floats (inputs.float() / 255) in the Dataset"
+        )
+    if len(held) == 1 and not given and integers:  # said only as the forward failed: token ids pass
+        return (
+            f"; the batch's inputs are {', '.join(map(str, integers))} and the model's parameters "
+            f"{held.pop()}: if they are features, not token ids for an embedding, convert them to "
+            "floats (inputs.float()) in the Dataset"
         )
     if len(held) != 1 or not given or given == held:
         return ""
@@ -408,10 +415,47 @@ def error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def make_optimizer(name: str, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
-    if name == "sgd":
+def make_optimizer(optimizer: str | Callable, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
+    """The run's optimizer (RunConfig.optimizer) as a factory over an arm's parameters: the user's
+    own factory as it is (``check_optimizer`` saw it build one), else a built-in with ``lr``."""
+    if callable(optimizer):
+        return optimizer
+    if optimizer == "sgd":
         return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
     return lambda params: torch.optim.AdamW(params, lr=lr)
+
+
+def check_optimizer(optimizer: str | Callable, model: nn.Module) -> None:
+    """Before any arm starts: the user's optimizer factory builds a torch.optim.Optimizer over the
+    parameters it is given (not over another model's, which would leave every arm untrained).
+
+    It is called on stand-ins of the model's trainable parameters (one element each, of their
+    dtype and number of dimensions, so a factory that groups them by ``ndim`` groups them as it
+    will), since the model may be on the meta device here, where some optimizers refuse to build.
+    """
+    if isinstance(optimizer, str):
+        return
+    label = callable_label(optimizer)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    stand_ins = [nn.Parameter(torch.zeros((1,) * p.dim(), dtype=p.dtype)) for p in trained]
+    try:  # an iterator, as model.parameters() is: a factory may read it only once
+        built = optimizer(iter(stand_ins))
+    except Exception as error:
+        raise ValueError(
+            f"the optimizer factory {label} fails on the model's parameters, as it would in every "
+            f"arm: {error_line(error)}"
+        ) from error
+    if not isinstance(built, torch.optim.Optimizer):
+        raise ValueError(
+            f"the optimizer factory {label} returned {type(built).__name__}, not a torch.optim.Optimizer: "
+            f"it is called with each arm's parameters and returns the optimizer over them, e.g. {OPTIMIZER_EXAMPLE}"
+        )
+    held = {id(p) for group in built.param_groups for p in group["params"]}
+    if stand_ins and not held & {id(p) for p in stand_ins}:
+        raise ValueError(
+            f"the optimizer factory {label} built {type(built).__name__} over none of the parameters it "
+            "was given (over another model's?), so no arm would train: build it over the params argument"
+        )
 
 
 class LossScaler(Protocol):

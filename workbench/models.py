@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.config import unknown_name_error
+from workbench.config import callable_label, unknown_name_error
 from workbench.data_spec import DataSpec, builtin_spec
 
 
@@ -248,7 +248,7 @@ def check_model_arg(model: object) -> None:
 def model_label(model: object) -> str:
     if isinstance(model, str):
         return model
-    return getattr(model, "__qualname__", None) or type(model).__name__
+    return callable_label(model)
 
 
 def build_model(model: object, spec: DataSpec | None) -> nn.Module:

@@ -16,7 +16,7 @@ from workbench.optional import needed_by
 with needed_by("workbench.panel_controls", "ipywidgets"):  # the notebook extra, said with how to install it
     import ipywidgets as w
 
-from workbench.config import Option
+from workbench.config import Option, callable_label
 from workbench.techniques import Technique
 from workbench.techniques.base import GROUPS
 
@@ -281,6 +281,9 @@ def setting_control(name: str, rules: Option, value: Any) -> w.Widget:
         return dropdown(name, _device_options(value), value, tooltip=rules.help)
     if rules.choices is not None:
         # The words are the options: a Dropdown shows a value of None (loader_arms' "auto") as blank.
+        if rules.choice_of(value) is None:  # the user's own (an optimizer factory), beside the words
+            options = [(word, word) for word in rules.choices] + [(callable_label(value), value)]
+            return dropdown(name, options, value, tooltip=rules.help)
         return dropdown(name, list(rules.choices), rules.word(value), tooltip=rules.help)
     if rules.kind is bool:
         return checkbox(name, value, tooltip=rules.help)
@@ -301,7 +304,7 @@ def setting_control(name: str, rules: Option, value: Any) -> w.Widget:
 def setting_value(rules: Option, control: w.Widget) -> Any:
     if isinstance(control, w.Text):
         return rules.parse(control.value)
-    if rules.choices is not None:
+    if rules.choices is not None and isinstance(control.value, str):
         return rules.choices[control.value]  # the word shown -> the value it stands for
     return control.value
 

@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from workbench.config import DEFAULT_BATCH_SIZE, Link, RunConfig, cli_flag, run_options
+from workbench.config import DEFAULT_BATCH_SIZE, OPTIMIZERS, Link, RunConfig, cli_flag, run_options
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
 from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours, write_text_atomic
@@ -283,12 +283,15 @@ def reproduce(record: dict) -> tuple[str | None, str]:
     settings = _changed_run_settings(config)
     own_model = config["model"] not in BUILTIN_MODELS
     own_data = config["data"] not in BUILTIN_DATA and not str(config["data"]).startswith(JPEG_FOLDER_PREFIX)
-    # the loss and the collate function too: left out, a rerun trained on plain cross-entropy
+    # the loss, the collate function and the optimizer too: left out, a rerun trained otherwise
     own_functions = {
         name: config[name]
         for name in ("loss_fn", "collate_fn")
         if config.get(name) and config[name] != "cross_entropy"
     }
+    if config.get("optimizer", OPTIMIZERS[0]) not in OPTIMIZERS:  # a factory of the user's, which sets its lr
+        own_functions["optimizer"] = settings.pop("optimizer")
+        settings.pop("lr", None)
     python = _python_call(config, techniques, settings, own_model, own_data, own_functions)
     if own_model or own_data or own_functions:
         return None, python  # the CLI takes none of the user's own Python objects

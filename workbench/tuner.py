@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -592,9 +592,7 @@ class _Search:
             self._say(f"calibrating: one block of the baseline{also}, to learn what a process costs here")
             self._hold_template()  # part of the search's cost, but not of a round's: timed apart
             began = time.monotonic()
-            alone = RunConfig(
-                **{**self.run_config.to_json(), "blocks": 1, "control": False, "isolate": False}
-            )
+            alone = replace(self.run_config, blocks=1, control=False, isolate=False)
             # Stop is heard here too: a search stopped while it calibrates ends now, not after it.
             with self._within_the_budget() as calibrating:
                 calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False,
@@ -787,8 +785,8 @@ class _Search:
         self._say(_round_plan(index, len(alive), blocks, estimate, new, self.left_s))
         self.on_event({"type": "tune_round", "round": index + 1, "candidates": [c.name for c in alive],
                        "blocks": blocks, "estimate_s": estimate, "left_s": self.left_s})  # fmt: skip
-        run = RunConfig(**{**self.run_config.to_json(), "blocks": blocks, "mode": "one-at-a-time",
-                           "loader_arms": False, "profile_steps": 0, "trace_dir": None})  # fmt: skip
+        run = replace(self.run_config, blocks=blocks, mode="one-at-a-time", loader_arms=False, profile_steps=0,
+                      trace_dir=None)  # fmt: skip
         prepared = prepare(self.model, self.data, self.loss_fn, {}, run, {c.name: c.pairs for c in alive})
         self._hold_template()  # held already, unless this search resumed: not part of the round's cost
         starts: list[float] = []

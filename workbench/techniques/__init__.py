@@ -15,8 +15,8 @@ import pkgutil
 from collections.abc import Mapping
 from typing import Any
 
-from workbench.config import RunConfig, unknown_name_error
-from workbench.data import DataSource
+from workbench.config import RunConfig, optimizer_label, unknown_name_error
+from workbench.data import DataSource, inputs_and_targets, not_leading_with_samples
 from workbench.devices import resolve_device
 from workbench.models import inspect_model
 from workbench.techniques.base import Context, Technique
@@ -152,12 +152,14 @@ def technique_context(
     source: DataSource | None = None,
     *,
     inspected: tuple[Any, str] | None = None,
+    first_batch: Any = None,
 ) -> Context:
     """What availability checks see of a run: the one place a Context is made.
 
     ``ablate``/``plan`` pass everything; the panel passes what its controls hold; ``workbench
     list`` passes only a device (and a model, if named), so model- and data-specific
-    conditions go unchecked. ``inspected``: ``inspect_model(model)``, when the caller has it.
+    conditions go unchecked. ``inspected``: ``inspect_model(model)``, when the caller has it;
+    ``first_batch``: the data's, when the caller read it (ready-made batches: their layout).
     """
     if inspected is None:
         inspected = inspect_model(model) if model is not None else (None, "")
@@ -175,7 +177,12 @@ def technique_context(
         world_size=run.world_size,
         warmup=run.warmup,
         loader_workers=source.loader_workers if source is not None else 0,
-        optimizer=run.optimizer,
+        not_leading_with_samples=[]
+        if first_batch is None
+        else not_leading_with_samples(*inputs_and_targets(first_batch)),
+        optimizer=run.optimizer
+        if isinstance(run.optimizer, str)
+        else f"your own {optimizer_label(run.optimizer)}",
     )
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -61,7 +61,9 @@ class Context:
     image_count: int | None = None  # the files of that folder, as its scan kept them
     world_size: int = 1  # ranks per arm (DDP)
     loader_workers: int = 0  # worker processes of a DataLoader the user gave as data (data.DataSource)
-    optimizer: str = "adamw"  # the run's optimizer, by name (RunConfig.optimizer)
+    # ready-made batches whose inputs lead with something else than samples: those inputs' shapes
+    not_leading_with_samples: list[tuple[int, ...]] = field(default_factory=list)
+    optimizer: str = "adamw"  # the run's optimizer: adamw, sgd, or "your own <factory's label>"
     warmup: int = 5  # untimed steps before the clock starts
 
 

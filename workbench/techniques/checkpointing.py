@@ -19,7 +19,8 @@ When it hurts
     passes (gradients are unaffected).
 
 Unavailable
-    When nothing is selected: the model has no repeated blocks, or ``select`` matches nothing.
+    When the model has no repeated blocks for the default to find. A ``select`` that matches
+    nothing is refused before anything runs, with the model's submodules (and the nearest name).
 
 Settings
     ``select``: which submodules to checkpoint.
@@ -194,17 +195,22 @@ class Checkpointing(Technique):
     group = "memory"
     Config = CheckpointingConfig
 
-    def check(self, ctx: Context, config: CheckpointingConfig) -> str | None:
-        if ctx.model is None or select_modules(ctx.model, config.select):
-            return None
-        if config.select is None:
-            return (
-                f"found no repeated blocks in {ctx.model_name or 'the model'} (no ModuleList/Sequential of "
-                "2+ same-type blocks); pass checkpointing={'select': 'glob'} or {'select': 'type:ClassName'}"
-            )
-        return (
-            f"select={config.select!r} matches no submodule of {ctx.model_name or 'the model'}"
+    def validate(self, ctx: Context, config: CheckpointingConfig) -> None:
+        # A select of the user's that matches nothing is a mistake (a typo, another model's
+        # names): refused before anything runs, not an arm shown as unavailable beside the rest.
+        if ctx.model is None or config.select is None or select_modules(ctx.model, config.select):
+            return
+        raise ValueError(
+            f"checkpointing: select={config.select!r} matches no submodule of {ctx.model_name or 'the model'}"
             f"{_closest_select(ctx.model, config.select)}; {_some_submodules(ctx.model)}"
+        )
+
+    def check(self, ctx: Context, config: CheckpointingConfig) -> str | None:
+        if ctx.model is None or config.select is not None or select_modules(ctx.model, None):
+            return None
+        return (
+            f"found no repeated blocks in {ctx.model_name or 'the model'} (no ModuleList/Sequential of "
+            "2+ same-type blocks); pass checkpointing={'select': 'glob'} or {'select': 'type:ClassName'}"
         )
 
     def apply(self, setup, config: CheckpointingConfig) -> str:

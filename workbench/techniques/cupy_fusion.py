@@ -91,7 +91,8 @@ class CupyFusion(Technique):
         reason = cupy_unavailable_reason(ctx.device)
         if reason:
             return reason
-        fuses_optimizer = config.optimizer and ctx.optimizer == "adamw"
+        # the user's own factory may build AdamW: apply's probe finds out
+        fuses_optimizer = config.optimizer and ctx.optimizer != "sgd"
         if ctx.model is not None and not fuses_optimizer:
             if not fuse_model(ctx.model, **config.patterns(), dry_run=True):
                 why = (

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from workbench.config import check_int
-from workbench.data import batch_size_of, tensors_of
+from workbench.data import batch_size_of, not_leading_with_samples, tensors_of
 from workbench.techniques.base import Context, Technique
 
 
@@ -60,13 +60,9 @@ class MicroBatches:
         self, inputs: Any, targets: torch.Tensor | None
     ) -> list[tuple[Any, torch.Tensor | None, float]]:
         size = batch_size_of(inputs, targets)
-        leading = {tuple(t.shape) for t in tensors_of(inputs) if t.dim() > 0 and t.shape[0] != size}
+        leading = not_leading_with_samples(inputs, targets)
         if leading:  # split along its first dimension, a time-major sequence would be cut in time
-            raise ValueError(
-                f"grad_accum splits a batch along the first dimension, but this batch has {size} samples "
-                f"and inputs of shape {', '.join(map(str, sorted(leading)))}, which do not lead with them "
-                "(time-major inputs?): give batch-first inputs, or leave grad_accum out"
-            )
+            raise ValueError(f"grad_accum {cuts_in_time(size, leading)}")
         input_parts = _split(inputs, self.parts)
         # A dict batch (a model that computes its own loss) carries its labels among the inputs.
         target_parts = targets.tensor_split(self.parts) if targets is not None else [None] * self.parts
@@ -74,6 +70,15 @@ class MicroBatches:
             (part_inputs, part_targets, batch_size_of(part_inputs, part_targets) / size)
             for part_inputs, part_targets in zip(input_parts, target_parts, strict=True)
         ]
+
+
+def cuts_in_time(size: int, leading: list[tuple[int, ...]]) -> str:
+    """Why batches whose inputs do not lead with their samples cannot be split (after "grad_accum")."""
+    return (
+        f"splits a batch along the first dimension, but this batch has {size} samples and inputs of "
+        f"shape {', '.join(map(str, leading))}, which do not lead with them (time-major inputs?): give "
+        "batch-first inputs, or leave grad_accum out"
+    )
 
 
 def _split(inputs: Any, parts: int) -> list:
@@ -113,6 +118,12 @@ class GradAccum(Technique):
                 f"grad_accum: steps={config.steps} exceeds batch_size={ctx.batch_size}; "
                 "every micro-batch needs at least one sample"
             )
+
+    def check(self, ctx: Context, config: GradAccumConfig) -> str | None:
+        # ready-made batches, read before any arm runs (workbench's own batches lead with samples)
+        if ctx.not_leading_with_samples:
+            return cuts_in_time(ctx.batch_size, ctx.not_leading_with_samples)
+        return None
 
     def apply(self, setup, config: GradAccumConfig) -> str:
         setup.split_batch = MicroBatches(config.steps)
