@@ -41,7 +41,7 @@ QUIET = {"progress": False, "out": False}
         ({"device": torch.device("mps")}, r"unknown device 'mps'; valid devices: auto, cpu, cuda, cuda:N"),
         (
             {"optimizer": "lion"},
-            r"unknown optimizer 'lion'; valid optimizers: adamw, sgd; or pass your own factory, e\.g\. functools",
+            r"unknown optimizer 'lion'; valid optimizers: adamw, sgd; or your own factory, params -> torch.optim.Optimizer",
         ),
         (
             {"optimizer": torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)},
@@ -295,6 +295,10 @@ def test_cli_errors_name_the_flag_not_the_keyword():
     assert (
         in_cli_terms("the control's band; blocks=9 (threads=1)", args)
         == "the control's band; --blocks 9 (--threads 1)"
+    )
+    # A call written as Python keeps its keywords: they are its own, not flags.
+    assert in_cli_terms("your factory partial(SGD, lr=0.05) and grad_accum(steps=2); lr=0.1", args) == (
+        "your factory partial(SGD, lr=0.05) and grad_accum(steps=2); --lr 0.1"
     )
     # A technique's own option keeps its name: grad_accum's steps is not the run's --steps.
     message = "grad_accum: steps=1000 exceeds batch_size=32; every micro-batch needs at least one sample"

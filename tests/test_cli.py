@@ -94,6 +94,69 @@ def test_ablate_prints_the_table_and_writes_results_and_plot(tmp_path):
     assert shown.returncode == 0 and "amp" in shown.stdout
 
 
+OWN_JOB = """
+import functools
+import torch
+from torch import nn
+
+def build():
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+def batches():
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for _ in range(4)]
+
+def smoothed(outputs, targets):
+    return nn.functional.cross_entropy(outputs, targets, label_smoothing=0.1)
+
+sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+"""
+
+
+def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """--model module:attribute, as the API's callables: imported from the folder the command runs in
+    (which the console script's sys.path lacks), and again in each block's process."""
+    (tmp_path / "own_job_cli.py").write_text(OWN_JOB)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "own_job_cli", raising=False)
+    try:
+        done = run_here(capsys, "ablate", "--model", "own_job_cli:build", "--data", "own_job_cli:batches",
+                        "--loss-fn", "own_job_cli:smoothed", "--optimizer", "own_job_cli:sgd", "-t",
+                        "grad_accum:steps=2", "--steps", "4", "--warmup", "1", "--blocks", "1", "--out", "run",
+                        "--no-progress")  # fmt: skip
+    finally:
+        sys.modules.pop("own_job_cli", None)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "run" / "results.json").read_text())
+    config = record["config"]
+    assert (config["model"], config["data"], config["loss_fn"]) == ("build", "batches", "smoothed")
+    assert config["optimizer"] == "partial(SGD, lr=0.05, momentum=0.9)" and config["lr"] is None
+    assert {unit["status"] for unit in record["units"]} == {"ok"}
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--model", "own_job_cli:nope"], "--model own_job_cli:nope: own_job_cli has no attribute 'nope'; its callables: batches, build, sgd, smoothed"),
+        (["--model", "no_such_module:build"], "--model no_such_module:build: no module named 'no_such_module' in "),
+        (["--loss-fn", "cross_entropy"], "--loss-fn takes your own code as module:attribute"),
+        (["--model", "own_job_cli"], "unknown model 'own_job_cli'; valid models: mlp, resnet-mini, gpt-mini; or your own, as --model module:attribute"),
+        (["--optimizer", "own_job_cli:sgd", "--lr", "0.1"], "--lr 0.1 is for the built-in optimizers; your optimizer factory partial(SGD, lr=0.05, momentum=0.9) sets its own"),
+        (["--optimizer", "lion"], "unknown optimizer 'lion'; valid optimizers: adamw, sgd; or your own factory"),
+    ],
+)  # fmt: skip
+def test_your_own_code_that_cannot_be_found_is_one_line(arguments, message, tmp_path, capsys, monkeypatch):
+    (tmp_path / "own_job_cli.py").write_text(OWN_JOB)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        done = run_here(capsys, "ablate", *arguments, "--dry-run")
+    finally:
+        sys.modules.pop("own_job_cli", None)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
 def test_dry_run_plans_without_running(capsys):
     done = run_here(capsys, "ablate", "--preset", "quick", "--dry-run")
     assert done.returncode == 0

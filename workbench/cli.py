@@ -140,6 +140,13 @@ def add_run_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = 
             )
         elif rules.kind is bool:
             parser.add_argument(*names, dest=item.name, action="store_true", default=None, help=shown)
+        elif rules.choices is not None and rules.own_code:  # the words or module:attribute, checked later
+            parser.add_argument(
+                *names,
+                dest=item.name,
+                metavar="|".join([*rules.choices, OWN_CODE]),
+                help=f"{shown} (default {rules.word(item.default)})",
+            )
         elif rules.choices is not None:
             parser.add_argument(
                 *names,
@@ -185,8 +192,13 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
         if rules.parts is not None:  # its pieces, as text: the option's own check converts them
             given = {p.name: getattr(args, f"{name}__{p.name}", None) for p in fields(rules.parts)}
             value = {key: text for key, text in given.items() if text is not None} or None
-        if value is not None:
-            settings[name] = rules.choices[value] if rules.choices is not None else value
+        if value is None:
+            continue
+        if rules.choices is not None and value in rules.choices:
+            value = rules.choices[value]
+        elif rules.own_code and is_own_code(value):  # --optimizer mypackage.training:make_optimizer
+            value = own_code(cli_flag(name), value)
+        settings[name] = value
     return settings
 
 
@@ -230,11 +242,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_what_is_here_commands(commands)
     ablate = commands.add_parser("ablate", help="run an ablation (flags mirror workbench.ablate)")
     ablate.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
-    ablate.add_argument("--model", help="mlp | resnet-mini | gpt-mini")
+    ablate.add_argument(
+        "--model", help=f"mlp | resnet-mini | gpt-mini | {OWN_CODE} (your zero-argument factory)"
+    )
     ablate.add_argument(
         "--data",
-        help="digits | textures | text | jpeg | synthetic | jpeg-folder:PATH (default: the model's own)",
+        help="digits | textures | text | jpeg | synthetic | jpeg-folder:PATH | "
+        f"{OWN_CODE} (your Dataset, batches, or a factory of them) (default: the model's own)",
     )
+    ablate.add_argument("--loss-fn", help=LOSS_FN_HELP)
     ablate.add_argument(
         "-t",
         "--technique",
@@ -276,7 +292,9 @@ def _add_what_is_here_commands(commands) -> None:
         "--device",
         help="say what can run on this device: auto, cpu, cuda or cuda:N (default auto)",
     )
-    listing.add_argument("--model", default=None, help="also check model-specific conditions")
+    listing.add_argument(
+        "--model", default=None, help=f"also check model-specific conditions (a built-in, or {OWN_CODE})"
+    )
     listing.add_argument(
         "--models", action="store_true", help="list the built-in models and datasets instead"
     )
@@ -319,8 +337,9 @@ def _add_advise_command(commands) -> None:
     advise = commands.add_parser(
         "advise", help="profile a short baseline, name its bottleneck and the techniques to try"
     )
-    advise.add_argument("--model", default="mlp", help="mlp | resnet-mini | gpt-mini")
+    advise.add_argument("--model", default="mlp", help=f"mlp | resnet-mini | gpt-mini | {OWN_CODE}")
     advise.add_argument("--data", help="as for ablate (default: the model's own)")
+    advise.add_argument("--loss-fn", help=LOSS_FN_HELP)
     add_run_flags(advise, leave_out=(*ADVISOR_FIXES, "mode"))
     advise.add_argument("--json", metavar="FILE", help="also write the advice as JSON")
     advise.add_argument("--plot", metavar="PNG", help="also save the figure: the step's parts, memory")
@@ -335,8 +354,9 @@ def _add_tune_command(commands) -> None:
     )
     tune.add_argument("--budget", required=True, type=parse_budget, metavar="TIME",
                       help="the search's wall-clock budget: 600, 90s, 10m or 1h")  # fmt: skip
-    tune.add_argument("--model", default="mlp", help="mlp | resnet-mini | gpt-mini")
+    tune.add_argument("--model", default="mlp", help=f"mlp | resnet-mini | gpt-mini | {OWN_CODE}")
     tune.add_argument("--data", help="as for ablate (default: the model's own)")
+    tune.add_argument("--loss-fn", help=LOSS_FN_HELP)
     tune.add_argument("-t", "--technique", action="append", metavar="NAME[:key=value,...]",
                       help="search these (key=a|b tries each value) instead of the advisor's ranking")  # fmt: skip
     tune.add_argument("--techniques", dest="techniques_json", metavar="JSON", help="the same, as JSON")
@@ -412,14 +432,70 @@ def _plan_without_the_bar(args: argparse.Namespace) -> Callable[[dict], None]:
     return on_event
 
 
+OWN_CODE = "module:attribute"
+LOSS_FN_HELP = f"your loss, as {OWN_CODE}: a callable (outputs, targets) -> the batch's mean loss (default: cross-entropy)"
+
+
+def is_own_code(text: str) -> bool:
+    """Whether a flag's value names the user's own code (``module:attribute``), not a built-in's
+    name or a folder of JPEG files."""
+    from workbench.data import JPEG_FOLDER_PREFIX
+
+    return ":" in text and not text.startswith(JPEG_FOLDER_PREFIX)
+
+
+def own_code(flag: str, text: str) -> Any:
+    """The object ``module:attribute`` names, imported as ``python -m`` would find it: from the
+    current folder first, then the installed packages. Each block's process imports it again."""
+    import importlib
+
+    module_name, _, attribute = text.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{flag} takes your own code as {OWN_CODE} (e.g. models:build_resnet); got {text!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the console script's path lacks it
+        sys.path.insert(0, os.getcwd())
+    try:
+        found: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not module_name.startswith(error.name):
+            raise  # the module was found: what it imports is missing, and its own traceback says so
+        raise ValueError(
+            f"{flag} {text}: no module named {error.name!r} in {os.getcwd()} or the installed packages"
+        ) from None
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            public = sorted(
+                name for name in vars(found) if not name.startswith("_") and callable(getattr(found, name))
+            )
+            listed = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "") if public else "none"
+            raise ValueError(
+                f"{flag} {text}: {module_name} has no attribute {part!r}; its callables: {listed}"
+            )
+        found = getattr(found, part)
+    return found
+
+
+def job_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's model, data and loss: built-in names as they are, the user's own code
+    (``--model models:build``) imported."""
+    job = {}
+    for key in ("model", "data", "loss_fn"):
+        text = getattr(args, key, None)
+        if text is not None:
+            job[key] = (
+                own_code(f"--{key.replace('_', '-')}", text)
+                if key == "loss_fn" or is_own_code(text)
+                else text
+            )
+    return job
+
+
 def _run_ablate(args: argparse.Namespace) -> int:
     import workbench as wb
 
     preset = PRESETS[args.preset] if args.preset else {}
     settings = {key: value for key, value in preset.items() if key != "techniques"}
-    for key in ("model", "data"):
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
+    settings |= job_arguments(args)
     settings |= run_settings(args)
     settings["techniques"] = _techniques(args, preset)
     if args.dry_run:
@@ -505,7 +581,7 @@ def _run_advise(args: argparse.Namespace) -> int:
     json_file = _check_output_file("--json", args.json, _advice_json) if args.json else None
     plot_file = _plot_file("advise", args.plot, ADVICE_GENERATOR)
     advice = wb.advise(
-        args.model, args.data, progress=not args.no_progress, on_event=_plan_without_the_bar(args), **settings
+        **job_arguments(args), progress=not args.no_progress, on_event=_plan_without_the_bar(args), **settings
     )
     from workbench.results_view import terminal_width
 
@@ -535,7 +611,7 @@ def _ablate_command(args: argparse.Namespace, techniques: dict[str, Any]) -> str
     from workbench.report import run_flag, technique_flag
 
     words = ["workbench", "ablate"]
-    for flag, value in (("--model", args.model), ("--data", args.data)):
+    for flag, value in (("--model", args.model), ("--data", args.data), ("--loss-fn", args.loss_fn)):
         words += [flag, value] if value is not None else []
     for name, value in run_settings(args).items():
         if name not in ("trace_dir", "profile_steps"):  # advise's profiling: measuring needs neither
@@ -569,7 +645,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     techniques = _techniques(args, {}) if (args.technique or args.techniques_json) else None
     limit = {} if args.max_candidates is None else {"max_candidates": args.max_candidates}
     results = wb.tune(
-        args.model, args.data, budget_s=args.budget, techniques=techniques, out=args.out,
+        **job_arguments(args), budget_s=args.budget, techniques=techniques, out=args.out,
         overwrite=args.overwrite, progress=not args.no_progress, on_event=_plan_without_the_bar(args),
         **limit, **run_settings(args),
     )  # fmt: skip
@@ -606,7 +682,8 @@ def _run_list(args: argparse.Namespace) -> int:
         print()
         print(format_table(wb.list_datasets()))
         return 0
-    table = wb.list_techniques(device=args.device or "auto", model=args.model)
+    model = own_code("--model", args.model) if args.model and is_own_code(args.model) else args.model
+    table = wb.list_techniques(device=args.device or "auto", model=model)
     spell = ablate_spelling(args)  # "pass world_size=2" is "--world-size 2" here
     shown = table[["name", "available", "summary", "reason"]].assign(
         available=table.available.map({True: "yes", False: "no"}),
@@ -671,22 +748,11 @@ def in_cli_terms(message: str, args: argparse.Namespace, technique_speaks: bool 
     steps must be ...``) is written the same way in ``-t grad_accum:steps=4``, so it stays.
     """
     command = args.command
-    flags, switches = {}, set()  # switches: flags that take no value ("overwrite=True" is "--overwrite")
-    for action in args.command_parsers[command]._actions:
-        if action.option_strings and action.dest != "help":
-            flags[action.dest] = next(name for name in action.option_strings if name.startswith("--"))
-            if action.nargs == 0:
-                switches.add(action.dest)
-    flags |= FLAG_FOR_KEYWORD.get(command, {})
-    speaker = re.match(r"(\w+): ", message) if technique_speaks else None  # help text: no technique speaks
-    if speaker:  # a technique's message: its own options keep their names ("grad_accum: steps=1000")
-        from workbench.techniques import all_techniques
-
-        technique = next((t for t in all_techniques() if t.name == speaker[1]), None)
-        if technique is not None:
-            for option in dataclasses.fields(technique.Config):
-                flags.pop(option.name, None)
-                switches.discard(option.name)
+    own = re.match(r"unknown (model|dataset) ", message)
+    if own and command in COMMANDS_OF_A_JOB:  # where the API takes callables, these take module:attribute
+        message += f"; or your own, as {'--model' if own[1] == 'model' else '--data'} {OWN_CODE}"
+    # help text: no technique speaks
+    flags, switches = _flags_speaking(args, message if technique_speaks else "")
     if command in ("ablate", "advise", "tune") and message.startswith("ablate: "):
         message = f"{command}: {message[len('ablate: ') :]}"
     prefix = f"{command}: "
@@ -716,6 +782,13 @@ def in_cli_terms(message: str, args: argparse.Namespace, technique_speaks: bool 
     message = re.sub(
         r"(?<![\w:.,/-])(\w+=)?(?<!\w)('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")(?!\w)", set_aside, message
     )
+    # So is a call written as Python (partial(SGD, lr=0.1), grad_accum(steps=4)): its keywords are
+    # its own, not flags.
+    message = re.sub(
+        r"(?<![\w.])[A-Za-z_][\w.]*\([^()\n]*\)",
+        lambda m: values.append(m[0]) or f"\0{len(values) - 1}\0",
+        message,
+    )
     # Not inside a path or a URL either (/tmp/trace_dir, ?threads=2): hence / ? & in the lookbehinds.
     message = re.sub(
         r"(?<![\w:.,/?&=-])(\w+)=(?=\S)", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message
@@ -723,6 +796,32 @@ def in_cli_terms(message: str, args: argparse.Namespace, technique_speaks: bool 
     message = re.sub(r"`(\w+)`", lambda m: f"`{flags[m[1]]}`" if m[1] in flags else m[0], message)  # `rounds`
     message = re.sub(r"(?<![\w:.,=/?&-])([a-z]+_\w+)\b(?!=)", lambda m: flags.get(m[1], m[1]), message)
     return re.sub(r"\0(\d+)\0", lambda m: values[int(m[1])], message)
+
+
+COMMANDS_OF_A_JOB = ("ablate", "advise", "tune", "list")  # the commands that take --model
+
+
+def _flags_speaking(args: argparse.Namespace, message: str) -> tuple[dict[str, str], set[str]]:
+    """The command's flags by keyword (``batch_size`` -> ``--batch-size``), and its switches (flags
+    that take no value: "overwrite=True" is "--overwrite"); less the options of a technique whose
+    message this is, which keep their names ("grad_accum: steps=1000")."""
+    flags, switches = {}, set()
+    for action in args.command_parsers[args.command]._actions:
+        if action.option_strings and action.dest != "help":
+            flags[action.dest] = next(name for name in action.option_strings if name.startswith("--"))
+            if action.nargs == 0:
+                switches.add(action.dest)
+    flags |= FLAG_FOR_KEYWORD.get(args.command, {})
+    speaker = re.match(r"(\w+): ", message)
+    if speaker:
+        from workbench.techniques import all_techniques
+
+        technique = next((t for t in all_techniques() if t.name == speaker[1]), None)
+        if technique is not None:
+            for option in dataclasses.fields(technique.Config):
+                flags.pop(option.name, None)
+                switches.discard(option.name)
+    return flags, switches
 
 
 def _unquoted(quoted: str) -> str:

@@ -138,7 +138,10 @@ def as_optimizer(value: Any) -> Any:
         if value in OPTIMIZERS:
             return value
         error = unknown_name_error("optimizer", value, OPTIMIZERS)
-        raise ValueError(f"{error}; or pass your own factory, e.g. {OPTIMIZER_EXAMPLE}")
+        raise ValueError(
+            f"{error}; or your own factory, params -> torch.optim.Optimizer (on the command line: "
+            "module:attribute)"
+        )
     if hasattr(value, "param_groups") and not isinstance(value, type):  # built over one model already
         raise ValueError(
             f"ablate: optimizer is an optimizer already built ({type(value).__name__}), over one model's "
@@ -403,6 +406,7 @@ class Option:
     main: bool = False  # the panel shows it in its first row rather than under "more settings"
     aliases: tuple[str, ...] = ()  # other names the CLI accepts (former ones, shorter ones)
     why: str = ""  # added to a range error: why the limit exists
+    own_code: bool = False  # the CLI also takes the user's own, as module:attribute (--optimizer)
 
     def validate(self, name: str, value: Any) -> Any:
         """The value to store (converted), or a ValueError that names the rule."""
@@ -555,6 +559,7 @@ class RunConfig:
         str,
         choices={o: o for o in OPTIMIZERS},
         check=as_optimizer,
+        own_code=True,
     )
     lr: float = option(
         DEFAULT_LR,
@@ -693,8 +698,7 @@ class RunConfig:
         if not isinstance(self.optimizer, str) and self.lr != DEFAULT_LR:
             raise ValueError(
                 f"ablate: lr={self.lr} is for the built-in optimizers; your optimizer factory "
-                f"{callable_label(self.optimizer)} sets its own learning rate: pass it there, e.g. "
-                f"{OPTIMIZER_EXAMPLE}"
+                f"{callable_label(self.optimizer)} sets its own learning rate: pass it there"
             )
         if self.link is not None and self.world_size < 2:
             raise ValueError("ablate: link simulates the network between ranks, so it needs world_size >= 2")
