@@ -141,6 +141,7 @@ def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_pa
         (["--model", "own_job_cli:nope"], "--model own_job_cli:nope: own_job_cli has no attribute 'nope'; its callables: batches, build, sgd, smoothed"),
         (["--model", "no_such_module:build"], "--model no_such_module:build: no module named 'no_such_module' in "),
         (["--loss-fn", "cross_entropy"], "--loss-fn takes your own code as module:attribute"),
+        (["--model", "broken_job_cli:build"], "--model broken_job_cli:build: importing broken_job_cli fails: ModuleNotFoundError: No module named 'a_missing_dependency'"),
         (["--model", "own_job_cli"], "unknown model 'own_job_cli'; valid models: mlp, resnet-mini, gpt-mini; or your own, as --model module:attribute"),
         (["--optimizer", "own_job_cli:sgd", "--lr", "0.1"], "--lr 0.1 is for the built-in optimizers; your optimizer factory partial(SGD, lr=0.05, momentum=0.9) sets its own"),
         (["--optimizer", "lion"], "unknown optimizer 'lion'; valid optimizers: adamw, sgd; or your own factory"),
@@ -148,6 +149,7 @@ def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_pa
 )  # fmt: skip
 def test_your_own_code_that_cannot_be_found_is_one_line(arguments, message, tmp_path, capsys, monkeypatch):
     (tmp_path / "own_job_cli.py").write_text(OWN_JOB)
+    (tmp_path / "broken_job_cli.py").write_text("import a_missing_dependency\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     try:

@@ -456,12 +456,15 @@ def own_code(flag: str, text: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         found: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name is None or not module_name.startswith(error.name):
-            raise  # the module was found: what it imports is missing, and its own traceback says so
+    except Exception as error:  # noqa: BLE001 - whatever the user's module raises, said in one line
+        missing = isinstance(error, ModuleNotFoundError) and error.name is not None
+        if missing and (error.name == module_name or module_name.startswith(f"{error.name}.")):
+            where = f"in {os.getcwd()} or the installed packages"
+            raise ValueError(f"{flag} {text}: no module named {error.name!r} {where}") from None
+        said = str(error).strip().splitlines()
         raise ValueError(
-            f"{flag} {text}: no module named {error.name!r} in {os.getcwd()} or the installed packages"
-        ) from None
+            f"{flag} {text}: importing {module_name} fails: {type(error).__name__}: {said[0] if said else ''}"
+        ) from error
     for part in attribute.split("."):
         if not hasattr(found, part):
             public = sorted(

@@ -554,8 +554,9 @@ class RunConfig:
     )
     optimizer: str | Callable = option(
         "adamw",
-        "the optimizer every arm trains with: adamw, sgd (momentum 0.9), or from Python your own "
-        f"factory params -> torch.optim.Optimizer, called once per arm, e.g. {OPTIMIZER_EXAMPLE}",
+        "the optimizer every arm trains with: adamw, sgd (momentum 0.9), or your own factory "
+        f"params -> torch.optim.Optimizer, called once per arm, e.g. {OPTIMIZER_EXAMPLE} (on the "
+        "command line, module:attribute names it)",
         str,
         choices={o: o for o in OPTIMIZERS},
         check=as_optimizer,
