@@ -116,6 +116,8 @@ sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_path, capsys, monkeypatch):
     """--model module:attribute, as the API's callables: imported from the folder the command runs in
     (which the console script's sys.path lacks), and again in each block's process."""
+    from workbench.cli import _parser
+
     (tmp_path / "own_job_cli.py").write_text(OWN_JOB)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
@@ -130,9 +132,18 @@ def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_pa
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "run" / "results.json").read_text())
     config = record["config"]
-    assert (config["model"], config["data"], config["loss_fn"]) == ("build", "batches", "smoothed")
-    assert config["optimizer"] == "partial(SGD, lr=0.05, momentum=0.9)" and config["lr"] is None
     assert {unit["status"] for unit in record["units"]} == {"ok"}
+    # Recorded as typed, so that the report's Reproduce gives the same command, and a Python call
+    # that imports them.
+    named = {"model": "build", "data": "batches", "loss_fn": "smoothed", "optimizer": "sgd"}
+    assert {key: config[key] for key in named} == {key: f"own_job_cli:{name}" for key, name in named.items()}
+    assert config["lr"] is None
+    from workbench.report import reproduce
+
+    command, python = reproduce(record)
+    again = _parser().parse_args(shlex.split(command)[1:])
+    assert (again.model, again.data, again.loss_fn, again.optimizer) == tuple(config[key] for key in named)
+    assert "from own_job_cli import build" in python and "optimizer=sgd," in python
 
 
 @pytest.mark.parametrize(
@@ -141,22 +152,64 @@ def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_pa
         (["--model", "own_job_cli:nope"], "--model own_job_cli:nope: own_job_cli has no attribute 'nope'; its callables: batches, build, sgd, smoothed"),
         (["--model", "no_such_module:build"], "--model no_such_module:build: no module named 'no_such_module' in "),
         (["--loss-fn", "cross_entropy"], "--loss-fn takes your own code as module:attribute"),
+        (["--model", "script_job_cli:build"], "--model script_job_cli:build: importing script_job_cli fails: SystemExit: it exits as it is imported (2): guard its script part with if __name__ == '__main__':"),
+        (["--model", "own_job_cli.py:build"], "--model own_job_cli.py:build: name the module, not its file: --model own_job_cli:build"),
+        (["--model", "own_job_cli:build"], "data is required with your own model: pass a Dataset, an iterable of batches, or a callable; or your own, as --data module:attribute"),
         (["--model", "broken_job_cli:build"], "--model broken_job_cli:build: importing broken_job_cli fails: ModuleNotFoundError: No module named 'a_missing_dependency'"),
         (["--model", "own_job_cli"], "unknown model 'own_job_cli'; valid models: mlp, resnet-mini, gpt-mini; or your own, as --model module:attribute"),
-        (["--optimizer", "own_job_cli:sgd", "--lr", "0.1"], "--lr 0.1 is for the built-in optimizers; your optimizer factory partial(SGD, lr=0.05, momentum=0.9) sets its own"),
+        (["--optimizer", "own_job_cli:sgd", "--lr", "0.1"], "--lr 0.1 is for the built-in optimizers; your optimizer factory own_job_cli:sgd sets its own"),
         (["--optimizer", "lion"], "unknown optimizer 'lion'; valid optimizers: adamw, sgd; or your own factory"),
     ],
 )  # fmt: skip
 def test_your_own_code_that_cannot_be_found_is_one_line(arguments, message, tmp_path, capsys, monkeypatch):
     (tmp_path / "own_job_cli.py").write_text(OWN_JOB)
     (tmp_path / "broken_job_cli.py").write_text("import a_missing_dependency\n")
+    # a training script's top level, given flags it does not know (as a command line's would be)
+    script = "import argparse\nargparse.ArgumentParser().parse_args(['--model'])\n"
+    (tmp_path / "script_job_cli.py").write_text(script)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     try:
         done = run_here(capsys, "ablate", *arguments, "--dry-run")
     finally:
-        sys.modules.pop("own_job_cli", None)
+        for name in ("own_job_cli", "script_job_cli"):
+            sys.modules.pop(name, None)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+def test_the_ablate_command_advise_ends_with_names_your_own_code_as_you_typed_it(tmp_path, monkeypatch):
+    """advise with --optimizer models:sgd crashed after measuring: its closing command asked the
+    optimizer's choices for the word of the factory it had imported."""
+    from workbench.cli import _ablate_command, _parser
+
+    (tmp_path / "own_job_cli.py").write_text(OWN_JOB)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    typed = [
+        "--model",
+        "own_job_cli:build",
+        "--data",
+        "own_job_cli:batches",
+        "--loss-fn",
+        "own_job_cli:smoothed",
+    ]
+    try:
+        args = _parser().parse_args(["advise", *typed, "--optimizer", "own_job_cli:sgd", "--steps", "9"])
+        command = _ablate_command(args, {"amp": {}})
+    finally:
+        sys.modules.pop("own_job_cli", None)
+    words = shlex.split(command.replace("\\\n", " "))
+    assert words == [
+        "workbench",
+        "ablate",
+        *typed,
+        "--steps",
+        "9",
+        "--optimizer",
+        "own_job_cli:sgd",
+        "-t",
+        "amp",
+    ]
 
 
 def test_dry_run_plans_without_running(capsys):

@@ -506,6 +506,31 @@ def test_every_arm_trains_with_the_users_own_optimizer(tmp_path):
     assert results.record["config"]["optimizer"].startswith("partial(_logged_sgd, ")
 
 
+LEARNING_RATE = 0.1  # read by a factory from its module's globals, as scripts do
+
+
+def test_an_optimizer_factory_is_given_a_list_and_checked_where_the_arms_build_it_as_it_will():
+    """A factory that reads its params twice (a group by ndim, then the rest) got a generator from
+    the arms, so its second group was empty, but amp O2's masters as a list: arms trained different
+    parameters. And a ZeroRedundancyOptimizer, which needs the ranks' process group, was refused
+    by the check in the parent, which has none."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    seen = []
+
+    def by_ndim(params):
+        seen.append(type(params))
+        return torch.optim.SGD([{"params": [p for p in params if p.dim() > 1]}, {"params": [p for p in params if p.dim() <= 1]}], lr=0.1)  # fmt: skip
+
+    Trainer(
+        TrainSetup(model=nn.Linear(2, 2), device=CPU, loss_fn=default_loss, make_optimizer=by_ndim), iter([])
+    )
+    assert seen == [list]
+    zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=torch.optim.AdamW, lr=1e-3)
+    plan = wb.plan(model="mlp", techniques=["ddp_compression"], optimizer=zero, world_size=2, device="cpu")
+    assert not plan.unavailable.any()
+
+
 def test_an_edited_optimizer_factory_is_another_job():
     """Two lambdas share a label; their source tells them apart, so a rerun does not resume."""
     from workbench.ablation import prepare
@@ -521,6 +546,15 @@ def test_an_edited_optimizer_factory_is_another_job():
         != identity(lambda params: torch.optim.SGD(params, lr=0.2))["optimizer_source"]
     )
     assert "optimizer_source" not in identity("sgd")
+    # What it builds counts too: a learning rate read from a global, edited between two runs.
+    global LEARNING_RATE
+    before = identity(lambda params: torch.optim.SGD(params, lr=LEARNING_RATE))
+    LEARNING_RATE = 0.001
+    try:
+        after = identity(lambda params: torch.optim.SGD(params, lr=LEARNING_RATE))
+    finally:
+        LEARNING_RATE = 0.1
+    assert before["optimizer_source"] != after["optimizer_source"]
 
 
 class Block(nn.Module):

@@ -143,7 +143,10 @@ def prepare(
     chosen = parse_techniques(techniques)
     _check_loss_fn(loss_fn)
     inspected = inspect_model(model)
-    check_optimizer(run.optimizer, inspected[0])
+    # one CPU rank builds it as the arms will; a process group's or a GPU's optimizer, in the arms
+    optimizer_built = check_optimizer(
+        run.optimizer, inspected[0], judged=device.type == "cpu" and run.world_size == 1
+    )
     source = resolve_data(data, model)
     run, first_batch = _with_batch_size(run, source)
     own_model = not (
@@ -183,7 +186,7 @@ def prepare(
         arms += loader_twins(arms)
     arms = assign_processes(arms, ctx, run.isolate) + unavailable
     config = _config_of(label, source, loss_fn, chosen, run, device)
-    identity = job_identity(model, inspected[0], source, first_batch, loss_fn, run.optimizer)
+    identity = job_identity(model, inspected[0], source, first_batch, loss_fn, run.optimizer, optimizer_built)
     return Prepared(run, model, source, loss_fn, arms, config, identity)
 
 
@@ -320,6 +323,7 @@ def job_identity(
     first_batch: Any,
     loss_fn: Callable | None,
     optimizer: str | Callable = "adamw",
+    optimizer_built: str = "",
 ) -> dict:
     """What identifies the job beyond its labels, for deciding whether a folder holds this run.
 
@@ -327,7 +331,9 @@ def job_identity(
     model in a notebook and running again into the same ``out`` would otherwise resume, and
     mix the old model's blocks with the new one's. So: the model's layers (its repr), its
     tensors' names and shapes, and the source of its factory and of each layer class's
-    ``forward``; an optimizer factory's source (and a partial's arguments); user data's length and first batch's shapes and dtypes, and for a list of
+    ``forward``; an optimizer factory's source (and a partial's arguments), and the type and
+    group settings of what it built before the run (a learning rate read from a global, edited
+    between runs, is another job); user data's length and first batch's shapes and dtypes, and for a list of
     batches its first batch's values (not a Dataset's, which random augmentations change from
     run to run); a ``collate_fn``'s source; the loss (``_loss_text``); and the torch and
     workbench versions that measure it. Each part is a short digest, named in the
@@ -356,7 +362,8 @@ def job_identity(
         if isinstance(source.user, (list, tuple)):  # batches given as they are: no augmentation moves them
             identity["data_values"] = _digest([_tensor_digest(t) for t in tensors_of(first_batch)])
     if not isinstance(optimizer, str):  # its label shows a partial's arguments, not a function's body
-        identity["optimizer_source"] = _digest(_factory_text(optimizer))
+        built = re.sub(r" at 0x[0-9a-fA-F]+", "", optimizer_built)  # an address differs in every process
+        identity["optimizer_source"] = _digest([*_factory_text(optimizer), built])
     if source.collate_fn is not None:  # padding to another length, say, is another job
         identity["collate_source"] = _digest(_factory_text(source.collate_fn))
     return identity

@@ -10,6 +10,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import io
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from workbench.config import NothingMeasured, cli_flag
+from workbench.config import NothingMeasured, cli_flag, name_as_typed
 
 PRESETS: dict[str, dict[str, Any]] = {
     # A CPU ablation that finishes in under a minute on 2 cores: a conv net, where layout and
@@ -447,24 +448,13 @@ def is_own_code(text: str) -> bool:
 def own_code(flag: str, text: str) -> Any:
     """The object ``module:attribute`` names, imported as ``python -m`` would find it: from the
     current folder first, then the installed packages. Each block's process imports it again."""
-    import importlib
-
     module_name, _, attribute = text.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"{flag} takes your own code as {OWN_CODE} (e.g. models:build_resnet); got {text!r}")
-    if os.getcwd() not in sys.path and "" not in sys.path:  # the console script's path lacks it
-        sys.path.insert(0, os.getcwd())
-    try:
-        found: Any = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - whatever the user's module raises, said in one line
-        missing = isinstance(error, ModuleNotFoundError) and error.name is not None
-        if missing and (error.name == module_name or module_name.startswith(f"{error.name}.")):
-            where = f"in {os.getcwd()} or the installed packages"
-            raise ValueError(f"{flag} {text}: no module named {error.name!r} {where}") from None
-        said = str(error).strip().splitlines()
-        raise ValueError(
-            f"{flag} {text}: importing {module_name} fails: {type(error).__name__}: {said[0] if said else ''}"
-        ) from error
+    if module_name.endswith(".py") or "/" in module_name:  # a file's path, as one would give python
+        dotted = module_name.removesuffix(".py").strip("./").replace("/", ".")
+        raise ValueError(f"{flag} {text}: name the module, not its file: {flag} {dotted}:{attribute}")
+    found = _import_yours(flag, text, module_name)
     for part in attribute.split("."):
         if not hasattr(found, part):
             public = sorted(
@@ -475,7 +465,37 @@ def own_code(flag: str, text: str) -> Any:
                 f"{flag} {text}: {module_name} has no attribute {part!r}; its callables: {listed}"
             )
         found = getattr(found, part)
+    name_as_typed(found, text)  # results name it so, and the report's Reproduce gives this flag again
     return found
+
+
+def _import_yours(flag: str, text: str, module_name: str) -> Any:
+    """The user's module, or one line saying why it cannot be imported (not found, or raising,
+    or a script that exits as it is imported)."""
+    import importlib
+
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the console script's path lacks it
+        sys.path.insert(0, os.getcwd())
+    said_on_import = io.StringIO()  # a script's argparse prints its usage as it exits: not ours to show
+    try:
+        with contextlib.redirect_stderr(said_on_import):
+            module = importlib.import_module(module_name)
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - whatever the user's module raises
+        missing = isinstance(error, ModuleNotFoundError) and error.name is not None
+        if missing and (error.name == module_name or module_name.startswith(f"{error.name}.")):
+            where = f"in {os.getcwd()} or the installed packages"
+            raise ValueError(f"{flag} {text}: no module named {error.name!r} {where}") from None
+        lines = str(error).strip().splitlines()
+        said = lines[0] if lines else ""
+        if isinstance(error, SystemExit):  # a script that runs when imported, not a module
+            said = f"it exits as it is imported ({said or 'sys.exit'}): guard its script part with if __name__ == '__main__':"
+        else:
+            sys.stderr.write(said_on_import.getvalue())
+        raise ValueError(
+            f"{flag} {text}: importing {module_name} fails: {type(error).__name__}: {said}"
+        ) from error
+    sys.stderr.write(said_on_import.getvalue())  # what it said as it imported (a warning), as it said it
+    return module
 
 
 def job_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -617,8 +637,15 @@ def _ablate_command(args: argparse.Namespace, techniques: dict[str, Any]) -> str
     for flag, value in (("--model", args.model), ("--data", args.data), ("--loss-fn", args.loss_fn)):
         words += [flag, value] if value is not None else []
     for name, value in run_settings(args).items():
-        if name not in ("trace_dir", "profile_steps"):  # advise's profiling: measuring needs neither
-            words += run_flag(name, value)
+        if name in ("trace_dir", "profile_steps"):  # advise's profiling: measuring needs neither
+            continue
+        typed = getattr(args, name)
+        # the user's own code as typed (--optimizer models:make_optimizer), not the object it names
+        words += (
+            [cli_flag(name), typed]
+            if isinstance(typed, str) and is_own_code(typed)
+            else run_flag(name, value)
+        )
     for name, settings in techniques.items():
         words += ["-t", technique_flag(name, settings or True)]
     return shell_lines([shlex.quote(word) for word in words])
@@ -751,9 +778,9 @@ def in_cli_terms(message: str, args: argparse.Namespace, technique_speaks: bool 
     steps must be ...``) is written the same way in ``-t grad_accum:steps=4``, so it stays.
     """
     command = args.command
-    own = re.match(r"unknown (model|dataset) ", message)
+    own = re.match(r"unknown (model|dataset) |(model|data) (must be|is required)", message)
     if own and command in COMMANDS_OF_A_JOB:  # where the API takes callables, these take module:attribute
-        message += f"; or your own, as {'--model' if own[1] == 'model' else '--data'} {OWN_CODE}"
+        message += f"; or your own, as {'--data' if 'data' in own[0] else '--model'} {OWN_CODE}"
     # help text: no technique speaks
     flags, switches = _flags_speaking(args, message if technique_speaks else "")
     if command in ("ablate", "advise", "tune") and message.startswith("ablate: "):

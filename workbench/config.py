@@ -116,9 +116,29 @@ def check_choice(owner: str, field: str, value: object, choices: Iterable[str]) 
     return value  # type: ignore[return-value]
 
 
+# The user's own code the command line imported (--model models:build), by the object: results
+# name it as it was typed, which the report's Reproduce turns back into the same flag. Held here
+# with the object itself, so that its id is not reused while the process lives.
+_TYPED: dict[int, tuple[object, str]] = {}
+
+
+def name_as_typed(thing: object, text: str) -> None:
+    """Remember that ``thing`` came from the command line's ``module:attribute`` ``text``."""
+    _TYPED[id(thing)] = (thing, text)
+
+
+def typed_name(thing: object) -> str | None:
+    """The ``module:attribute`` the command line imported ``thing`` from, if it did."""
+    held = _TYPED.get(id(thing))
+    return held[1] if held is not None and held[0] is thing else None
+
+
 def callable_label(function: object) -> str:
     """A user's function, class or ``functools.partial`` as results name it: ``small_gpt2``,
-    ``partial(SGD, lr=0.1, momentum=0.9)`` (with its arguments, which tell two runs apart)."""
+    ``partial(SGD, lr=0.1, momentum=0.9)`` (with its arguments, which tell two runs apart), or
+    ``models:build`` as the command line named it."""
+    if (typed := typed_name(function)) is not None:
+        return typed
     if isinstance(function, functools.partial):
         arguments = [callable_label(function.func), *map(repr, function.args)]
         arguments += [f"{k}={v!r}" for k, v in function.keywords.items()]

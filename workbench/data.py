@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 
-from workbench.config import unknown_name_error
+from workbench.config import typed_name, unknown_name_error
 from workbench.data_spec import BUILTIN_DATA, DataSpec, builtin_spec
 from workbench.datasets import builders, ensure_built, jpeg, load
 from workbench.jpeg_folder import ImageFiles, JpegDataset, JpegFolder, scan
@@ -253,7 +253,7 @@ def data_label(data: object, model: object = None) -> str:
         return f"{JPEG_FOLDER_PREFIX}{data.root}"
     if isinstance(data, str):
         return data
-    return getattr(data, "__name__", type(data).__name__)
+    return typed_name(data) or getattr(data, "__name__", type(data).__name__)
 
 
 def _resolve_jpeg_folder(folder: JpegFolder, label: str, builtin_model: Any) -> DataSource:
@@ -306,16 +306,15 @@ def resolve_data(data: object, model: object) -> DataSource:
             f"or a JPEG folder ({JPEG_FOLDER_PREFIX}PATH); for other data, also pass your own model factory"
         )
     if isinstance(data, Dataset):
-        return _user_source(type(data).__name__, data, data)
+        return _user_source(typed_name(data) or type(data).__name__, data, data)
     if isinstance(data, Iterator):
         raise ValueError(
             "data is a one-shot iterator (e.g. a generator), which cannot be replayed for every arm; "
             "pass a list of batches, or a callable that returns a fresh iterator"
         )
     if isinstance(data, Iterable):
-        return DataSource(
-            label=type(data).__name__, user=data, is_dataset=False, loader_workers=_loader_workers(data)
-        )
+        label = typed_name(data) or type(data).__name__
+        return DataSource(label=label, user=data, is_dataset=False, loader_workers=_loader_workers(data))
     if callable(data):
         # Called once here only to learn whether it gives a Dataset; each arm calls it again.
         sample = data()
@@ -324,7 +323,7 @@ def resolve_data(data: object, model: object) -> DataSource:
                 f"the data factory {getattr(data, '__name__', data)!r} returned {type(sample).__name__}; "
                 "it must return a Dataset or an iterable of (inputs, targets) batches"
             )
-        return _user_source(getattr(data, "__name__", "data"), data, sample)
+        return _user_source(typed_name(data) or getattr(data, "__name__", "data"), data, sample)
     raise ValueError(
         f"data must be a built-in name ({', '.join(BUILTIN_DATA)}), '{JPEG_FOLDER_PREFIX}PATH', a Dataset, an iterable of "
         f"(inputs, targets) batches, or a callable returning one; got {data!r}"

@@ -425,22 +425,32 @@ def make_optimizer(optimizer: str | Callable, lr: float) -> Callable[[Any], torc
     return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
-def check_optimizer(optimizer: str | Callable, model: nn.Module) -> None:
+def check_optimizer(optimizer: str | Callable, model: nn.Module, judged: bool = True) -> str:
     """Before any arm starts: the user's optimizer factory builds a torch.optim.Optimizer over the
     parameters it is given (not over another model's, which would leave every arm untrained).
+    Returns what it built, its type and each group's settings (``lr=0.1, momentum=0.9``), which
+    identify the job where the factory's source does not (a global or a closure it reads); "" for
+    a built-in, or where it could not be built here.
 
     It is called on stand-ins of the model's trainable parameters (one element each, of their
     dtype and number of dimensions, so a factory that groups them by ``ndim`` groups them as it
-    will), since the model may be on the meta device here, where some optimizers refuse to build.
+    will), since the model may be on the meta device here. A factory that fails is refused only
+    when ``judged`` (one CPU rank, as the arms will run it): one that needs a process group (a
+    ZeroRedundancyOptimizer) or a GPU's tensors builds in the arms, which say it if it cannot.
     """
     if isinstance(optimizer, str):
-        return
+        return ""
     label = callable_label(optimizer)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    stand_ins = [nn.Parameter(torch.zeros((1,) * p.dim(), dtype=p.dtype)) for p in trained]
-    try:  # an iterator, as model.parameters() is: a factory may read it only once
-        built = optimizer(iter(stand_ins))
+    stand_ins = [
+        nn.Parameter(torch.zeros((1,) * p.dim(), dtype=p.dtype))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+    try:
+        built = optimizer(list(stand_ins))  # a list, as every arm's is (Trainer)
     except Exception as error:
+        if not judged:
+            return ""
         raise ValueError(
             f"the optimizer factory {label} fails on the model's parameters, as it would in every "
             f"arm: {error_line(error)}"
@@ -456,6 +466,11 @@ def check_optimizer(optimizer: str | Callable, model: nn.Module) -> None:
             f"the optimizer factory {label} built {type(built).__name__} over none of the parameters it "
             "was given (over another model's?), so no arm would train: build it over the params argument"
         )
+    groups = [
+        ", ".join(f"{key}={value!r}" for key, value in sorted(group.items()) if key != "params")
+        for group in built.param_groups
+    ]
+    return f"{type(built).__qualname__}: " + "; ".join(groups)
 
 
 class LossScaler(Protocol):
@@ -545,7 +560,9 @@ class Trainer:
         for stage in setup.batch_stages:
             batches = stage(batches)
         self.batches = batches
-        self.optimizer = setup.make_optimizer(self.model.parameters())
+        # A list, as amp's O2 gives its masters: a factory that reads its params twice (one group by
+        # ndim, then another) gets them all in every arm, not all in some and half in others.
+        self.optimizer = setup.make_optimizer(list(self.model.parameters()))
         self.scaler = setup.make_loss_scaler()  # per arm: a GradScaler's scale is state
         # Pinned host memory is what lets a host-to-device copy run asynchronously.
         self.non_blocking = bool(setup.loader_options.get("pin_memory")) and setup.device.type == "cuda"

@@ -12,6 +12,7 @@ import base64
 import html
 import io
 import os
+import re
 import shlex
 from dataclasses import fields
 from pathlib import Path
@@ -275,32 +276,47 @@ def _changed_run_settings(config: dict) -> dict[str, Any]:
     }
 
 
+# The user's own code as the command line took it, and so recorded it: ``models:build``.
+TYPED_CODE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+OWN_CODE_FLAGS = {"model": "--model", "data": "--data", "loss_fn": "--loss-fn", "optimizer": "--optimizer"}
+
+
 def reproduce(record: dict) -> tuple[str | None, str]:
-    """The shell command (None when the model or data is the user's own Python object) and the
-    Python call that run the same ablation again."""
+    """The shell command and the Python call that run the same ablation again. The command is
+    None where the job holds the user's own Python objects, unless the command line named each
+    (``--model models:build``): its flags take them so again."""
     config = record["config"]
     techniques = requested_techniques(record)
     settings = _changed_run_settings(config)
-    own_model = config["model"] not in BUILTIN_MODELS
-    own_data = config["data"] not in BUILTIN_DATA and not str(config["data"]).startswith(JPEG_FOLDER_PREFIX)
+    own = {name: config[name] for name in ("model", "data") if _own(name, config[name])}
     # the loss, the collate function and the optimizer too: left out, a rerun trained otherwise
-    own_functions = {
+    own |= {
         name: config[name]
         for name in ("loss_fn", "collate_fn")
         if config.get(name) and config[name] != "cross_entropy"
     }
     if config.get("optimizer", OPTIMIZERS[0]) not in OPTIMIZERS:  # a factory of the user's, which sets its lr
-        own_functions["optimizer"] = settings.pop("optimizer")
+        own["optimizer"] = settings.pop("optimizer")
         settings.pop("lr", None)
-    python = _python_call(config, techniques, settings, own_model, own_data, own_functions)
-    if own_model or own_data or own_functions:
-        return None, python  # the CLI takes none of the user's own Python objects
+    python = _python_call(config, techniques, settings, own)
+    if any(name not in OWN_CODE_FLAGS or not TYPED_CODE.fullmatch(str(label)) for name, label in own.items()):
+        return None, python  # a Python object the command line cannot name
     words = ["workbench", "ablate", "--model", config["model"], "--data", config["data"]]
+    words += [
+        word for name in ("loss_fn", "optimizer") if name in own for word in (OWN_CODE_FLAGS[name], own[name])
+    ]
     for name, value in techniques.items():
         words += ["-t", technique_flag(name, value)]
     for name, value in settings.items():
         words += run_flag(name, value)
     return " ".join(shlex.quote(word) for word in words), python
+
+
+def _own(name: str, label: str) -> bool:
+    """Whether the recorded model or data is the user's own, not a built-in's name or a JPEG folder."""
+    if name == "model":
+        return label not in BUILTIN_MODELS
+    return label not in BUILTIN_DATA and not str(label).startswith(JPEG_FOLDER_PREFIX)
 
 
 def technique_flag(name: str, value: Any) -> str:
@@ -337,21 +353,34 @@ def run_flag(name: str, value: Any) -> list[str]:
     return [flag, "none" if value is None else str(value)]
 
 
-def _python_call(
-    config: dict, techniques: dict, settings: dict, own_model: bool, own_data: bool, own_functions: dict
-) -> str:
-    lines = ["import workbench as wb", ""]
-    if own_model:
-        lines.append(f"# model: your own factory, recorded as {config['model']!r}")
-    if own_data:
-        lines.append(f"# data: your own, recorded as {config['data']!r} (its type, or a factory's name)")
-    lines += [f"# {name}: your own, recorded as {label!r}" for name, label in own_functions.items()]
-    arguments = [
-        f"model={config['model'] if own_model else repr(config['model'])}",
-        f"data={config['data'] if own_data else repr(config['data'])}",
-        *(f"{name}={label}" for name, label in own_functions.items()),
+def _python_call(config: dict, techniques: dict, settings: dict, own: dict) -> str:
+    """``wb.ablate(...)`` with the same job: the user's own code imported where the command line
+    named it (``from models import build``), else named as recorded, for the reader to supply."""
+    imported, said, arguments = [], [], {}
+    for name in ("model", "data", "loss_fn", "collate_fn", "optimizer"):
+        label = own.get(name)
+        if label is None:
+            continue
+        if TYPED_CODE.fullmatch(str(label)):
+            module, _, attribute = str(label).partition(":")
+            imported.append(f"from {module} import {attribute.split('.')[0]}")
+            arguments[name] = attribute
+            continue
+        what = {"model": "your own factory", "data": "your own (its type, or a factory's name)"}.get(
+            name, "your own"
+        )
+        said.append(f"# {name}: {what}, recorded as {label!r}")
+        arguments[name] = label
+    listed = [
+        f"model={arguments.get('model', repr(config['model']))}",
+        f"data={arguments.get('data', repr(config['data']))}",
+        *(
+            f"{name}={arguments[name]}"
+            for name in ("loss_fn", "collate_fn", "optimizer")
+            if name in arguments
+        ),
         f"techniques={techniques!r}",
         *(f"{name}={value!r}" for name, value in settings.items()),
     ]
-    lines.append("results = wb.ablate(\n    " + ",\n    ".join(arguments) + ",\n)")
-    return "\n".join(lines)
+    call = "results = wb.ablate(\n    " + ",\n    ".join(listed) + ",\n)"
+    return "\n".join(["import workbench as wb", *imported, "", *said, call])
