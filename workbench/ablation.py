@@ -38,7 +38,6 @@ import hashlib
 import inspect
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -74,6 +73,7 @@ from workbench.config import (
     check_bool,
     smoke_test,
     takes_run_options,
+    without_addresses,
 )
 from workbench.core_sync import oversubscription
 from workbench.data import (
@@ -362,8 +362,9 @@ def job_identity(
         if isinstance(source.user, (list, tuple)):  # batches given as they are: no augmentation moves them
             identity["data_values"] = _digest([_tensor_digest(t) for t in tensors_of(first_batch)])
     if not isinstance(optimizer, str):  # its label shows a partial's arguments, not a function's body
-        built = re.sub(r" at 0x[0-9a-fA-F]+", "", optimizer_built)  # an address differs in every process
-        identity["optimizer_source"] = _digest([*_factory_text(optimizer), built])
+        identity["optimizer_source"] = _digest(
+            [*_factory_text(optimizer), without_addresses(optimizer_built)]
+        )
     if source.collate_fn is not None:  # padding to another length, say, is another job
         identity["collate_source"] = _digest(_factory_text(source.collate_fn))
     return identity
@@ -407,7 +408,7 @@ def _arguments_text(bound: functools.partial) -> list[str]:
     """A partial's arguments as text, without the addresses in default reprs (``<Cfg at 0x7f..>``),
     which differ in every process and would refuse every resume."""
     text = [repr(bound.args), repr(sorted(bound.keywords.items()))]
-    return [re.sub(r" at 0x[0-9a-fA-F]+", "", part) for part in text]
+    return [without_addresses(part) for part in text]
 
 
 def _source_of(obj: Any) -> str:

@@ -133,6 +133,12 @@ def typed_name(thing: object) -> str | None:
     return held[1] if held is not None and held[0] is thing else None
 
 
+def without_addresses(text: str) -> str:
+    """``text`` without the addresses in default reprs (``<Cfg at 0x7f..>``): they differ in every
+    process, so a label or digest holding one would tell a run apart from its own rerun."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+
+
 def callable_label(function: object) -> str:
     """A user's function, class or ``functools.partial`` as results name it: ``small_gpt2``,
     ``partial(SGD, lr=0.1, momentum=0.9)`` (with its arguments, which tell two runs apart), or
@@ -142,9 +148,7 @@ def callable_label(function: object) -> str:
     if isinstance(function, functools.partial):
         arguments = [callable_label(function.func), *map(repr, function.args)]
         arguments += [f"{k}={v!r}" for k, v in function.keywords.items()]
-        # without the addresses in default reprs (<Cfg at 0x7f..>): they differ in every process,
-        # and a label that changes from run to run would refuse every resume
-        text = re.sub(r" at 0x[0-9a-fA-F]+", "", f"partial({', '.join(arguments)})")
+        text = without_addresses(f"partial({', '.join(arguments)})")  # else no resume would match
         return text if len(text) <= LABEL_CHARACTERS else text[: LABEL_CHARACTERS - 4] + "...)"
     return getattr(function, "__qualname__", None) or type(function).__name__
 

@@ -325,9 +325,8 @@ def _sweep_abandoned_log_dirs(folder: Path) -> list[Path]:
         try:
             if log_dir.is_symlink() or not log_dir.is_dir() or log_dir.stat().st_uid != os.getuid():
                 continue
-            contents = {entry.name for entry in log_dir.iterdir()}
             log = log_dir / LOG_NAME
-            if contents - {LOG_NAME}:  # something workbench did not write: not ours to remove
+            if not _holds_only_our_log(log_dir):  # something workbench did not write: not ours to remove
                 continue
             touched = max(path.stat().st_mtime for path in [log_dir, log] if path.exists())
             if now - touched < ABANDONED_AFTER_S or (log.exists() and not _lock_is_free(log)):
@@ -337,6 +336,11 @@ def _sweep_abandoned_log_dirs(folder: Path) -> list[Path]:
         except OSError:  # another process's sweep, or a folder we may not read: not ours to fight over
             continue
     return removed
+
+
+def _holds_only_our_log(log_dir: str | Path) -> bool:
+    """Whether a template's log folder holds nothing but workbench's own log (or nothing)."""
+    return {entry.name for entry in os.scandir(log_dir)} <= {LOG_NAME}
 
 
 def _lock_is_free(log: Path) -> bool:
@@ -708,10 +712,10 @@ def serve(fd: int, log_dir: str | None = None) -> int:
 
 def _end_with_parent(log_dir: str | None) -> NoReturn:
     """End the template, its log folder with it: nobody is left to read the log or remove it.
-    Only a folder that holds nothing but workbench's log (the sweep's rule, _sweep_abandoned_log_dirs)."""
+    Only a folder that holds nothing but workbench's log, as the sweep's rule is."""
     if log_dir is not None:
         with contextlib.suppress(OSError):
-            if {entry.name for entry in os.scandir(log_dir)} <= {LOG_NAME}:
+            if _holds_only_our_log(log_dir):
                 shutil.rmtree(log_dir, ignore_errors=True)
     os._exit(0)  # skip the interpreter's teardown of torch: nothing here needs it
 
