@@ -68,6 +68,11 @@ QUIET = {"progress": False, "out": False}
             r"the optimizer factory <lambda> fails on the model's parameters, as it would in every arm: "
             r"ValueError: Invalid learning rate: -1.0",
         ),
+        (
+            {"optimizer": torch.optim.LBFGS},
+            r"the optimizer factory LBFGS built LBFGS, whose step needs a closure .* choose an optimizer whose "
+            r"closure is optional",
+        ),
         ({"steps": 0}, r"ablate: steps must be >= 1; got 0"),
         ({"steps": 2.5}, r"ablate: steps must be an integer >= 1; got 2.5"),
         ({"warmup": 0}, r"ablate: warmup must be >= 1; got 0 \(the first steps pay one-off costs"),

@@ -460,6 +460,13 @@ def check_optimizer(optimizer: str | Callable, model: nn.Module, judged: bool = 
             f"the optimizer factory {label} returned {type(built).__name__}, not a torch.optim.Optimizer: "
             f"it is called with each arm's parameters and returns the optimizer over them, e.g. {OPTIMIZER_EXAMPLE}"
         )
+    if _step_needs_closure(built):
+        raise ValueError(
+            f"the optimizer factory {label} built {type(built).__name__}, whose step needs a closure that "
+            "evaluates the loss again; the train step calls optimizer.step() once, after one backward "
+            "(as loss scaling and CUDA Graphs need), so it cannot drive it: choose an optimizer whose "
+            "closure is optional (SGD, Adam, AdamW, RMSprop, ...)"
+        )
     held = {id(p) for group in built.param_groups for p in group["params"]}
     if stand_ins and not held & {id(p) for p in stand_ins}:
         raise ValueError(
@@ -471,6 +478,15 @@ def check_optimizer(optimizer: str | Callable, model: nn.Module, judged: bool = 
         for group in built.param_groups
     ]
     return f"{type(built).__qualname__}: " + "; ".join(groups)
+
+
+def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """LBFGS's step(closure) re-evaluates the loss several times; most optimizers take closure=None."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a C-implemented or oddly wrapped step: nothing to judge by
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 class LossScaler(Protocol):
