@@ -726,8 +726,13 @@ def test_an_optimizer_factory_given_to_the_panel_is_a_choice_beside_the_built_in
         ("sgd", "sgd"),
     )
     assert panel.arguments()["optimizer"] is factory
+    lr = panel.settings["lr"]
+    assert lr.disabled and "your optimizer factory sets its own" in lr.tooltip
+    lr.value = 0.5  # a greyed-out box's value is not the factory's: not passed, so Run is not refused
+    assert panel.arguments()["lr"] == wb.config.DEFAULT_LR and panel.run_config().optimizer is factory
     control.value = "sgd"
-    assert panel.arguments()["optimizer"] == "sgd"
+    assert panel.arguments()["optimizer"] == "sgd" and not lr.disabled
+    assert panel.arguments()["lr"] == 0.5
 
 
 def test_the_advise_and_tune_page_builds_its_calls_from_the_job_above():

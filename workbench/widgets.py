@@ -33,6 +33,8 @@ with needed_by("workbench.widgets", "ipywidgets"):  # the notebook extra, said w
 from workbench.ablation import ablate, check_before_run
 from workbench.advisor import ADVISOR_FIXES, Advice, advise
 from workbench.config import (
+    DEFAULT_LR,
+    OPTIMIZERS,
     TUNER_DECIDES,
     NothingMeasured,
     Option,
@@ -192,6 +194,19 @@ class AblationPanel(w.VBox):
         )
         for control in (self.model, self.data, self.settings["device"], self.settings["world_size"]):
             control.observe(lambda _: self.refresh_availability(), names="value")
+        self.settings["optimizer"].observe(lambda _: self._lr_for_the_optimizer(), names="value")
+        self._lr_for_the_optimizer()
+
+    def _lr_for_the_optimizer(self) -> None:
+        """An optimizer factory of the user's sets its own learning rate: the lr box, which is
+        adamw's and sgd's, is greyed out (and not passed) while the factory is chosen."""
+        lr = self.settings["lr"]
+        lr.disabled = not isinstance(self.settings["optimizer"].value, str)
+        lr.tooltip = (
+            f"your optimizer factory sets its own learning rate; this box is for {' and '.join(OPTIMIZERS)}"
+            if lr.disabled
+            else run_options()["lr"].help
+        )
 
     def _data_options(self, model: str) -> list[tuple[str, str]]:
         """The data choices, the model's own dataset named: the control shows what the run uses."""
@@ -352,7 +367,10 @@ class AblationPanel(w.VBox):
         return RunConfig.from_options("panel", self.setting_values())
 
     def setting_values(self) -> dict[str, Any]:
-        return {name: setting_value(rule, self.settings[name]) for name, rule in run_options().items()}
+        values = {name: setting_value(rule, self.settings[name]) for name, rule in run_options().items()}
+        if self.settings["lr"].disabled:  # a factory's own lr: what the greyed-out box holds is not its
+            values["lr"] = DEFAULT_LR
+        return values
 
     def arguments(self) -> dict:
         """What Run passes to ``wb.ablate``."""
