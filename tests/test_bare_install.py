@@ -182,8 +182,10 @@ def test_a_package_that_hangs_on_import_is_named_and_can_be_set_aside(tmp_path):
     with open(stderr, "w") as sink:
         hanging = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=sink)
         try:
-            for _ in range(1200):  # up to two minutes for torch's import and the probes before cupy's
-                if "has taken" in stderr.read_text() or hanging.poll() is not None:
+            # Up to two minutes for torch's import and the probes before cupy's; on a loaded machine
+            # DALI's real import can pass the 1 s too, and is said first: wait for cupy's line.
+            for _ in range(1200):
+                if "to probe cupy has taken" in stderr.read_text() or hanging.poll() is not None:
                     break
                 time.sleep(0.1)
         finally:
