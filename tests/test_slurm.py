@@ -320,3 +320,34 @@ def test_tune_runs_its_rounds_as_slurm_jobs(tmp_path):
     (first_at, first), (second_at, second) = round_starts[:2]
     per_block_s = (second_at - first_at) / first["blocks"]
     assert second["blocks"] * per_block_s <= budget_s, (second, per_block_s)
+
+
+def test_your_own_code_from_the_command_line_is_imported_in_the_job(tmp_path):
+    """--model/--optimizer module:attribute through Slurm: the job unpickles the factories by
+    reference, so it must import the user's module from the folder the command ran in, as the
+    console script (whose sys.path lacks that folder) did."""
+    (tmp_path / "own_job_slurm.py").write_text(
+        "import functools\nimport torch\nfrom torch import nn\n\n"
+        "def build():\n    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))\n\n"
+        "def batches():\n    generator = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,), generator=generator))\n"
+        "            for _ in range(4)]\n\n"
+        "sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)\n"
+    )
+    console_script = Path(sys.executable).with_name("workbench")
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(console_script), "ablate", "--model", "own_job_slurm:build", "--optimizer", "own_job_slurm:sgd",
+         "--data", "own_job_slurm:batches", "--steps", "6", "--warmup", "1", "--blocks", "1", "--executor", "slurm", "--out", "run", "--no-progress"],
+        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert {unit["status"] for unit in record["units"]} == {"ok"}
+    assert record["blocks"][0]["slurm_job_id"], "the block ran as a Slurm job"
+    named = ("model", "data", "optimizer")
+    assert [record["config"][key] for key in named] == [
+        "own_job_slurm:build",
+        "own_job_slurm:batches",
+        "own_job_slurm:sgd",
+    ]

@@ -268,7 +268,9 @@ class SlurmBlocks:
             self.executor = self._make_executor()
         number = 1 + sum(1 for a in self.attempts if a["block"] == block)
         relative = attempt_folder(block, number)
-        folder = self.files.nest(relative)
+        # Absolute: out may be relative (--out run), the job's working folder need not be this
+        # one (sbatch --chdir), and submitit gives its log paths absolute.
+        folder = self.files.nest(relative).resolve()
         self.executor.update_parameters(job_name=f"workbench-b{block}")
         try:
             job = self.executor.submit(self.run_block, str(folder), block)
@@ -281,7 +283,7 @@ class SlurmBlocks:
             "attempt": number,
             "job_id": str(job.job_id),
             "folder": relative,
-            "log": str(job.paths.stderr.relative_to(self.files.path)),
+            "log": str(job.paths.stderr.resolve().relative_to(self.files.path.resolve())),
             "state": "SUBMITTED",
             "reason": "",
             "node": "",
