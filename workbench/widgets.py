@@ -368,8 +368,8 @@ class AblationPanel(w.VBox):
 
     def setting_values(self) -> dict[str, Any]:
         values = {name: setting_value(rule, self.settings[name]) for name, rule in run_options().items()}
-        if self.settings["lr"].disabled:  # a factory's own lr: what the greyed-out box holds is not its
-            values["lr"] = DEFAULT_LR
+        if not isinstance(values["optimizer"], str):  # a factory sets its own lr: the greyed-out box's
+            values["lr"] = DEFAULT_LR  # value is adamw's and sgd's
         return values
 
     def arguments(self) -> dict:
