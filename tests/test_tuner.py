@@ -232,6 +232,21 @@ def test_a_candidate_the_search_dropped_is_never_its_runner_up():
     assert _answer([leader, slower, kept])[:2] == (leader, kept)
 
 
+def test_clearly_below_the_baseline_needs_a_gap_wider_than_the_control_band():
+    from workbench.tuner import _clearly_below_the_baseline, _not_decided
+
+    band = (0.97, 1.05)
+    assert _clearly_below_the_baseline(_figures(0.62, 0.60, 0.64, blocks=1, verdict="slower", band=band))
+    # Below the band, but by less than its width: one process's noise could do that much.
+    assert not _clearly_below_the_baseline(_figures(0.94, 0.93, 0.95, blocks=1, verdict="slower", band=band))
+    assert not _clearly_below_the_baseline(
+        _figures(1.00, 0.95, 1.05, blocks=1, verdict="within noise", band=band)
+    )
+    # Why such a fastest is no winner: slower, which one block can say, not "measured in one block".
+    why = _not_decided(_figures(0.62, 0.60, 0.64, blocks=1, verdict="slower", band=band))
+    assert why.startswith("measurably slower than the baseline")
+
+
 def test_clearly_slower_needs_a_gap_wider_than_the_control_band():
     from workbench.tuner import _clearly_slower
 
@@ -400,6 +415,62 @@ def test_the_search_finds_the_known_winner_and_drops_the_loss_drift_then_resumes
             PausingNet, batches(), budget_s=budget, techniques=known_techniques, out=out,
             **{**RUN, "steps": 30}, **QUIET,
         )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_search_whose_every_candidate_is_clearly_slower_than_the_baseline_ends_after_screening(
+    known_techniques,
+):
+    """checkpointing at x0.62 [0.60, 0.64] against a control band of [0.97, 1.05] went on to a final
+    round of 42 blocks (70 s of a 90 s budget) to say "no winner": no number of blocks turns that
+    around, so the search ends after the screening and leaves the budget unspent."""
+    res = wb.tune(PausingNet, batches(), budget_s=SEARCH_BUDGET_S, techniques={"longer_pause": True},
+                  out=False, **RUN, **QUIET)  # fmt: skip
+    tune = res.record["tune"]
+    assert len(tune["rounds"]) == 1, tune["rounds"]
+    assert tune["stopped"].startswith(
+        "after round 1 even the fastest candidate was clearly slower than the baseline"
+    )
+    assert res.best == {} and "but measurably slower than the baseline" in res.tuning_verdict
+
+
+class VerySlowStart(Technique):
+    """Test-only: slow to start, as compile is, and slower than any budget below."""
+
+    name, summary, order, Config = "very_slow_start", "test-only: a minute to start", 93, NoSettings
+    costly_start = "its first forward waits a minute, as a large model compiles"
+
+    def apply(self, setup, config):
+        first = [True]
+
+        def wait_once(inputs):
+            if first[0]:
+                first[0] = False
+                time.sleep(60.0)
+            return inputs
+
+        setup.input_transforms.append(wait_once)
+        return "a minute before its first step"
+
+
+def test_a_calibration_cut_while_a_slow_starter_warms_up_names_it_and_the_search_without_it(known_techniques):
+    """The budget ran out while compile compiled beside the baseline, and the message blamed the
+    baseline's start ("had not reported a timed step"), naming neither compile nor what to pass."""
+    register_technique(VerySlowStart())
+    try:
+        with pytest.raises(ValueError) as cut:
+            wb.tune(PausingNet, batches(), budget_s=4, techniques=["very_slow_start", "no_pause"], out=False,
+                    **RUN, **QUIET)  # fmt: skip
+    finally:
+        unregister_technique("very_slow_start")
+    said = " ".join(str(cut.value).split())
+    assert "very_slow_start was still warming up beside the baseline, before either timed a step " in said, (
+        said
+    )
+    assert "(very_slow_start: its first forward waits a minute, as a large model compiles)" in said
+    assert (
+        "Leave very_slow_start out (techniques=['no_pause']), or pass a budget_s of several minutes" in said
+    )
 
 
 @pytest.mark.slow

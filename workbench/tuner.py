@@ -128,6 +128,8 @@ class _Calibrating:
     steps: int  # the baseline's timed steps in all
     step: int = 0
     finished: bool = False
+    slow: dict[str, str] = field(default_factory=dict)  # techniques slow to start (compile): why
+    others: tuple[str, ...] = ()  # the rest of the search's techniques: a search without the slow ones
 
     def watch(self, event: dict) -> None:
         # of all its steps (a window's own progress counts that window's steps: another "of")
@@ -595,6 +597,8 @@ class _Search:
             alone = replace(self.run_config, blocks=1, control=False, isolate=False)
             # Stop is heard here too: a search stopped while it calibrates ends now, not after it.
             with self._within_the_budget() as calibrating:
+                calibrating.slow = {t.name: t.costly_start for t, _ in pool if t.name in costly}
+                calibrating.others = tuple(dict.fromkeys(t.name for t, _ in pool if t.name not in costly))
                 calibration = _run_in_folder(prepare(self.model, self.data, self.loss_fn, costly, alone), False,
                                              False, False, self.progress, calibrating.watch, calibrating.deadline,
                                              None, "tune: calibrate")  # fmt: skip
@@ -751,6 +755,12 @@ class _Search:
                 break
             if final and not grown:
                 break
+            if alive and _clearly_below_the_baseline(alive[0].rounds[-1]):  # more blocks cannot help
+                stopped = (
+                    f"after round {index + 1} even the fastest candidate was clearly slower than the "
+                    "baseline, so the search ended there, with the rest of its budget unspent"
+                )
+                break
             index += 1
         return self._finish(results, stopped)
 
@@ -879,14 +889,29 @@ class _Search:
         if deadline.is_set() and deadline.why is None:  # the user's stop
             raise NothingMeasured("tune: stopped while calibrating; nothing was measured")
         if deadline.why is not None and not calibrating.finished:
-            raise ValueError(self._calibration_cut(calibrating.step, calibrating.steps))
+            raise ValueError(self._calibration_cut(calibrating))
 
-    def _calibration_cut(self, step: int, of: int) -> str:
+    def _calibration_cut(self, calibrating: _Calibrating) -> str:
         """Why the budget cannot hold the search, when it ran out while calibrating: about how long
         calibrating takes, from how far the baseline got. Rough both ways: the progress it goes by
         comes now and then (so it lags), and what follows the timed steps (the advisor's profile, a
-        slow-starting arm) adds to it."""
+        slow-starting arm) adds to it. A technique slow to start (compile) warms up beside the
+        baseline before either times a step: the line names it, and the search without it."""
+        step, of, slow = calibrating.step, calibrating.steps, calibrating.slow
         said = f"tune: budget_s={self.budget_s:g} ran out while calibrating, after {self.spent_s:.0f} s: "
+        if slow and not step:
+            names = " and ".join(slow)
+            whys = "; ".join(f"{name}: {why}" for name, why in slow.items())
+            without = (
+                f"Leave {names} out (techniques={list(calibrating.others)!r}), or p"
+                if calibrating.others
+                else "P"
+            )
+            return said + (
+                f"{names} was still warming up beside the baseline, before either timed a step ({whys}). "
+                f"{without}ass a budget_s of several minutes; if it is still too small for a search, the "
+                "search then says the least it needs"
+            )
         if step and of and step < of:
             needs = math.ceil(self.spent_s * of / step)
             said += (
@@ -958,6 +983,13 @@ class _Search:
                     f"clearly slower than {standing[0].name}: x{mine['speedup']:.2f} "
                     f"[{mine['speedup_low']:.2f}, {mine['speedup_high']:.2f}] against x{leader['speedup']:.2f} "
                     f"[{leader['speedup_low']:.2f}, {leader['speedup_high']:.2f}]",
+                )
+            elif _clearly_below_the_baseline(mine):  # the leader may be too: run() then ends the search
+                low, high = mine["noise_band"]
+                candidate.drop(
+                    index,
+                    f"clearly slower than the baseline: x{mine['speedup']:.2f} [{mine['speedup_low']:.2f}, "
+                    f"{mine['speedup_high']:.2f}] below the control's band [{low:.2f}, {high:.2f}]",
                 )
             else:
                 kept.append(candidate)
@@ -1057,16 +1089,16 @@ def _helped(figures: dict) -> bool:
 
 def _not_decided(figures: dict) -> str | None:
     """Why these (the fastest's last) figures cannot name a winner; None when they can."""
-    if figures.get("blocks", 0) < DECIDING_BLOCKS:
-        return (
-            "measured in one block only: one process's figures cannot tell its luck "
-            f"from a gain (a winner needs a round of {DECIDING_BLOCKS} blocks or more; give the search more budget)"
-        )
     low, high = figures.get("noise_band", (1.0, 1.0))
     if figures.get("verdict") == "slower":  # the fastest of them: every candidate was slower
         return (
             f"measurably slower than the baseline: its interval [{figures['speedup_low']:.2f}, "
             f"{figures['speedup_high']:.2f}] lies below the control's band [{low:.2f}, {high:.2f}]"
+        )
+    if figures.get("blocks", 0) < DECIDING_BLOCKS:
+        return (
+            "measured in one block only: one process's figures cannot tell its luck "
+            f"from a gain (a winner needs a round of {DECIDING_BLOCKS} blocks or more; give the search more budget)"
         )
     if not _faster(figures):
         return (
@@ -1074,6 +1106,13 @@ def _not_decided(figures: dict) -> str | None:
             f"{figures['speedup_high']:.2f}] reaches into the control's band [{low:.2f}, {high:.2f}]"
         )
     return None
+
+
+def _clearly_below_the_baseline(mine: dict) -> bool:
+    """As ``_clearly_slower``, against the baseline: its interval lies below the control's band
+    (the baseline measured again), by a gap wider than the band."""
+    low, high = mine.get("noise_band", (1.0, 1.0))
+    return mine["speedup_high"] < low and 1.0 / mine["speedup"] > high / low
 
 
 def _clearly_slower(mine: dict, leader: dict) -> bool:
