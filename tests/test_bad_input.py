@@ -320,6 +320,7 @@ def test_cli_errors_name_the_flag_not_the_keyword():
         (["tune", "--budget", "60", "--mode", "grid"], "--mode is a flag of ablate, not of tune"),
         (["ablate", "--step", "3"], "did you mean --steps for --step?"),
         (["ablate", "--warmpu=3"], "did you mean --warmup for --warmpu?"),
+        (["ablate", "--modle", "mlp"], "did you mean --model for --modle?"),  # difflib's nearest: --mode
     ],
 )
 def test_flags_a_command_does_not_take_are_refused_by_name(arguments, hint, capsys):

@@ -110,6 +110,9 @@ def smoothed(outputs, targets):
     return nn.functional.cross_entropy(outputs, targets, label_smoothing=0.1)
 
 sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+def broken():
+    raise RuntimeError("no weights here")
 """
 
 
@@ -149,12 +152,13 @@ def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_pa
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--model", "own_job_cli:nope"], "--model own_job_cli:nope: own_job_cli has no attribute 'nope'; its callables: batches, build, sgd, smoothed"),
+        (["--model", "own_job_cli:nope"], "--model own_job_cli:nope: own_job_cli has no attribute 'nope'; its callables: batches, broken, build, sgd, smoothed"),
         (["--model", "no_such_module:build"], "--model no_such_module:build: no module named 'no_such_module' in "),
         (["--loss-fn", "cross_entropy"], "--loss-fn takes your own code as module:attribute"),
         (["--model", "script_job_cli:build"], "--model script_job_cli:build: importing script_job_cli fails: SystemExit: it exits as it is imported (2): guard its script part with if __name__ == '__main__':"),
         (["--model", "own_job_cli.py:build"], "--model own_job_cli.py:build: name the module, not its file: --model own_job_cli:build"),
-        (["--model", "own_job_cli:build"], "data is required with your own model: pass a Dataset, an iterable of batches, or a callable; or your own, as --data module:attribute"),
+        (["--model", "own_job_cli:build"], "data is required with your own model: give --data module:attribute, naming a Dataset, an iterable of batches, or a callable that returns one"),
+        (["--model", "own_job_cli:broken", "--data", "own_job_cli:batches"], "the model factory own_job_cli:broken fails as it builds the model, as it would in every arm: RuntimeError: no weights here"),
         (["--model", "broken_job_cli:build"], "--model broken_job_cli:build: importing broken_job_cli fails: ModuleNotFoundError: No module named 'a_missing_dependency'"),
         (["--model", "own_job_cli"], "unknown model 'own_job_cli'; valid models: mlp, resnet-mini, gpt-mini; or your own, as --model module:attribute"),
         (["--optimizer", "own_job_cli:sgd", "--lr", "0.1"], "--lr 0.1 is for the built-in optimizers; your optimizer factory own_job_cli:sgd sets its own"),
@@ -218,9 +222,10 @@ def test_dry_run_plans_without_running(capsys):
     for arm in ("baseline", "amp", "channels_last", "checkpointing", "grad_accum"):
         assert arm in done.stdout
     # what the preset chose, which the arms' table does not show
-    assert done.stdout.startswith(
+    assert " ".join(done.stdout.split()).startswith(  # wrapped to the terminal's width
         "resnet-mini on textures, cpu, batch 32: 3 blocks, 20 timed steps per arm after 3 warm-up steps"
     ), done.stdout
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80, done.stdout
 
 
 @pytest.mark.slow  # one small run first, to hold a folder
@@ -249,6 +254,14 @@ def test_a_dry_run_refuses_a_results_folder_as_the_run_would(tmp_path, capsys):
     over = run_here(capsys, *common, "--blocks", "2", "--overwrite")
     assert over.returncode == 2 and "did not write there (notes.txt)" in over.stderr, over.stderr
     assert (out / "notes.txt").read_text() == "mine" and len(list((out / "units").iterdir())) == 2
+    # A folder that does not exist yet, under a file: refused as the run refuses it, and nothing made.
+    under_a_file = tmp_path / "a-file" / "results"
+    (tmp_path / "a-file").write_text("mine")
+    dry = run_here(capsys, *common[:-3], "--out", str(under_a_file), "--dry-run")
+    assert dry.returncode == 2 and f"--out {under_a_file} cannot be written: Not a directory" in dry.stderr
+    made = tmp_path / "new" / "deeper"
+    assert run_here(capsys, *common[:-3], "--out", str(made), "--dry-run").returncode == 0
+    assert not (tmp_path / "new").exists(), "a dry run leaves no folder behind"
 
 
 def test_a_plan_that_runs_no_technique_says_so(capsys):
@@ -256,7 +269,7 @@ def test_a_plan_that_runs_no_technique_says_so(capsys):
     for flags in (["--techniques", '{"amp": false}'], ["-t", "cuda_graphs"]):  # off; unavailable on a CPU
         done = run_here(capsys, "ablate", *flags, "--dry-run")
         assert done.returncode == 0, done.stderr
-        assert done.stdout.rstrip().endswith(
+        assert " ".join(done.stdout.split()).endswith(  # wrapped to the terminal's width
             "No technique will run: the baseline against its control only (an A/A check of the noise)."
         ), done.stdout
     assert "No technique will run" not in run_here(capsys, "ablate", "-t", "amp", "--dry-run").stdout
@@ -349,8 +362,9 @@ def test_loader_only_sweep_dry_run(capsys):
         "--dry-run",
     )
     assert done.returncode == 0, done.stderr
-    rows = done.stdout.split("\n\n")[1].splitlines()[1:]  # after the settings line
-    names = [re.split(r"\s{2,}", row.strip())[0] for row in rows]  # the name column; no name has two spaces
+    rows = done.stdout.split("\n\n")[1].splitlines()[1:]  # after the settings line and the headings
+    # the name column, of each row's first line (a name has no two spaces; wrapped settings start with them)
+    names = [re.split(r"\s{2,}", row)[0] for row in rows if not row.startswith(" ")]
     assert names == [
         "loader: baseline",
         "loader: baseline (own process)",  # what the arm with a worker process is compared with
@@ -371,11 +385,25 @@ def test_advise_checks_where_it_will_write_before_it_measures(tmp_path, capsys):
     """A user's file is never replaced, and a path that cannot be written is said at once, not
     after the measurement (which it would throw away)."""
     from workbench.cli import main
+    from workbench.results_folder import MANIFEST
 
     mine = tmp_path / "notes.json"
     mine.write_text("the user's notes")
+    a_run = tmp_path / "a-run"  # another run's results folder: its overwrite would refuse the file
+    a_run.mkdir()
+    (a_run / MANIFEST).write_text('{"files": []}')
     for flag, path, said in [
         ("--json", mine, "exists and workbench did not write it"),
+        (
+            "--json",
+            a_run / "advice.json",
+            f"--json '{a_run / 'advice.json'}' is inside the workbench results folder",
+        ),
+        (
+            "--plot",
+            a_run / "advice.png",
+            f"--plot '{a_run / 'advice.png'}' is inside the workbench results folder",
+        ),
         ("--json", tmp_path, "is a folder; name a file"),
         ("--plot", tmp_path / "missing" / "advice.png", "does not exist"),
         ("--plot", tmp_path / "advice.txt", "--plot writes a PNG image; name a .png file"),

@@ -673,6 +673,7 @@ def _check_the_out(prepared: Prepared, out: Any, overwrite: bool) -> None:
     folder = ResultsFolder(out)  # "~" expanded, as the run will
     folder.refuse_inside_another_run()  # as _open_out does first
     if not folder.path.exists():
+        folder.refuse_if_it_cannot_be_made()  # under a file, or where this user may not write
         return
     _refuse_a_file(folder)
     folder.refuse_if_in_use()  # as lock() would: not the other run's half-written files, misread

@@ -220,7 +220,10 @@ def _unrecognized(args: argparse.Namespace, extra: list[str]) -> str:
     hints = []
     for token in (token.split("=")[0] for token in extra if token.startswith("--")):
         elsewhere = [name for name, other in parsers.items() if token in other._option_string_actions]
-        close = difflib.get_close_matches(token, flags, n=1)
+        # Letters swapped (--modle) before difflib's nearest, which ranks --mode above --model there.
+        close = [f for f in flags if sorted(f) == sorted(token)] or difflib.get_close_matches(
+            token, flags, n=1
+        )
         if elsewhere:
             hints.append(f"{token} is a flag of {' and '.join(elsewhere)}, not of {args.command}")
         elif close:
@@ -392,32 +395,48 @@ def _plan_settings(config: dict) -> str:
 
 def format_plan(table, spell: Callable[[str], str] = str) -> str:
     """The dry run's table: what runs, one left-aligned row per arm, then why arms run alone or not
-    at all, those reasons reworded by ``spell`` (the CLI's flags: "pass --world-size 2")."""
-    shown = table[["name", "role", "process", "blocks", "techniques"]]
-    widths = {column: max(len(column), *(len(str(v)) for v in shown[column])) for column in shown}
-    lines = [_plan_settings(table.attrs["config"]), ""]
-    lines.append("  ".join(f"{column:<{widths[column]}}" for column in shown))
-    lines += [
-        "  ".join(f"{str(v):<{widths[c]}}" for c, v in zip(shown, row, strict=True))
-        for row in shown.itertuples(index=False)
-    ]
-    alone = [f"  {row.name}: {spell(row.own_process)}" for row in table.itertuples() if row.process == "own"]
-    skipped = [f"  {row.name}: {spell(row.unavailable)}" for row in table.itertuples() if row.unavailable]
-    if alone:
-        lines += [
-            "",
-            "In a process of their own (each compared with a baseline that also runs alone):",
-            *alone,
+    at all, those reasons reworded by ``spell`` (the CLI's flags: "pass --world-size 2"); within
+    the terminal's width, long settings and reasons wrapped."""
+    from workbench.results_view import terminal_width, wrap_cell
+
+    width = terminal_width()
+    shown = table[["name", "role", "process", "blocks", "techniques"]].astype(str)
+    # Every column whole but the last, whose settings wrap in the room left; where long arm names
+    # leave too little (a sweep's dataloader[num_workers=1]), the settings go under each row.
+    widths = [max(len(column), *(len(value) for value in shown[column])) for column in shown.columns[:-1]]
+    indent = sum(widths) + 2 * len(widths)
+    beside = width - indent >= 24
+    lines = [*textwrap.wrap(_plan_settings(table.attrs["config"]), width), ""]
+    for row in [list(shown.columns), *shown.itertuples(index=False)]:
+        cells = [f"{value:<{w}}" for value, w in zip(row, widths, strict=False)]
+        if beside:
+            first, *more = wrap_cell(row[-1], width - indent)
+            lines += ["  ".join([*cells, first]), *(" " * indent + piece for piece in more)]
+        else:
+            lines += ["  ".join(cells), *("    " + piece for piece in wrap_cell(row[-1], width - 4))]
+
+    def listed(heading: str, reasons: list[tuple[str, str]]) -> list[str]:
+        wrapped = [
+            textwrap.fill(f"{name}: {spell(why)}", width, initial_indent="  ", subsequent_indent="    ")
+            for name, why in reasons
         ]
-    if skipped:
-        lines += ["", "Unavailable here:", *skipped]
+        return ["", *textwrap.wrap(heading, width), *wrapped] if reasons else []
+
+    lines += listed(
+        "In a process of their own (each compared with a baseline that also runs alone):",
+        [(row.name, row.own_process) for row in table.itertuples() if row.process == "own"],
+    )
+    lines += listed(
+        "Unavailable here:", [(row.name, row.unavailable) for row in table.itertuples() if row.unavailable]
+    )
     if oversubscribed := table.attrs.get("oversubscribed"):  # as the run's plan line would warn
-        lines += ["", f"WARNING: {oversubscribed}: threads will wait for cores, and steps measure that."]
+        warning = f"WARNING: {oversubscribed}: threads will wait for cores, and steps measure that."
+        lines += ["", *textwrap.wrap(warning, width)]
     from workbench.progress import no_technique
 
     if nothing_applied := no_technique(table.to_dict(orient="records")):
         nothing_applied = spell(nothing_applied)
-        lines += ["", nothing_applied[0].upper() + nothing_applied[1:] + "."]
+        lines += ["", *textwrap.wrap(nothing_applied[0].upper() + nothing_applied[1:] + ".", width)]
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -542,7 +561,8 @@ def _run_ablate(args: argparse.Namespace) -> int:
 
     print()
     print(results.summary(width=terminal_width(), colour=use_colour(), spell=ablate_spelling(args)))
-    print(f"\nSaved results.json, table.csv, losses.csv, telemetry.csv and plot.png in {results.path}")
+    saved = f"Saved results.json, table.csv, losses.csv, telemetry.csv and plot.png in {results.path}"
+    print("\n" + textwrap.fill(saved, terminal_width(), break_long_words=False, break_on_hyphens=False))
     return exit_code(results.table)
 
 
@@ -559,8 +579,10 @@ def _check_output_file(flag: str, path: str, written_by_us) -> Path:
         raise ValueError(f"{flag} {path}: the folder {target.parent} does not exist")
     if not os.access(target.parent, os.W_OK):
         raise ValueError(f"{flag} {path}: the folder {target.parent} cannot be written")
-    from workbench.results_folder import refuse_a_file_not_ours
+    from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours
 
+    # Not among a run's results: that run's overwrite would refuse a file it did not write.
+    ResultsFolder(target).refuse_inside_another_run(f"{flag} ")
     refuse_a_file_not_ours(target, written_by_us, f"{flag} {path}")
     return target
 
@@ -779,7 +801,12 @@ def in_cli_terms(message: str, args: argparse.Namespace, technique_speaks: bool 
     """
     command = args.command
     own = re.match(r"unknown (model|dataset) |(model|data) (must be|is required)", message)
-    if own and command in COMMANDS_OF_A_JOB:  # where the API takes callables, these take module:attribute
+    if own and own[0] == "data is required" and command in COMMANDS_OF_A_JOB:  # a flag can give only one
+        message = (
+            f"{message.split(':')[0]}: give --data {OWN_CODE}, naming a Dataset, an iterable of batches, "
+            "or a callable that returns one"
+        )
+    elif own and command in COMMANDS_OF_A_JOB:  # where the API takes callables, these take module:attribute
         message += f"; or your own, as {'--data' if 'data' in own[0] else '--model'} {OWN_CODE}"
     # help text: no technique speaks
     flags, switches = _flags_speaking(args, message if technique_speaks else "")

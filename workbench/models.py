@@ -291,11 +291,26 @@ def inspect_model(model: object) -> tuple[nn.Module, str]:
     try:
         with torch.device("meta"):
             built = build_model(model, spec)
-    except (RuntimeError, NotImplementedError, TypeError):
-        # Some user models touch real data while constructing; build those for real.
-        built = build_model(model, spec)
+    except Exception:  # noqa: BLE001 - some user models touch real data while constructing
+        built = _build_before_the_arms(model, spec)
     _refuse_lazy_parameters(built)
     return built, model_label(model)
+
+
+def _build_before_the_arms(model: object, spec: DataSpec | None) -> nn.Module:
+    """The model built for real, where the meta device would not do; a factory that fails here
+    fails in every arm, so it is refused in one line (its traceback chained, for the API)."""
+    try:
+        return build_model(model, spec)
+    except ValueError:  # workbench's own words (not an nn.Module, needs arguments), or the factory's
+        raise
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        said = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        raise ValueError(
+            f"the model factory {model_label(model)} fails as it builds the model, as it would in "
+            f"every arm: {said}"
+        ) from error
 
 
 def _refuse_lazy_parameters(built: nn.Module) -> None:

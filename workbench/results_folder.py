@@ -92,6 +92,20 @@ class ResultsFolder:
                 )
         raise FolderInUse(f"out={str(self.path)!r}: its lock changed hands repeatedly; try again")
 
+    def refuse_if_it_cannot_be_made(self) -> None:
+        """What ``lock`` would refuse for a folder that does not exist yet (a file among its
+        parents, a place this user may not write): it is made, then removed again, only the
+        folders made here and only while they are empty."""
+        missing = [folder for folder in (self.path, *self.path.parents) if not folder.exists()]
+        try:
+            self.path.mkdir(parents=True)
+        except OSError as error:
+            raise ValueError(f"out={str(self.path)!r} cannot be written: {error.strerror or error}") from None
+        finally:
+            for folder in missing:  # the deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
     def refuse_if_in_use(self) -> None:
         """FolderInUse where another run holds the lock now: a check that takes no lock (the
         panel's pre-flight), which would otherwise read that run's half-written files."""
