@@ -434,11 +434,12 @@ def test_a_search_whose_every_candidate_is_clearly_slower_than_the_baseline_ends
     assert res.best == {} and "but measurably slower than the baseline" in res.tuning_verdict
 
 
-class VerySlowStart(Technique):
-    """Test-only: slow to start, as compile is, and slower than any budget below."""
+class SlowStart(Technique):
+    """Test-only: its arms take a second longer to start (its first forward waits), as a compiled one."""
 
-    name, summary, order, Config = "very_slow_start", "test-only: a minute to start", 93, NoSettings
-    costly_start = "its first forward waits a minute, as a large model compiles"
+    name, summary, order, Config = "slow_start", "test-only: slow to start", 94, NoSettings
+    costly_start = "its first forward waits a second, as a compiled model compiles"
+    wait_s = 1.0
 
     def apply(self, setup, config):
         first = [True]
@@ -446,11 +447,19 @@ class VerySlowStart(Technique):
         def wait_once(inputs):
             if first[0]:
                 first[0] = False
-                time.sleep(60.0)
+                time.sleep(self.wait_s)
             return inputs
 
         setup.input_transforms.append(wait_once)
-        return "a minute before its first step"
+        return f"{self.wait_s:g} s before its first step"
+
+
+class VerySlowStart(SlowStart):
+    """Test-only: slow to start, as compile is, and slower than any budget below."""
+
+    name, summary, order = "very_slow_start", "test-only: a minute to start", 93
+    costly_start = "its first forward waits a minute, as a large model compiles"
+    wait_s = 60.0
 
 
 def test_a_calibration_cut_while_a_slow_starter_warms_up_names_it_and_the_search_without_it(known_techniques):
@@ -626,25 +635,6 @@ def test_the_tuner_starts_from_the_advisors_ranking(tmp_path, monkeypatch):
     assert searched == set(advice.recommended)
     assert tune["advice"]["bottleneck"] == advice.bottleneck
     assert res.best == {} or set(res.best) <= searched
-
-
-class SlowStart(Technique):
-    """Test-only: its arms take a second longer to start (its first forward waits), as a compiled one."""
-
-    name, summary, order, Config = "slow_start", "test-only: slow to start", 94, NoSettings
-    costly_start = "its first forward waits a second, as a compiled model compiles"
-
-    def apply(self, setup, config):
-        first = [True]
-
-        def wait_once(inputs):
-            if first[0]:
-                first[0] = False
-                time.sleep(1.0)
-            return inputs
-
-        setup.input_transforms.append(wait_once)
-        return "a second before its first step"
 
 
 @pytest.mark.slow
