@@ -598,6 +598,21 @@ def test_a_budget_too_small_to_measure_the_baseline_says_the_least_that_would_wo
     assert json.loads((out / "tune.json").read_text())["calibration"] == calibrated  # not measured again
 
 
+def test_a_budget_refused_after_a_calibration_beside_other_processes_says_they_slowed_it(
+    known_techniques, calibration_past_the_budget, monkeypatch
+):
+    """On a 2-core machine with another process on one core, the refusal asked for 424 s, and the
+    same job tuned within 90 s with threads=1: the calibration's load warning was not passed on."""
+    busy = {"others_cpu_cores_median": 1.04, "cores": 2, "warning": "other processes used 1.04 of ..."}
+    monkeypatch.setattr(wb.Results, "load", property(lambda self: busy))
+    with pytest.raises(ValueError, match=r"budget_s=1 is too small") as refused:
+        wb.tune(PausingNet, batches(), budget_s=1, techniques=known_techniques, out=False, **RUN, **QUIET)
+    assert (
+        "Other processes used 1.0 of this machine's 2 cores while it calibrated, which slowed it: on a "
+        "quieter machine, or with fewer threads than cores (threads=1) to leave them one, the search costs less"
+    ) in str(refused.value)
+
+
 def test_a_search_stopped_while_it_calibrates_ends_then_and_names_no_folder_it_removed(known_techniques):
     """The calibration did not hear Stop (the panel's: a search went on calibrating, then was
     refused at its first round), and with out=False the message named the calibration's folder,

@@ -638,6 +638,12 @@ class _Search:
             "arm_s": arm,
             "overhead_s": overhead,
             "startup_extra_s": extra,
+            # Other processes' CPU while it ran, when enough to matter: they inflate every cost above.
+            "competing_load": (
+                {key: calibration.load[key] for key in ("others_cpu_cores_median", "cores")}
+                if calibration.load.get("warning")
+                else None
+            ),
         }
 
     def _choose_candidates(self, pool, max_candidates: int) -> None:
@@ -709,6 +715,7 @@ class _Search:
                 f"beside the baseline, then compared over 2 blocks) needs about {math.ceil(least)} s in all, that "
                 f"calibration included. Pass budget_s={math.ceil(least * self.BUDGET_MARGIN)} or more (a margin for a machine "
                 "whose speed varies: a calibration here can take a third longer the next time), or fewer steps"
+                + self._load_said()
                 + (
                     f". The calibration is kept: the same call with a larger budget_s and out={str(self.folder.path)!r} "
                     "goes on from it"
@@ -716,6 +723,18 @@ class _Search:
                     else ""
                 )
             )
+
+    def _load_said(self) -> str:
+        """What other processes took while the calibration ran, when enough to matter: it priced
+        everything from a slowed machine."""
+        load = self.state["calibration"].get("competing_load")
+        if not load:
+            return ""
+        return (
+            f". Other processes used {load['others_cpu_cores_median']:.1f} of this machine's {load['cores']} "
+            "cores while it calibrated, which slowed it: on a quieter machine, or with fewer threads than "
+            "cores (threads=1) to leave them one, the search costs less"
+        )
 
     # --- rounds -----------------------------------------------------------------------------------
 
