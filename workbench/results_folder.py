@@ -98,7 +98,7 @@ class ResultsFolder:
         folders made here and only while they are empty."""
         missing = [folder for folder in (self.path, *self.path.parents) if not folder.exists()]
         try:
-            self.path.mkdir(parents=True)
+            self.path.mkdir(parents=True, exist_ok=True)  # exist_ok: another run may make it meanwhile
         except OSError as error:
             raise ValueError(f"out={str(self.path)!r} cannot be written: {error.strerror or error}") from None
         finally:
