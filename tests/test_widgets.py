@@ -802,6 +802,9 @@ def test_advise_then_tune_from_the_panel(monkeypatch):
     # the search's calibration and again in its screening) would only make this test wait.
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr("workbench.techniques.compile.shutil.which", lambda name: None)
+    # A candidate clearly slower than the baseline (grad_accum on a CPU, often) would end the search
+    # after its screening, before Stop: this test is of Stop.
+    monkeypatch.setattr("workbench.tuner._clearly_below_the_baseline", lambda figures: False)
     panel = wb.panel(model=two_layers, data=eight_batches(), batch_size=8, steps=20, warmup=2, out=False)
     panel.tabs.selected_index = 1
     assert panel.advise() is True
