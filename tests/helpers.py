@@ -434,3 +434,26 @@ def pad_to_longest(samples):
 
 def bag_of_words():
     return torch.nn.EmbeddingBag(8, 2)
+
+
+# A user's own job as a module (model, data, loss, optimizer), for --model module:attribute and the like.
+OWN_JOB = """
+import functools
+import torch
+from torch import nn
+
+def build():
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+def batches():
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for _ in range(4)]
+
+def smoothed(outputs, targets):
+    return nn.functional.cross_entropy(outputs, targets, label_smoothing=0.1)
+
+sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+def broken():
+    raise RuntimeError("no weights here")
+"""

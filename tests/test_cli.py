@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import plan_event
+from helpers import OWN_JOB, plan_event
 
 from workbench.cli import parse_technique_flag
 from workbench.progress import describe_plan
@@ -92,28 +92,6 @@ def test_ablate_prints_the_table_and_writes_results_and_plot(tmp_path):
         assert (out / name).exists(), name
     shown = run("show", str(out))
     assert shown.returncode == 0 and "amp" in shown.stdout
-
-
-OWN_JOB = """
-import functools
-import torch
-from torch import nn
-
-def build():
-    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
-
-def batches():
-    generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for _ in range(4)]
-
-def smoothed(outputs, targets):
-    return nn.functional.cross_entropy(outputs, targets, label_smoothing=0.1)
-
-sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
-
-def broken():
-    raise RuntimeError("no weights here")
-"""
 
 
 def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_path, capsys, monkeypatch):

@@ -329,14 +329,9 @@ def test_your_own_code_from_the_command_line_is_imported_in_the_job(tmp_path):
     """--model/--optimizer module:attribute through Slurm: the job unpickles the factories by
     reference, so it must import the user's module from the folder the command ran in, as the
     console script (whose sys.path lacks that folder) did."""
-    (tmp_path / "own_job_slurm.py").write_text(
-        "import functools\nimport torch\nfrom torch import nn\n\n"
-        "def build():\n    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))\n\n"
-        "def batches():\n    generator = torch.Generator().manual_seed(0)\n"
-        "    return [(torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,), generator=generator))\n"
-        "            for _ in range(4)]\n\n"
-        "sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)\n"
-    )
+    from helpers import OWN_JOB
+
+    (tmp_path / "own_job_slurm.py").write_text(OWN_JOB)
     console_script = Path(sys.executable).with_name("workbench")
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     done = subprocess.run(

@@ -139,6 +139,12 @@ def without_addresses(text: str) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
 
 
+def error_text(error: BaseException) -> str:
+    """An error in one line, as a message quotes it: its type and the first line of its text."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def callable_label(function: object) -> str:
     """A user's function, class or ``functools.partial`` as results name it: ``small_gpt2``,
     ``partial(SGD, lr=0.1, momentum=0.9)`` (with its arguments, which tell two runs apart), or

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.config import OPTIMIZER_EXAMPLE, callable_label
+from workbench.config import OPTIMIZER_EXAMPLE, callable_label, error_text
 from workbench.data import batch_size_of, inputs_and_targets, loader_worker_error, map_tensors, tensors_of
 from workbench.distributed import no_sync_context
 from workbench.models import model_label
@@ -409,10 +409,7 @@ def _dtype_mismatch(model: nn.Module, inputs: Any) -> str:
 
 def error_line(error: BaseException) -> str:
     """An error as a message quotes it: its type and first line, or a DataLoader worker's own error."""
-    if said := loader_worker_error(error):
-        return said
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return loader_worker_error(error) or error_text(error)
 
 
 def make_optimizer(optimizer: str | Callable, lr: float) -> Callable[[Any], torch.optim.Optimizer]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.config import callable_label, unknown_name_error
+from workbench.config import callable_label, error_text, unknown_name_error
 from workbench.data_spec import DataSpec, builtin_spec
 
 
@@ -305,11 +305,9 @@ def _build_before_the_arms(model: object, spec: DataSpec | None) -> nn.Module:
     except ValueError:  # workbench's own words (not an nn.Module, needs arguments), or the factory's
         raise
     except Exception as error:
-        lines = str(error).strip().splitlines()
-        said = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
         raise ValueError(
             f"the model factory {model_label(model)} fails as it builds the model, as it would in "
-            f"every arm: {said}"
+            f"every arm: {error_text(error)}"
         ) from error
 
 

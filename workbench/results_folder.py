@@ -65,12 +65,9 @@ class ResultsFolder:
 
         Returns a note when a lock left by a run that no longer exists was taken over.
         """
-        missing = [folder for folder in (self.path, *self.path.parents) if not folder.exists()]
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._made = missing
-        except OSError as error:
-            raise ValueError(f"out={str(self.path)!r} cannot be written: {error.strerror or error}") from None
+        missing = self._not_made_yet()
+        self._make()
+        self._made = missing
         note = None
         for _ in range(5):  # another run may take or drop the lock between two of our steps
             holder = _holder_record()
@@ -96,15 +93,24 @@ class ResultsFolder:
         """What ``lock`` would refuse for a folder that does not exist yet (a file among its
         parents, a place this user may not write): it is made, then removed again, only the
         folders made here and only while they are empty."""
-        missing = [folder for folder in (self.path, *self.path.parents) if not folder.exists()]
+        missing = self._not_made_yet()
         try:
-            self.path.mkdir(parents=True, exist_ok=True)  # exist_ok: another run may make it meanwhile
-        except OSError as error:
-            raise ValueError(f"out={str(self.path)!r} cannot be written: {error.strerror or error}") from None
+            self._make()
         finally:
             for folder in missing:  # the deepest first
                 with contextlib.suppress(OSError):
                     folder.rmdir()
+
+    def _not_made_yet(self) -> list[Path]:
+        """This folder and those of its parents that do not exist yet, the deepest first."""
+        return [folder for folder in (self.path, *self.path.parents) if not folder.exists()]
+
+    def _make(self) -> None:
+        """The folder and its parents made (another run may make them meanwhile), or one line why not."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"out={str(self.path)!r} cannot be written: {error.strerror or error}") from None
 
     def refuse_if_in_use(self) -> None:
         """FolderInUse where another run holds the lock now: a check that takes no lock (the

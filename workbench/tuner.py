@@ -1128,10 +1128,10 @@ def _not_decided(figures: dict) -> str | None:
 
 
 def _clearly_below_the_baseline(mine: dict) -> bool:
-    """As ``_clearly_slower``, against the baseline: its interval lies below the control's band
-    (the baseline measured again), by a gap wider than the band."""
+    """``_clearly_slower`` than the baseline, which stands as its control's band: measured at 1,
+    its interval the band (the baseline measured again)."""
     low, high = mine.get("noise_band", (1.0, 1.0))
-    return mine["speedup_high"] < low and 1.0 / mine["speedup"] > high / low
+    return _clearly_slower(mine, {"speedup": 1.0, "speedup_low": low, "noise_band": (low, high)})
 
 
 def _clearly_slower(mine: dict, leader: dict) -> bool:
