@@ -223,11 +223,15 @@ def test_the_fork_safety_check_leaves_cuda_untouched(monkeypatch):
     assert "CUDA was initialized" in workbench.template._check_fork_safe()
 
 
-def test_log_folders_that_killed_runs_left_are_swept_and_nothing_else(tmp_path):
+@pytest.mark.parametrize("killed", ["process", "process group"])
+def test_log_folders_that_killed_runs_left_are_swept_and_nothing_else(tmp_path, killed):
     """A run killed outright (SIGKILL: no atexit) cannot remove its template's log folder: the
-    template, which ends with it, does. What a template killed outright itself leaves, a later run
-    removes, and only such folders: workbench's name and log, untouched for an hour, and the
-    template gone (the log's lock, which the template holds, is free)."""
+    template, which ends with it, does; also where the whole process group is killed, as Jupyter
+    ends a kernel shut down "now" (nbval did, leaving a folder per notebook). What a template
+    killed outright itself leaves, a later run removes, and only such folders: workbench's name
+    and log, untouched for an hour, and the template gone (the log's lock, which the template
+    holds, is free)."""
+    import signal
     import subprocess
     import sys
     import textwrap
@@ -254,7 +258,7 @@ def test_log_folders_that_killed_runs_left_are_swept_and_nothing_else(tmp_path):
             print(template.process.pid if template else how, flush=True)
             time.sleep(600)
         """)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, start_new_session=True,  # a group of its own, as a kernel has
     )  # fmt: skip
     template_pid = int(parent.stdout.readline())
     for path in [*live_dir.iterdir(), live_dir]:
@@ -265,7 +269,10 @@ def test_log_folders_that_killed_runs_left_are_swept_and_nothing_else(tmp_path):
         assert set(_sweep_abandoned_log_dirs(tmp_path)) == {abandoned, empty}
         assert live_dir.exists(), "the log folder of a running template was removed"
     finally:
-        parent.kill()
+        if killed == "process group":
+            os.killpg(parent.pid, signal.SIGKILL)
+        else:
+            parent.kill()
         parent.wait()
     psutil.Process(template_pid).wait(timeout=30)  # it ends with the parent that started it
     assert not live_dir.exists(), "the template left its log folder, which its killed parent could not remove"

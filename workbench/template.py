@@ -111,6 +111,11 @@ class WarmTemplate:
                 stderr=log,
                 pass_fds=[theirs.fileno()],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # Its own session, as spawned workers have: Jupyter ends a kernel it shuts down
+                # "now" (nbval, a dead kernel) with SIGKILL to the kernel's whole process group,
+                # which would kill the template too before it could remove its log folder. Out of
+                # that group it still ends with the run's process (die_with_parent: SIGTERM).
+                start_new_session=True,
             )
         theirs.close()
         self._reader = self._control.makefile("rb")
@@ -659,8 +664,9 @@ def serve(fd: int, log_dir: str | None = None) -> int:
     exit handlers never ran to do it.
     """
     control = socket.socket(fileno=fd)
-    # Ctrl-C reaches the whole foreground process group; the run's process handles it and then
-    # closes the template, which must not die half-way through forking meanwhile.
+    # Ctrl-C is the run's process's to handle, which then closes the template. The template has
+    # its own session, out of the terminal's reach, and one sent to it anyway must not stop it
+    # half-way through forking.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _end_with_parent(log_dir))
     try:
