@@ -670,7 +670,8 @@ def test_ctrl_c_keeps_finished_blocks_on_disk_and_leaves_no_orphans(tmp_path):
     assert still_running, f"the run ended before Ctrl-C could reach it:\n{output}"
     assert code == 130, output  # a running ablation that ignored Ctrl-C would fail here
     # the command line's own flag (it said out='...' (--out on the command line) before)
-    assert "Stopped:" in output and f"Run again with --out {shlex.quote(str(out))} to resume" in output
+    words = " ".join(output.split())  # wrapped at the terminal's width, between words
+    assert "Stopped:" in output and f"Run again with --out {shlex.quote(str(out))} to resume" in words
     finished = len(list((out / "units").glob("*.json")))
     assert finished >= 1
     assert not wb.load_results(out).complete

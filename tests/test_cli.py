@@ -547,7 +547,7 @@ def test_progress_into_a_log_is_a_line_per_finished_process(capsys, monkeypatch)
     assert "ablate: 100%" in drawn and "done" in drawn  # its last frame says done, not the last phase
 
 
-def test_what_a_run_says_as_it_goes_names_the_commands_flags_and_only_while_it_runs(capsys):
+def test_what_a_run_says_as_it_goes_names_the_commands_flags_and_only_while_it_runs(capsys, monkeypatch):
     """After Ctrl-C the command line said "Run again with out='runs/x' (--out on the command line)",
     and the tuner's rounds named its keywords (budget_s=)."""
     from workbench.cli import _lines_in_flags, _parser
@@ -560,6 +560,19 @@ def test_what_a_run_says_as_it_goes_names_the_commands_flags_and_only_while_it_r
     assert capsys.readouterr().out.splitlines() == [
         "Run again with --out runs/x to resume; or pass --budget 600.",
         "Run again with out='runs/x' to resume.",
+    ]
+    # Wrapped at the terminal's width between words, paths whole: the terminal broke them anywhere.
+    monkeypatch.setenv("COLUMNS", "40")
+    folder = "/tmp/a-results-folder-named-at-length/for-this-run"
+    with _lines_in_flags(args):
+        say(f"\nStopped: 3 of 8 processes are saved in {folder}. Run again with out='{folder}' to resume.")
+    assert capsys.readouterr().out.splitlines() == [
+        "",
+        "Stopped: 3 of 8 processes are saved in",
+        folder + ".",
+        "Run again with --out",
+        folder,
+        "to resume.",
     ]
 
 

@@ -562,7 +562,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
     print()
     print(results.summary(width=terminal_width(), colour=use_colour(), spell=ablate_spelling(args)))
     saved = f"Saved results.json, table.csv, losses.csv, telemetry.csv and plot.png in {results.path}"
-    print("\n" + textwrap.fill(saved, terminal_width(), break_long_words=False, break_on_hyphens=False))
+    print("\n" + _fill_to_the_terminal(saved))
     return exit_code(results.table)
 
 
@@ -1026,11 +1026,30 @@ def _lines_in_flags(args: argparse.Namespace) -> Iterator[None]:
     tuner's rounds) name this command's flags, not the API's keywords (progress.SPELLING)."""
     from workbench.progress import SPELLING
 
-    token = SPELLING.set(lambda text: in_cli_terms(text, args))
+    token = SPELLING.set(lambda text: _fill_to_the_terminal(in_cli_terms(text, args)))
     try:
         yield
     finally:  # main() called from Python (a test, a notebook) leaves the API's spelling behind
         SPELLING.reset(token)
+
+
+def _fill_to_the_terminal(text: str) -> str:
+    """Each line of a run's own text wrapped at the terminal's width, between words only: a line
+    left to the terminal breaks inside words and paths. A line's indent carries on to its rest."""
+    from workbench.results_view import terminal_width
+
+    width = terminal_width()
+    filled = []
+    for line in text.split("\n"):
+        indent = line[: len(line) - len(line.lstrip())]
+        filled.append(
+            textwrap.fill(
+                line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+            )
+            if len(line) > width
+            else line
+        )
+    return "\n".join(filled)
 
 
 def _main(argv: list[str] | None) -> int:
