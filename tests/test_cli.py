@@ -324,6 +324,15 @@ def test_technique_flag_parsing():
     assert parse_technique_flag("dataloader:num_workers=0|2") == ("dataloader", {"num_workers": [0, 2]})
 
 
+def test_none_is_a_choices_own_word_where_the_setting_lists_it(capsys):
+    """-t ddp_compression:hook=none was refused ("hook must be one of 'none' | ...; got None"),
+    though the JSON form and the API take it: the bucket study of notebook 10 could not be typed."""
+    flags = ["--model", "mlp", "--world-size", "2", "--dry-run"]
+    done = run_here(capsys, "ablate", *flags, "-t", "ddp_compression:hook=none|fp16,bucket_cap_mb=none")
+    assert done.returncode == 0, done.stderr
+    assert "ddp_compression[hook=none]" in done.stdout and "ddp_compression[hook=fp16]" in done.stdout
+
+
 def test_loader_only_sweep_dry_run(capsys):
     done = run_here(
         capsys,

@@ -112,8 +112,29 @@ def _techniques(args: argparse.Namespace, preset: dict) -> dict | None:
             )
         given[name] = flag
         chosen = {} if chosen is None else chosen
-        chosen[name] = value
+        chosen[name] = _none_where_it_is_a_choice(name, value)
     return chosen
+
+
+def _none_where_it_is_a_choice(name: str, value: Any) -> Any:
+    """``none`` reads as None (``bucket_cap_mb=none``: DDP's default), except for a setting whose
+    choices name it: ``ddp_compression:hook=none`` is the hook called "none" (it was refused,
+    "got None")."""
+    if not isinstance(value, dict):
+        return value
+    from workbench.techniques import all_techniques
+
+    technique = next((t for t in all_techniques() if t.name == name), None)
+    if technique is None:  # an unknown name: parse_techniques refuses it, naming the valid ones
+        return value
+    choices = {f.name: f.metadata.get("choices", ()) for f in dataclasses.fields(technique.Config)}
+
+    def read(key: str, setting: Any) -> Any:
+        if isinstance(setting, list):  # a sweep, hook=none|fp16
+            return [read(key, one) for one in setting]
+        return "none" if setting is None and "none" in choices.get(key, ()) else setting
+
+    return {key: read(key, setting) for key, setting in value.items()}
 
 
 def add_run_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
