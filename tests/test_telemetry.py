@@ -390,6 +390,43 @@ def test_competing_load_counts_processes_outside_the_run_only(tmp_path):
     assert competing_load([{"others_cpu_cores": 0.05, "load_avg_1m": 1.0}] * 5, cores=2)["warning"] == ""
 
 
+# A stand-in for torchrun's agent: two "ranks", one that burns CPU on cue, one that measures.
+TORCHRUN_AGENT_OF_TWO_RANKS = """
+import os, subprocess, sys
+rank = "import sys, time\\nsys.stdin.readline()\\n{}"
+burn = "end = time.process_time() + 0.6\\nwhile time.process_time() < end: pass\\nprint('burnt', flush=True)\\nsys.stdin.read()"
+measure = (
+    "from workbench.telemetry import CompetingLoad\\nload = CompetingLoad()\\nbefore = load._run_cpu_s()\\n"
+    "print('ready', flush=True)\\nsys.stdin.readline()\\nprint(load._run_cpu_s() - before, flush=True)"
+)
+env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}
+def start(code):
+    return subprocess.Popen([sys.executable, "-c", rank.format(code)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+def tell(process):
+    process.stdin.write("go\\n"); process.stdin.flush()
+other, ours = start(burn), start(measure)
+tell(ours)
+assert ours.stdout.readline() == "ready\\n"  # its first reading taken
+tell(other)
+assert other.stdout.readline() == "burnt\\n"
+tell(ours)
+print(ours.stdout.readline().strip(), flush=True)
+other.stdin.close(); other.wait(); ours.wait()
+"""
+
+
+def test_under_torchrun_every_local_rank_is_the_runs_own_cpu_not_another_programs():
+    """Under torchrun rank 0 counted only its own process tree, so the other rank's core was
+    warned about as another program's ("other processes used 1.49 of 2 cores"; about 0.7 really
+    was). Here one "rank" burns 0.6 s of CPU while its sibling, started by the same agent,
+    measures: the sibling's CPU is the run's."""
+    seen = subprocess.run(
+        [sys.executable, "-c", TORCHRUN_AGENT_OF_TWO_RANKS], capture_output=True, text=True, timeout=120
+    )
+    assert seen.returncode == 0, seen.stderr
+    assert float(seen.stdout) >= 0.5, seen.stdout
+
+
 def test_steal_time_is_named_as_other_virtual_machines():
     """On a shared host the competing load may be another guest: no process here shows it."""
     samples = [{"others_cpu_cores": 0.6, "steal_cpu_cores": 0.5, "load_avg_1m": 0.5}] * 5

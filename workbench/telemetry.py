@@ -488,14 +488,19 @@ def process_cpu_seconds(children: list | None = None, reaped: bool = False) -> f
     total = time.process_time()
     if reaped:
         total += _reaped_children_s()
-    for child in children or ():
-        try:
-            total += _cpu_clock_seconds(child)
-            if reaped:
-                child_times = child.cpu_times()
-                total += child_times.children_user + child_times.children_system
-        except Exception:  # a worker may exit between listing and reading
-            continue
+    return total + sum(_cpu_seconds_of(child, reaped) for child in children or ())
+
+
+def _cpu_seconds_of(process, reaped: bool) -> float:
+    """Another process's CPU seconds (psutil.Process), with its reaped children's if ``reaped``;
+    0 for one that exited between listing and reading."""
+    try:
+        total = _cpu_clock_seconds(process)
+        if reaped:
+            times = process.cpu_times()
+            total += times.children_user + times.children_system
+    except Exception:
+        return 0.0
     return total
 
 
@@ -639,7 +644,8 @@ class CompetingLoad:
     """What the rest of the machine does while the run measures: the CPU that processes outside
     this run's process tree use (in cores), the 1-minute load average, and the CPU clock.
 
-    The run's own CPU time is that of this process and its live descendants, each with the
+    The run's own CPU time is that of this process and its live descendants (under torchrun,
+    of the agent that started every local rank, and its descendants), each with the
     time of the children it has reaped (``process_cpu_seconds(..., reaped=True)``), so a worker
     that exits between two readings is still counted, through its parent. Another program on the machine slows the
     arms unevenly and widens every interval; ``others_cpu_cores`` says how much of it there was.
@@ -649,6 +655,9 @@ class CompetingLoad:
         import psutil
 
         self._psutil = psutil
+        # Under torchrun the run is every local rank: their agent's tree, not this rank's alone
+        # (the other rank's core was warned about as another program's).
+        self._agent = psutil.Process().parent() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._last = (time.monotonic(), self._machine_busy_s(), self._run_cpu_s(), self._steal_s())
 
     def _machine_busy_s(self) -> float:
@@ -656,7 +665,13 @@ class CompetingLoad:
         return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
     def _run_cpu_s(self) -> float:
-        return process_cpu_seconds(worker_processes(), reaped=True)
+        if self._agent is None:
+            return process_cpu_seconds(worker_processes(), reaped=True)
+        try:
+            tree = [self._agent, *self._agent.children(recursive=True)]
+        except self._psutil.Error:  # the agent is gone: this rank is about to be ended too
+            return process_cpu_seconds(worker_processes(), reaped=True)
+        return sum(_cpu_seconds_of(process, reaped=True) for process in tree)
 
     def _steal_s(self) -> float:
         # In a virtual machine, the time the hypervisor gave this machine's CPUs to other guests:
