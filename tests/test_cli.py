@@ -312,6 +312,10 @@ def test_a_resumed_plan_counts_its_done_processes_in_words():
     event = {**plan_event(), "processes": 3, "remaining": 2}
     assert "; resuming: 1 process already done." in describe_plan(event)  # not "1 processes"
     assert "; resuming: 2 processes already done." in describe_plan({**event, "remaining": 1})
+    # the batch is per rank: a batch of 32 read as the whole step's
+    assert "; every arm a data-parallel group of 2 ranks, each with its own batch" in describe_plan(
+        {**event, "world_size": 2}
+    )
 
 
 def test_technique_flag_parsing():
@@ -322,6 +326,32 @@ def test_technique_flag_parsing():
         {"num_workers": 2, "pin_memory": False, "prefetch_factor": None},
     )
     assert parse_technique_flag("dataloader:num_workers=0|2") == ("dataloader", {"num_workers": [0, 2]})
+
+
+def test_a_dry_run_under_torchrun_refuses_what_the_run_refuses_and_rank_0_alone_shows_it(capsys, monkeypatch):
+    """Under torchrun the dry run passed --world-size 4 with two ranks, which the run refuses, and
+    every rank printed the plan; the ranks' error lines ran together on one line."""
+    torchrun = {
+        "TORCHELASTIC_RUN_ID": "t",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    shown = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        refused = run_here(capsys, "ablate", "--model", "mlp", "--world-size", "4", "--dry-run")
+        who = "workbench" if rank == 0 else "workbench (rank 1)"
+        assert refused.returncode == 2 and refused.stderr == (
+            f"{who}: error: ablate: under torchrun the world size is torchrun's (2); got --world-size 4\n"
+        ), refused.stderr
+        shown[rank] = run_here(capsys, "ablate", "--model", "mlp", "-t", "ddp_compression", "--dry-run")
+    assert shown[0].returncode == shown[1].returncode == 0
+    assert shown[0].stdout.startswith("mlp on digits, cpu, batch 32 per rank, 2 ranks:"), shown[0].stdout
+    assert shown[1].stdout == ""
 
 
 def test_none_is_a_choices_own_word_where_the_setting_lists_it(capsys):

@@ -814,16 +814,9 @@ def run_ablation(
     check_bool("ablate", "overwrite", overwrite)
     check_bool("ablate", "retry_failed", retry_failed)
     settings = _blocks_from(settings, repeats)
-    launcher = Torchrun.detect()
-    if launcher is not None:
-        world_size = settings.get("world_size", 1)
-        if world_size not in (1, launcher.rank.world_size):
-            raise ValueError(
-                f"ablate: under torchrun the world size is torchrun's ({launcher.rank.world_size}); got world_size={world_size}"
-            )
-        settings["world_size"] = launcher.rank.world_size
-        if launcher.rank.rank != 0:  # only rank 0 reports
-            out, progress, on_event = False, False, None
+    settings, launcher = _under_torchrun(settings)
+    if launcher is not None and launcher.rank.rank != 0:  # only rank 0 reports
+        out, progress, on_event = False, False, None
     run = RunConfig.from_options("ablate", settings, also=ABLATE_ONLY)
     prepared = prepare(model, data, loss_fn, techniques, run)
     # The trace folder is made now: one that cannot be made would fail every arm, after its block ran.
@@ -1084,8 +1077,25 @@ def _prepare_plan(
 ) -> Prepared:
     """``plan``'s checks and arms, as ``prepare`` gives them (``check_before_run`` needs the job's
     fingerprint too)."""
-    run = RunConfig.from_options("plan", _blocks_from(settings, repeats), also=PLAN_ONLY)
+    settings, _ = _under_torchrun(_blocks_from(settings, repeats))
+    run = RunConfig.from_options("plan", settings, also=PLAN_ONLY)
     return prepare(model, with_collate_fn(data, collate_fn), loss_fn, techniques, run)
+
+
+def _under_torchrun(settings: dict[str, Any]) -> tuple[dict[str, Any], Torchrun | None]:
+    """Under torchrun, the run's world size is torchrun's: ``settings`` with it, and the launcher
+    (None elsewhere). Another world size is refused, by ``plan`` (a dry run) as by ``ablate``, in
+    ablate's words as plan's other checks are."""
+    launcher = Torchrun.detect()
+    if launcher is None:
+        return settings, None
+    world_size = settings.get("world_size", 1)
+    if world_size not in (1, launcher.rank.world_size):
+        raise ValueError(
+            f"ablate: under torchrun the world size is torchrun's ({launcher.rank.world_size}); "
+            f"got world_size={world_size}"
+        )
+    return {**settings, "world_size": launcher.rank.world_size}, launcher
 
 
 def plan_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
@@ -1230,6 +1240,7 @@ class _Runner:
             "blocks": run.blocks,
             "rounds": run.rounds,  # None: each block chooses them from its step time
             "steps": run.steps,
+            "world_size": run.world_size,
             "processes": planned,
             "remaining": planned - len(self.done),
             "out": str(self.folder) if self.kept else None,

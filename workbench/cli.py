@@ -407,8 +407,10 @@ def parse_budget(text: str) -> float:
 
 def _plan_settings(config: dict) -> str:
     """What a preset or the defaults chose, which the table does not show."""
+    ranks = config.get("world_size", 1)
+    batch = f"batch {config['batch_size']}" + (f" per rank, {ranks} ranks" if ranks > 1 else "")
     return (
-        f"{config['model']} on {config['data']}, {config['device']}, batch {config['batch_size']}: "
+        f"{config['model']} on {config['data']}, {config['device']}, {batch}: "
         f"{config['blocks']} block{'s' * (config['blocks'] != 1)}, {config['steps']} timed steps per arm "
         f"after {config['warmup']} warm-up steps, {config['mode']}"
     )
@@ -566,7 +568,8 @@ def _run_ablate(args: argparse.Namespace) -> int:
 
         # the folder too: a dry run that passes where the run would be refused tells the user nothing
         plan = check_before_run({**settings, "out": args.out, "overwrite": args.overwrite})
-        print(format_plan(plan, ablate_spelling(args)))
+        if _torchrun_rank() in (None, 0):  # every rank checks; rank 0 alone shows, as a run's
+            print(format_plan(plan, ablate_spelling(args)))
         return 0
     results = wb.ablate(
         **settings,
@@ -1107,10 +1110,10 @@ def _main(argv: list[str] | None) -> int:
                 return _run_tune(args)
             return _run_ablate(args)
     except (ValueError, FileNotFoundError) as error:
-        print(f"workbench: error: {in_cli_terms(str(error), args)}", file=sys.stderr)
+        _say_failed(f"error: {in_cli_terms(str(error), args)}")
         return 2
     except NothingMeasured as error:  # advise or tune: their baseline failed, or no round finished
-        print(f"workbench: {error}", file=sys.stderr)
+        _say_failed(str(error))
         return 1
     except KeyboardInterrupt:
         return 143 if _terminated else 130  # 128 + the signal, as a shell reports it
@@ -1120,8 +1123,25 @@ def _main(argv: list[str] | None) -> int:
         return 141  # 128 + SIGPIPE, as a shell reports a pipeline's writer
     except OSError as error:  # a file or folder this user may not read or write, a full disk
         where = f": {error.filename}" if error.filename else ""
-        print(f"workbench: error: {error.strerror or error}{where}", file=sys.stderr)
+        _say_failed(f"error: {error.strerror or error}{where}")
         return 2
+
+
+def _torchrun_rank() -> int | None:
+    """This process's rank when torchrun started it, else None (read without importing torch)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return int(os.environ.get("RANK", "0"))
+
+
+def _say_failed(text: str) -> None:
+    """Why the command failed, on stderr in one write: torchrun's ranks share the terminal, and
+    two ranks' lines ran together on one. A rank but rank 0 names itself (on another node its
+    reason may be its own: a module that is not installed there)."""
+    rank = _torchrun_rank()
+    who = "workbench" if not rank else f"workbench (rank {rank})"
+    sys.stderr.write(f"{who}: {text}\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

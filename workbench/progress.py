@@ -55,6 +55,9 @@ def describe_plan(event: dict) -> str:
         else f"{event['steps']} timed steps per arm in windows of about {1e3 * WINDOW_TARGET_S:.0f} ms"
     )
     blocks, processes = event["blocks"], event["processes"]
+    ranks = event.get("world_size", 1)
+    if ranks > 1:  # the batch is per rank: said, or a batch of 32 reads as the whole step's
+        rounds += f"; every arm a data-parallel group of {ranks} ranks, each with its own batch"
     text = f"Plan: {blocks} block{'s' * (blocks != 1)}; {' and '.join(parts)}; {processes} process{'es' * (processes != 1)}; {rounds}"
     if event.get("executor") == "slurm":
         text += "; each block a Slurm job (one node each)"
