@@ -404,7 +404,7 @@ def test_a_block_that_loses_an_arm_to_an_error_keeps_the_others(faults):
 # --- persistence, stop and resume ---------------------------------------------------------
 
 
-def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
+def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path, monkeypatch):
     out = tmp_path / "resume"
     stop = threading.Event()
     arguments = {
@@ -452,6 +452,21 @@ def test_stop_keeps_finished_blocks_and_a_rerun_resumes(tmp_path):
     # the machine's samples while block 1 ran stay with it (a resume kept only its own, and with
     # them went a warning of the load block 1 was measured under)
     assert 12345.0 in {sample["time"] for sample in second.record["telemetry"]}
+    # Opened again once finished, it runs nothing and reads the machine no more: each reopening
+    # added samples, and its load (and warning) became the machine's now, not what it ran under.
+    from workbench.telemetry import Sampler
+
+    def start_with_a_reading(sampler):
+        sampler.samples.append({"time": 67890.0, "cpu_percent": 99.0, "memory_used_mib": 1.0})
+        return sampler
+
+    monkeypatch.setattr(Sampler, "start", start_with_a_reading)
+    again = wb.ablate(**arguments, **QUIET)
+    assert (
+        again.record["telemetry"] == second.record["telemetry"]
+        and again.record["load"] == second.record["load"]
+    )
+    monkeypatch.undo()
 
     # More blocks add to the run (the noise note's advice): only the new block runs, and all three count.
     started.clear()

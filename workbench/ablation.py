@@ -1261,12 +1261,14 @@ class _Runner:
             bar = Progress(progress, total=run.blocks, already=done, unit="block", label=bar_label)
         stopped = False
         try:
-            if here:
+            if here and len(self.done) < planned:
                 # Inside the try: an interrupt while they start (a notebook's, at any moment)
                 # must still end the sampler's thread and give the template back.
                 self.sampler.start()
                 self.template = self._start_template(bar)
                 self._run_here(bar)
+            elif here:  # a finished run opened again: nothing runs, so nothing is sampled (its
+                pass  # samples and load warning are those it was measured under, kept as they were)
             else:  # each job samples its own node and starts its own template; this process does neither
                 self._run_on_slurm(bar)
         except (Interrupted, KeyboardInterrupt):
