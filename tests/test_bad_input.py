@@ -318,9 +318,9 @@ def test_cli_errors_name_the_flag_not_the_keyword():
         (["advise", "--mode", "grid"], "--mode is a flag of ablate, not of advise"),
         # not read as a prefix of --model, nor suggested as if it were
         (["tune", "--budget", "60", "--mode", "grid"], "--mode is a flag of ablate, not of tune"),
-        (["ablate", "--step", "3"], "did you mean --steps for --step?"),
-        (["ablate", "--warmpu=3"], "did you mean --warmup for --warmpu?"),
-        (["ablate", "--modle", "mlp"], "did you mean --model for --modle?"),  # difflib's nearest: --mode
+        (["ablate", "--step", "3"], "--step: did you mean --steps?"),
+        (["ablate", "--warmpu=3"], "--warmpu: did you mean --warmup?"),
+        (["ablate", "--modle", "mlp"], "--modle: did you mean --model?"),  # difflib's nearest: --mode
     ],
 )
 def test_flags_a_command_does_not_take_are_refused_by_name(arguments, hint, capsys):
@@ -346,7 +346,7 @@ def test_cli_unknown_flag_is_argparse_exit_2_in_one_line():
     )
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
-        "workbench ablate: error: unrecognized arguments: --stepz 3; did you mean --steps for --stepz? "
+        "workbench ablate: error: unrecognized arguments: --stepz 3; --stepz: did you mean --steps? "
         "(see 'workbench ablate --help')"
     ]
     done = subprocess.run([sys.executable, "-m", "workbench"], capture_output=True, text=True, timeout=120)
@@ -420,3 +420,17 @@ def test_advise_names_itself_and_its_own_arguments_when_one_is_unknown():
     assert "techniques" not in str(unknown.value) and "retry_failed" not in str(unknown.value)
     with pytest.raises(ValueError, match=r"^advise: steps must be >= 1"):
         wb.advise("mlp", steps=0, progress=False)
+
+
+@pytest.mark.parametrize("call", ["plan", "ablate"])
+def test_a_misspelt_keyword_is_matched_against_every_keyword_the_call_takes(call):
+    """collate_fn was missing from the valid arguments, so colate_fn was offered 'isolate'; and
+    repeats, the former name of blocks, was offered though the README never names it."""
+    quiet = {"progress": False} if call == "ablate" else {}
+    with pytest.raises(ValueError) as refused:
+        getattr(wb, call)(model="mlp", colate_fn=lambda samples: samples, device="cpu", **quiet)
+    said = str(refused.value)
+    assert said.startswith(f"unknown {call} argument 'colate_fn'") and said.endswith(
+        "(did you mean 'collate_fn'?)"
+    )
+    assert "repeats" not in said

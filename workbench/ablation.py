@@ -717,8 +717,9 @@ def _blocks_from(settings: dict, repeats: int | None) -> dict:
     return {**settings, "blocks": repeats}
 
 
-# The keywords ablate and plan take besides the run settings (named in an unknown one's error).
-PLAN_ONLY = ("model", "data", "loss_fn", "techniques", "repeats")
+# The keywords ablate and plan take besides the run settings (named in an unknown one's error;
+# repeats, blocks' former name, still works but is not offered).
+PLAN_ONLY = ("model", "data", "loss_fn", "techniques", "collate_fn")
 ABLATE_ONLY = (*PLAN_ONLY, "out", "progress", "overwrite", "retry_failed", "on_event", "stop")
 
 

@@ -248,7 +248,7 @@ def _unrecognized(args: argparse.Namespace, extra: list[str]) -> str:
         if elsewhere:
             hints.append(f"{token} is a flag of {' and '.join(elsewhere)}, not of {args.command}")
         elif close:
-            hints.append(f"did you mean {close[0]} for {token}?")
+            hints.append(f"{token}: did you mean {close[0]}?")
     return "; ".join([f"unrecognized arguments: {' '.join(extra)}", *hints])
 
 
