@@ -153,6 +153,8 @@ _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
         (_small_mlp, [(x.double(), y) for x, y in _PAIRS], None, r"inputs are torch\.float64 and the model's parameters torch\.float32"),
         (_small_mlp, [(x.byte(), y) for x, y in _PAIRS], None, r"inputs are torch\.uint8 \(image bytes\?\).*inputs\.float\(\) / 255"),
         (_small_mlp, [(x.long(), y) for x, y in _PAIRS], None, r"inputs are torch\.int64 and the model's parameters torch\.float32: if they are features"),
+        # token ids and an error that is not about types: no advice to make them floats
+        (lambda: nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(99, 3)), [(torch.randint(0, 10, (8, 5)), y) for _, y in _PAIRS], None, r"shapes cannot be multiplied \(8x20 and 99x3\)$"),
         (_IgnoresItsInput, _PAIRS, None, r"the loss has no gradient"),
         (_small_mlp, _PAIRS, lambda o, t: nn.functional.cross_entropy(o, t).detach(), r"loss_fn's loss has no gradient"),
         (_small_mlp, [{"x": x, "y": y} for x, y in _PAIRS], nn.CrossEntropyLoss(), r"loss_fn gets targets=None.*pairs"),
@@ -161,7 +163,7 @@ _PAIRS = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
         (lambda: _NotOnMeta(frozen=True), _PAIRS, None, r"nothing to train"),
         (_small_mlp, _PAIRS, _HeadLoss(), r"loss_fn holds parameters to train \(head\.weight, head\.bias\)"),
     ],
-    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "uint8-inputs", "int64-inputs", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers", "not-on-meta-int32", "not-on-meta-frozen", "loss-with-parameters"],
+    ids=["frozen", "loss-arity", "loss-item", "int32-labels", "float64-inputs", "uint8-inputs", "int64-inputs", "token-ids", "no-gradient", "detached-loss", "dict-batch-loss_fn", "lazy-layers", "not-on-meta-int32", "not-on-meta-frozen", "loss-with-parameters"],
 )  # fmt: skip
 def test_a_mistake_every_arm_would_make_is_refused_before_any_arm_runs(model, data, loss_fn, expected):
     if isinstance(data[0], dict):

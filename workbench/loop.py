@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -253,10 +254,20 @@ class _Trial:
         try:
             return self.run_on(model, torch.device("cpu"), inputs, targets)
         except Exception as error:  # raised only when judged
+            said = error_line(error)
+            # The dtypes are named only where the error is about types: beside another error (a
+            # label's shape) "convert the token ids to floats" sent the user the wrong way.
+            hint = _dtype_mismatch(model, inputs) if _ABOUT_TYPES.search(said) else ""
             raise ValueError(
-                f"the model's forward on the first batch fails, as every arm's would: {error_line(error)}"
-                + _dtype_mismatch(model, inputs)
+                f"the model's forward on the first batch fails, as every arm's would: "
+                f"{said.rstrip('.') if hint else said}{hint}"
             ) from None
+
+
+# What PyTorch's errors say of mismatched types: "mat1 and mat2 must have the same dtype", "expected
+# scalar type Float but found Long", "Input type (long int) and bias type (float)", "not implemented
+# for 'Long'".
+_ABOUT_TYPES = re.compile(r"dtype|scalar type|type \(|not implemented for|\b(Long|Int|Byte|Double|Half)\b")
 
 
 def _check_the_default_loss(trial: _Trial) -> torch.Tensor | None:
