@@ -256,6 +256,28 @@ def test_the_terminal_table_fits_80_columns_and_aligns():
     assert "compile: failed: block 1: RuntimeError" in text.replace("\n    ", " ")
 
 
+def test_a_table_with_no_speedup_keeps_its_heading_within_80_columns():
+    """With every arm out of memory or not compared, the speedup column holds dashes alone, and
+    its heading's "[95% interval]" ran 5 columns past the 80 (and past the column)."""
+    figures = dict(
+        peak_mem_mb=10.8, samples_per_s=None, step_ms=None, activation_mb=None, loss_vs_baseline=None
+    )
+    results = _results(
+        [
+            _row("baseline", status="oom", reason="MemoryCapExceeded", **figures),
+            _row("baseline (control)", status="oom", reason="MemoryCapExceeded", **figures),
+            _row("checkpointing", status="oom", reason="MemoryCapExceeded", **figures),
+            _row("grad_accum", peak_mem_mb=4.08),
+        ],
+        ROLES,
+    )
+    lines = results.summary(width=80).splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    header = next(index for index, line in enumerate(lines) if line.startswith("arm "))
+    speedup = lines[header].index("speedup")
+    assert lines[header + 1][speedup:].lstrip().startswith("[95%") and "interval]" in lines[header + 2]
+
+
 def test_long_text_wraps_in_its_column_left_aligned():
     rows = [["dataloader[num_workers=2, pin_memory=True]", "a summary " * 12, "12.5"]]
     text = text_table(["technique", "summary", "ms"], rows, [False, False, True], width=60)

@@ -477,7 +477,12 @@ def text_table(
 
     def wrap(cell: str, column: int) -> list[str]:
         if numeric[column] and split_intervals and len(cell) > widths[column] and " [" in cell:
-            return _interval_pieces(cell)
+            pieces = _interval_pieces(cell)
+            # A heading's "[95% interval]" may be wider than a column of no intervals ("—" alone):
+            # then its words go on lines of their own.
+            for lines in (pieces, [pieces[0], *" ".join(pieces[1:]).split()]):
+                if all(len(line) <= widths[column] for line in lines):
+                    return lines
         return wrap_cell(cell, widths[column])
 
     wrapped_rows = [[wrap(cell, i) for i, cell in enumerate(cells)] for cells in [headings, *rows]]
