@@ -755,13 +755,24 @@ def test_the_wall_clock_note_names_the_estimator_the_speedup_used():
     from workbench.results import _wall_clock_notes, _wall_ratio
 
     wall = _wall_ratio([({"samples_per_s": 100.0}, {"samples_per_s": 40.0})])
-    (typical,) = _wall_clock_notes(0.6, wall, stats.ESTIMATOR)
+    (typical,) = _wall_clock_notes(0.6, wall, stats.ESTIMATOR, [(0.4, 0.6)])
     assert "0.40x the baseline's" in typical and "from typical steps" in typical
-    (capped,) = _wall_clock_notes(0.6, wall, "capped_mean")
+    (capped,) = _wall_clock_notes(0.6, wall, "capped_mean", [(0.4, 0.6)])
     assert "from typical steps" not in capped and "does not let such stalls move it" not in capped
     assert (
         f"from the mean step with no step counting for more than {stats.STALL_CAP:.0f} median steps" in capped
     )
+
+
+def test_where_each_block_agrees_with_itself_the_wall_clock_note_blames_the_blocks_not_stalls():
+    """Blocks of 0.86x, 2.25x and 0.83x samples/s, each agreeing with its own speedup: the table's
+    samples/s (the middle block's, 0.86x) and speedup (all blocks', 1.18x) differ, and the note
+    blamed stalls from outside the job, which the blocks themselves did not show."""
+    from workbench.results import _wall_clock_notes
+
+    (note,) = _wall_clock_notes(1.18, 0.86, stats.ESTIMATOR, [(0.86, 0.81), (2.25, 2.37), (0.83, 0.87)])
+    assert "because the blocks disagree (this arm's speedup was 0.81x, 2.37x, 0.87x in them" in note
+    assert "stalled" not in note
 
 
 @pytest.mark.timing

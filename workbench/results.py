@@ -351,7 +351,12 @@ def _compare(
         wall = _wall_ratio(paired)
         _in_the_baselines_typical_block(row, wall, base_results)
         notes += _slow_step_notes(measured, sides, shared)
-        notes += _wall_clock_notes(speedup.point, wall, measured.estimator)
+        in_blocks = [
+            (base["samples_per_s"] and arm_result["samples_per_s"] / base["samples_per_s"],
+             math.exp(stats.block_ratio(b, a, paired=shared, estimator=measured.estimator).log_ratio))
+            for (base, arm_result), (b, a) in zip(paired, sides, strict=True)
+        ]  # fmt: skip
+        notes += _wall_clock_notes(speedup.point, wall, measured.estimator, in_blocks)
     else:
         notes.append("no baseline block to compare with")
     row["noisy"] = stats.is_noisy(row["speedup"], row["speedup_low"], row["speedup_high"])
@@ -447,16 +452,28 @@ def _in_the_baselines_typical_block(row: dict, wall: float, base_results: list[d
 WALL_CLOCK_GAP = 0.10  # samples/s against the speedup: on a quiet machine they agree within about 1%
 
 
-def _wall_clock_notes(speedup: float, wall: float, estimator: str) -> list[str]:
+def _wall_clock_notes(
+    speedup: float, wall: float, estimator: str, in_blocks: list[tuple[float, float]]
+) -> list[str]:
     """Say why the arm's samples/s and its speedup disagree, when they do by more than WALL_CLOCK_GAP.
 
     samples/s counts every timed step (what a job would see); the speedup compares typical steps,
     so that a stall from outside the job, landing on one arm's window by chance, does not move it
     (workbench.stats). On a loaded machine the two can then differ a lot, and a table showing a
     control at 0.99x beside 40% fewer samples/s than the baseline needs its reason beside it.
-    ``wall``: the arm's samples/s over the baseline's inside the blocks (``_wall_ratio``)."""
+    ``wall``: the arm's samples/s over the baseline's inside the blocks (``_wall_ratio``).
+    ``in_blocks``: each block's (samples/s ratio, speedup). Where those agree block by block, the
+    gap is not stalls but the blocks: samples/s is the middle block's, the speedup all blocks'."""
     if not (wall > 0 and speedup > 0) or abs(math.log(wall / speedup)) <= math.log1p(WALL_CLOCK_GAP):
         return []
+    gaps = [abs(math.log(w / s)) for w, s in in_blocks if w > 0 and s > 0]
+    if gaps and max(gaps) <= math.log1p(WALL_CLOCK_GAP):
+        shown = ", ".join(f"{s:.2f}x" for _, s in in_blocks)
+        return [
+            f"samples/s reads {wall:.2f}x the baseline's and the speedup {speedup:.2f}x because the blocks "
+            f"disagree (this arm's speedup was {shown} in them, each block's samples/s agreeing with it): "
+            "samples/s is the middle block's, the speedup combines every block"
+        ]
     if estimator != stats.ESTIMATOR:  # the speedup already counts every step, each stall capped
         return [
             f"samples/s, which counts every timed step, came out at {wall:.2f}x the baseline's inside the blocks "
