@@ -78,6 +78,11 @@ def test_a_run_in_two_states_warns_and_names_the_arms_whose_gain_moved():
     assert "11.4 us in 6 rounds, in block 1 (6 of 12); 9.6 us in the others" in warning
     assert "channels_last 1.24x when they were fast, 1.33x when slow" in warning
     assert "control" not in warning  # its gain did not move
+    assert "where the host puts its virtual CPUs" in warning
+    # Beside a warning of other processes' load, that load is named as the likelier cause: the
+    # warning blamed the host with 1.33 of 2 cores taken by other programs.
+    (busy,) = core_sync_states(blocks, units, others_busy=True)
+    assert "Other processes were busy on this machine meanwhile" in busy and "virtual CPUs" not in busy
 
 
 def test_no_warning_in_one_state_and_no_names_when_no_gain_moved():

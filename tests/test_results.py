@@ -884,7 +884,12 @@ def test_blocks_on_different_devices_or_at_very_different_speeds_are_warned_abou
     same = [{"block": b, "host": f"node{b}", "device_name": "NVIDIA H100"} for b in range(3)]
     assert mixed_blocks(same, units([1000, 1200, 1350])) == []  # within a process's luck
     (slow,) = mixed_blocks(same, units([1000, 1600, 1200]))
-    assert "block 1 on node0 and 1600 in block 2 on node1, 1.6x" in slow
+    assert "block 1 on node0 and 1600 in block 2 on node1, 1.6x" in slow and slow.endswith(
+        "slow and fast machines"
+    )
+    # Every block on one machine: not "machines"
+    one_host = [{**block, "host": "vm"} for block in same]
+    assert mixed_blocks(one_host, units([1000, 1600, 1200]))[0].endswith("mix slow and fast blocks")
     mixed = [*same[:2], {"block": 2, "host": "node2", "device_name": "NVIDIA A100"}]
     (kinds,) = mixed_blocks(mixed, units([1000, 1100, 1050]))
     assert "2 kinds of device (NVIDIA A100; NVIDIA H100)" in kinds and "constraint" in kinds

@@ -884,7 +884,9 @@ class Results:
             return found
         # An oversubscribed block's probe times threads waiting for cores: that is warned of above.
         fitting = [block for block in self.record.get("blocks", []) if not _oversubscribed(block)]
-        found += core_sync_states(fitting, self.record.get("units", []), self.record.get("arms"))
+        found += core_sync_states(
+            fitting, self.record.get("units", []), self.record.get("arms"), bool(self.load.get("warning"))
+        )
         return found
 
     def summary(
@@ -1047,7 +1049,8 @@ def mixed_blocks(blocks: list[dict], units: list[dict]) -> list[str]:
                 f"the blocks ran at very different speeds: the baseline made {typical[slowest]:.0f} samples/s in "
                 f"{where(slowest)} and {typical[fastest]:.0f} in {where(fastest)}, {typical[fastest] / typical[slowest]:.1f}x "
                 f"(more than the {BLOCK_SPEED_SPREAD}x that a process's luck gives). The speedups are computed inside "
-                "each block, so the difference cancels in them; the absolute throughputs mix slow and fast machines"
+                "each block, so the difference cancels in them; the absolute throughputs mix "
+                + ("slow and fast machines" if len(set(hosts.values())) > 1 else "slow and fast blocks")
             )
     return found
 
@@ -1067,7 +1070,9 @@ def _probes_of(blocks: list[dict]) -> list[float]:
     return [probe for block in blocks for probe in block.get("core_sync_us") or []]
 
 
-def core_sync_states(blocks: list[dict], units: list[dict], arms: list[dict] | None = None) -> list[str]:
+def core_sync_states(
+    blocks: list[dict], units: list[dict], arms: list[dict] | None = None, others_busy: bool = False
+) -> list[str]:
     """A warning when the machine's threads worked together at two speeds while the run measured.
 
     Each block probed, after every round, how long a tiny operation split over the CPU threads
@@ -1076,7 +1081,8 @@ def core_sync_states(blocks: list[dict], units: list[dict], arms: list[dict] | N
     taken in each state (from that state's rounds: process luck cancels), and the arms whose
     speedup clearly differs between the states (StateGain.moved) are named. ``arms`` (the
     record's) gives each arm its own baseline (a loader-only arm's is the loader's baseline);
-    without it every arm is compared with "baseline".
+    without it every arm is compared with "baseline". ``others_busy``: other processes' load was
+    warned of, and is then the likelier cause than the host's placement of virtual CPUs.
     """
     probes = _probes_of(blocks)
     middle = split_states(probes)
@@ -1098,8 +1104,14 @@ def core_sync_states(blocks: list[dict], units: list[dict], arms: list[dict] | N
         return []
     text = (
         f"the CPU threads worked together at two speeds while this ran (workbench.core_sync's probe after each "
-        f"round: {slow_us:.1f} us in {slow} rounds, in {', '.join(where)}; {fast_us:.1f} us in the others). On a "
-        "virtual machine this most likely follows where the host puts its virtual CPUs. Blocks cancel what slows every arm alike, "
+        f"round: {slow_us:.1f} us in {slow} rounds, in {', '.join(where)}; {fast_us:.1f} us in the others). "
+        + (
+            "Other processes were busy on this machine meanwhile (warned of above): a thread that waits for a "
+            "core they hold slows the others, most likely the cause here. "
+            if others_busy
+            else "On a virtual machine this most likely follows where the host puts its virtual CPUs. "
+        )
+        + "Blocks cancel what slows every arm alike, "
         "not a change in an arm's gain, and some gains move with this state (channels_last's most, by up to 7% "
         "on the CI VM): their blocks can disagree, and their figures move from run to run"
     )
