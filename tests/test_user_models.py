@@ -95,6 +95,23 @@ def test_the_models_own_loss_is_used_and_logits_otherwise():
     torch.testing.assert_close(default_loss(first_of_tuple, ids), expected)
 
 
+def test_the_results_name_the_default_loss_the_arms_take():
+    """A Hugging Face model given labels trains on its own loss, and results.json called it
+    cross_entropy (so did `workbench compare`); a model without labels takes cross-entropy."""
+    own = wb.plan(model=TinyCausalLM, data=lm_batches(), device="cpu").attrs["config"]["loss_fn"]
+    assert own == "the model's own loss"
+    without = wb.plan(
+        model=TinyCausalLM, data=[(b["input_ids"], b["input_ids"]) for b in lm_batches()], device="cpu"
+    )
+    assert without.attrs["config"]["loss_fn"] == "cross_entropy"
+    assert (
+        wb.plan(model=_small_mlp, data=_PAIRS, loss_fn=nn.CrossEntropyLoss(), device="cpu").attrs["config"][
+            "loss_fn"
+        ]
+        == "CrossEntropyLoss"
+    )
+
+
 def _small_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
 

@@ -67,6 +67,7 @@ from workbench.arms import (
 )
 from workbench.config import (
     DEFAULT_BATCH_SIZE,
+    DEFAULT_LOSSES,
     SMOKE_NOTE,
     RunConfig,
     SlurmOptions,
@@ -155,8 +156,11 @@ def prepare(
     # the first batch checks the loss; a Dataset's or a list's, read again at no cost, identifies the data
     if first_batch is None and (own_model or isinstance(source.user, (Dataset, list, tuple))):
         first_batch = _first_batch(source, run.batch_size, run.seed)
+    default_loss = DEFAULT_LOSSES[0]  # a built-in model's, with no loss_fn: cross-entropy
     if own_model:
-        check_the_loss(lambda: build_model(model, source.spec), first_batch, loss_fn, device, run.world_size)
+        default_loss = check_the_loss(
+            lambda: build_model(model, source.spec), first_batch, loss_fn, device, run.world_size
+        )
     ready_made = None if source.is_dataset else first_batch  # a Dataset's batches are workbench's own
     ctx = technique_context(run, model, source, inspected=inspected, first_batch=ready_made)
     label = ctx.model_name
@@ -185,19 +189,20 @@ def prepare(
     elif loader_arms:
         arms += loader_twins(arms)
     arms = assign_processes(arms, ctx, run.isolate) + unavailable
-    config = _config_of(label, source, loss_fn, chosen, run, device)
+    config = _config_of(label, source, loss_fn if loss_fn is not None else default_loss, chosen, run, device)
     identity = job_identity(model, inspected[0], source, first_batch, loss_fn, run.optimizer, optimizer_built)
     return Prepared(run, model, source, loss_fn, arms, config, identity)
 
 
 def _config_of(
-    label: str, source: DataSource, loss_fn: Callable | None, chosen: list, run: RunConfig, device
+    label: str, source: DataSource, loss: Callable | str, chosen: list, run: RunConfig, device
 ) -> dict:
-    """The job as results.json records it, by name: what it trains, on what, and how."""
+    """The job as results.json records it, by name: what it trains, on what, and how. ``loss``:
+    the user's loss_fn, or the name of the default loss the arms take (config.DEFAULT_LOSSES)."""
     return {
         "model": label,
         "data": source.label,
-        "loss_fn": model_label(loss_fn) if loss_fn else "cross_entropy",
+        "loss_fn": loss if isinstance(loss, str) else model_label(loss),
         **({"collate_fn": model_label(source.collate_fn)} if source.collate_fn is not None else {}),
         "techniques": _described(chosen),
         **run.to_json(),
@@ -464,6 +469,8 @@ def _fingerprint(prepared: Prepared) -> dict:
     # Where the blocks run and how long one may take do not change what is measured: a run
     # started locally may be resumed on a cluster, and the other way round.
     settings = {k: v for k, v in prepared.config.items() if k not in ("timeout_s", "executor", "slurm")}
+    if settings["loss_fn"] in DEFAULT_LOSSES:  # one rule, however it is named (a run before the
+        settings["loss_fn"] = DEFAULT_LOSSES[0]  # model's own loss was named still resumes)
     settings |= prepared.identity
     settings["arms"] = [
         [arm.name, arm.record()["techniques"], arm.process] for arm in prepared.arms if not arm.unavailable

@@ -26,6 +26,10 @@ MODES = ("one-at-a-time", "leave-one-out", "grid")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 OPTIMIZERS = ("adamw", "sgd")
 DEFAULT_LR = 1e-3  # adamw's and sgd's; an optimizer factory of the user's sets its own
+# The default loss as results.json names it (config["loss_fn"] without a loss_fn of the user's):
+# the model's own where it returns one (a Hugging Face output given labels), else cross-entropy;
+# the last where the check before the arms could not tell which (a model run on the meta device).
+DEFAULT_LOSSES = ("cross_entropy", "the model's own loss", "the model's own loss, else cross_entropy")
 
 # WORKBENCH_SMOKE=1 cuts every run to a smoke test's budget: enough to run every line of a
 # notebook (the notebooks tier sets it: tests/conftest.py), far too little to decide anything.

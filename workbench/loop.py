@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.config import OPTIMIZER_EXAMPLE, callable_label, error_text
+from workbench.config import DEFAULT_LOSSES, OPTIMIZER_EXAMPLE, callable_label, error_text
 from workbench.data import batch_size_of, inputs_and_targets, loader_worker_error, map_tensors, tensors_of
 from workbench.distributed import no_sync_context
 from workbench.models import model_label
@@ -156,7 +156,7 @@ def check_the_loss(
     loss_fn: Callable | None,
     device: torch.device,
     world_size: int = 1,
-) -> None:
+) -> str:
     """One forward and loss before any arm starts, so that a mistake every arm would make fails
     in one line that says what to change: a model with nothing to train, a ``loss_fn`` that
     cannot take ``(outputs, targets)`` or does not return a scalar tensor, a loss with no
@@ -171,23 +171,27 @@ def check_the_loss(
     on meta is built for real on a CPU run, as each arm will build it; elsewhere it is not
     checked, nor is a model too large to build twice. With several ranks, a trainable parameter
     the loss does not reach is refused too (``_check_every_parameter_learns``).
+
+    Returns which default loss the arms will take, as config.DEFAULT_LOSSES names it (the
+    model's own, cross-entropy, or the rule where it could not tell); "" with a ``loss_fn``.
     """
     inputs, targets = inputs_and_targets(batch)
     if loss_fn is not None:
         _check_loss_signature(loss_fn)
     judged = device.type == "cpu"
     trial = _Trial(build, inputs, targets, judged)
+    untold = "" if loss_fn is not None else DEFAULT_LOSSES[2]
     with torch.random.fork_rng(devices=[]):  # building the model draws from the caller's generator
         try:
             model = build_on_meta(build)
         except Exception:
             if not judged:
-                return
+                return untold
             model = trial.build_on_cpu()
         _check_something_trains(model)
         if trial.cpu_model is None:
             if sum(p.numel() for p in model.parameters()) > CPU_CHECK_MAX_PARAMETERS:
-                return
+                return untold
             if not judged:
                 trial.run_on(model, torch.device("meta"), inputs, targets)
         if loss_fn is None:
@@ -196,6 +200,11 @@ def check_the_loss(
             loss = _check_the_users_loss(trial, loss_fn, isinstance(batch, Mapping))
         if world_size > 1 and loss is not None:
             _check_every_parameter_learns(trial.model, loss, world_size)
+    if loss_fn is not None:
+        return ""
+    if trial.outputs is None:
+        return untold
+    return DEFAULT_LOSSES[1] if isinstance(_field(trial.outputs, "loss"), torch.Tensor) else DEFAULT_LOSSES[0]
 
 
 class _Trial:

@@ -18,7 +18,15 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from workbench.config import DEFAULT_BATCH_SIZE, OPTIMIZERS, Link, RunConfig, cli_flag, run_options
+from workbench.config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_LOSSES,
+    OPTIMIZERS,
+    Link,
+    RunConfig,
+    cli_flag,
+    run_options,
+)
 from workbench.data import BUILTIN_DATA, JPEG_FOLDER_PREFIX
 from workbench.models import BUILTIN_MODELS
 from workbench.results_folder import ResultsFolder, refuse_a_file_not_ours, write_text_atomic
@@ -293,7 +301,7 @@ def reproduce(record: dict) -> tuple[str | None, str]:
     own |= {
         name: config[name]
         for name in ("loss_fn", "collate_fn")
-        if config.get(name) and config[name] != "cross_entropy"
+        if config.get(name) and config[name] not in DEFAULT_LOSSES
     }
     if config.get("optimizer", OPTIMIZERS[0]) not in OPTIMIZERS:  # a factory of the user's, which sets its lr
         own["optimizer"] = settings.pop("optimizer")
