@@ -190,7 +190,8 @@ def summarize(
                 notes.append(
                     f"windows that ran right after this arm's were {100 * effect.slowdown:.0f}% slower "
                     f"(+/-{100 * effect.se:.0f}%) than after other arms': its work seems to go on between its "
-                    "windows (threads, prefetching), which slows the other arms; run it in its own process"
+                    "windows (threads, prefetching), which slows the other arms; isolate=True measures every "
+                    "arm in a process of its own, where it cannot"
                 )
             row["notes"] = "; ".join(dict.fromkeys(notes))  # in order, each note once
         else:
