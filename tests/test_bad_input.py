@@ -434,3 +434,11 @@ def test_a_misspelt_keyword_is_matched_against_every_keyword_the_call_takes(call
         "(did you mean 'collate_fn'?)"
     )
     assert "repeats" not in said
+
+
+def test_plan_called_from_python_names_itself_in_its_refusals():
+    """wb.plan(blocks=0) said "ablate: blocks must be >= 1", a call the user never made."""
+    with pytest.raises(ValueError, match=r"^plan: blocks must be >= 1; got 0$"):
+        wb.plan(model="mlp", blocks=0)
+    with pytest.raises(ValueError, match=r"^ablate: blocks must be >= 1; got 0$"):
+        wb.ablate(model="mlp", blocks=0, progress=False)

@@ -1042,7 +1042,13 @@ def plan(
     """
     # repeats= warned of here, so that the warning names the caller's line (stacklevel)
     settings = _blocks_from(settings, repeats)
-    return _plan_table(_prepare_plan(model, data, loss_fn, techniques, collate_fn=collate_fn, **settings))
+    try:
+        return _plan_table(_prepare_plan(model, data, loss_fn, techniques, collate_fn=collate_fn, **settings))
+    except ValueError as error:  # the checks speak as ablate (the CLI's dry run and the panel say
+        said = str(error)  # their own names): called as plan, they name plan
+        if not said.startswith("ablate: "):
+            raise
+        raise ValueError(f"plan: {said.removeprefix('ablate: ')}") from error.__cause__
 
 
 def _plan_table(prepared: Prepared):

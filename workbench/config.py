@@ -750,7 +750,7 @@ class RunConfig:
             run = cls(**options)
         except ValueError as error:  # the checks speak as ablate: tune(steps=-1) is tune's mistake
             message = str(error)
-            # (plan's and the panel's are ablate's: the CLI's dry run names its command itself)
+            # (the panel's and the dry run's are ablate's, as the run's would be; wb.plan says plan)
             if caller in ("tune", "advise") and message.startswith("ablate: "):
                 raise ValueError(f"{caller}: {message.removeprefix('ablate: ')}") from None
             raise
