@@ -131,6 +131,8 @@ def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_pa
     "arguments, message",
     [
         (["--model", "own_job_cli:nope"], "--model own_job_cli:nope: own_job_cli has no attribute 'nope'; its callables: batches, broken, build, sgd, smoothed"),
+        # a misspelling is named; the module's own callables come before those it imported (torch's nn)
+        (["--loss-fn", "imports_job_cli:los"], "imports_job_cli has no attribute 'los' (did you mean 'loss'?); its callables: loss, Counter, OrderedDict"),
         (["--model", "no_such_module:build"], "--model no_such_module:build: no module named 'no_such_module' in "),
         (["--loss-fn", "cross_entropy"], "--loss-fn takes your own code as module:attribute"),
         (["--model", "script_job_cli:build"], "--model script_job_cli:build: importing script_job_cli fails: SystemExit: it exits as it is imported (2): guard its script part with if __name__ == '__main__':"),
@@ -146,6 +148,8 @@ def test_your_own_model_data_loss_and_optimizer_run_from_the_command_line(tmp_pa
 def test_your_own_code_that_cannot_be_found_is_one_line(arguments, message, tmp_path, capsys, monkeypatch):
     (tmp_path / "own_job_cli.py").write_text(OWN_JOB)
     (tmp_path / "broken_job_cli.py").write_text("import a_missing_dependency\n")
+    imports = "from collections import Counter, OrderedDict\n\ndef loss(outputs, targets):\n    return outputs.sum()\n"
+    (tmp_path / "imports_job_cli.py").write_text(imports)
     # a training script's top level, given flags it does not know (as a command line's would be)
     script = "import argparse\nargparse.ArgumentParser().parse_args(['--model'])\n"
     (tmp_path / "script_job_cli.py").write_text(script)
@@ -154,7 +158,7 @@ def test_your_own_code_that_cannot_be_found_is_one_line(arguments, message, tmp_
     try:
         done = run_here(capsys, "ablate", *arguments, "--dry-run")
     finally:
-        for name in ("own_job_cli", "script_job_cli"):
+        for name in ("own_job_cli", "script_job_cli", "imports_job_cli"):
             sys.modules.pop(name, None)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
 

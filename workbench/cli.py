@@ -10,6 +10,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import inspect
 import io
 import json
 import os
@@ -499,16 +500,29 @@ def own_code(flag: str, text: str) -> Any:
     found = _import_yours(flag, text, module_name)
     for part in attribute.split("."):
         if not hasattr(found, part):
-            public = sorted(
-                name for name in vars(found) if not name.startswith("_") and callable(getattr(found, name))
-            )
-            listed = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "") if public else "none"
-            raise ValueError(
-                f"{flag} {text}: {module_name} has no attribute {part!r}; its callables: {listed}"
-            )
+            raise ValueError(f"{flag} {text}: {_no_such_attribute(found, part)}")
         found = getattr(found, part)
     name_as_typed(found, text)  # results name it so, and the report's Reproduce gives this flag again
     return found
+
+
+def _no_such_attribute(holder: Any, part: str) -> str:
+    """Why ``part`` is not found in ``holder`` (the user's module, or a class in it): its callables,
+    those defined there before those it imported (its own were cut off behind transformers'
+    classes), and the nearest name."""
+    named = {name: getattr(holder, name) for name in vars(holder) if not name.startswith("_")}
+    callables = {name: value for name, value in named.items() if callable(value)}
+    home = getattr(holder, "__name__", None)
+
+    def imported(value: Any) -> bool:  # a class or function of another module (not sgd = partial(...))
+        named_elsewhere = isinstance(value, type) or inspect.isroutine(value)
+        return named_elsewhere and getattr(value, "__module__", None) != home
+
+    public = sorted(callables, key=lambda name: (imported(callables[name]), name))
+    listed = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "") if public else "none"
+    close = difflib.get_close_matches(part, list(named), n=1)
+    meant = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{getattr(holder, '__name__', holder)} has no attribute {part!r}{meant}; its callables: {listed}"
 
 
 def _import_yours(flag: str, text: str, module_name: str) -> Any:
