@@ -381,7 +381,8 @@ class Advice:
 
     @property
     def recommended(self) -> dict[str, dict]:
-        """The recommendations as a techniques mapping for ``wb.ablate(techniques=...)``, best first."""
+        """The recommendations as a techniques mapping for ``wb.ablate(techniques=...)``, in the
+        advisor's order: those that attack the bottleneck first, then the others, each by its ceiling."""
         mapping: dict[str, dict] = {}
         for row in self.recommendations.itertuples():
             mapping.setdefault(row.technique, row.settings)
@@ -416,8 +417,9 @@ class Advice:
         lines += [
             "",
             *wrapped(
-                "recommended (best first; 'at most' is a ceiling: Amdahl's from the shares above, or "
-                "the DataLoader's from its measured feed):"
+                f"recommended (first what attacks the {self.bottleneck} bottleneck, then what helps other "
+                "parts of the step, each by its ceiling; 'at most' is a ceiling: Amdahl's from the shares "
+                "above, or the DataLoader's from its measured feed):"
             ),
         ]
         if not (self.recommendations.part == self.bottleneck).any():  # said first, not left to be inferred
@@ -695,7 +697,7 @@ def advise(
     step is split into data, launch, compute and communication; memory is the bottleneck when
     the peak reaches 80% of the capacity. Returns an :class:`Advice`: ``.bottleneck``,
     ``.evidence`` (the figures), ``.recommended`` (a techniques mapping for ``wb.ablate``,
-    best first, each with a reason in ``.recommendations``), ``.not_recommended`` and
+    the bottleneck's first, then by ceiling, each with a reason in ``.recommendations``), ``.not_recommended`` and
     ``.plot()``. ``trace_dir`` writes the profiler trace (Perfetto, chrome://tracing).
     ``collate_fn``, ``on_event`` and ``stop`` are ablate's: how a Dataset's samples are batched,
     its events as the run goes, and a way to end it.

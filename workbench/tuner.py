@@ -255,7 +255,7 @@ def check_advice_has_candidates(advice, remedy: str = "pass techniques= to searc
 
 
 def pool_from_advice(recommended: Mapping[str, dict]) -> list[tuple[Technique, list[Any]]]:
-    """The advisor's techniques, best first, each with its recommended settings and the main
+    """The advisor's techniques, in its order, each with its recommended settings and the main
     alternatives of its ``tune_space``."""
     pool = []
     for name, settings in recommended.items():
