@@ -131,7 +131,7 @@ def _log(name: str):
 
 
 class DiesOnRankOne(nn.Module):
-    """Trains normally on rank 0; on rank 1, kills itself (or raises) at its third forward."""
+    """Trains normally on rank 0; on rank 1, kills itself (or raises, or hangs) at its third forward."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -142,6 +142,8 @@ class DiesOnRankOne(nn.Module):
         if os.environ.get("RANK") == "1" and self.calls == 3:
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "hang":
+                time.sleep(600)  # where rank 1 hung: its log's stack names this line
             raise RuntimeError("rank 1 broke on purpose")
         return self.layer(x)
 
@@ -172,9 +174,11 @@ def _workers() -> set[int]:
     [
         ("kill", "rank 1 of 2 was killed by signal 9"),
         ("raise", "rank 1 of 2: RuntimeError: rank 1 broke on purpose"),
+        # It said only "the arm's process was ended", naming no rank and no log.
+        ("hang", "the arm's 2 rank processes were ended; where their threads were is in the logs of "),
     ],
 )
-def test_a_rank_that_dies_or_raises_fails_its_arm_and_the_rest_goes_on(how, message, monkeypatch):
+def test_a_rank_that_dies_raises_or_hangs_fails_its_arm_and_the_rest_goes_on(how, message, monkeypatch):
     batches = [(torch.randn(8, 8), torch.randint(0, 2, (8,))) for _ in range(8)]
     monkeypatch.setenv(TAG, "1")  # inherited by the workers this test starts (and no others)
     started = time.monotonic()
@@ -190,11 +194,17 @@ def test_a_rank_that_dies_or_raises_fails_its_arm_and_the_rest_goes_on(how, mess
         out=False,
         progress=False,
         control=False,
+        timeout_s=15 if how == "hang" else None,
     )
     table = res.table.set_index("arm")
     for arm in ("baseline", "ddp_compression"):  # both arms hit it; the second still ran
         assert table.loc[arm, "status"] == "failed"
         assert message in table.loc[arm, "reason"]
+    if how == "hang":
+        assert "rank 1's (" in table.loc["baseline", "reason"]
+        unit = next(u for u in res.record["units"] if u["arm"] == "baseline")
+        rank_1 = unit["traceback"].partition("rank 1:\n")[2]
+        assert "test_ddp.py" in rank_1 and "in forward" in rank_1, unit["traceback"]  # where it hung
     assert time.monotonic() - started < 90
     assert _workers() == set(), "a rank process outlived its arm"
 

@@ -147,6 +147,34 @@ def _log_tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def _where_the_ranks_hung(processes: list[subprocess.Popen], reason: str) -> dict:
+    """A timed-out arm of several ranks: which ranks' logs show where their threads were when they
+    were ended (faulthandler writes each thread's stack on SIGTERM), and the top of those stacks.
+    It said "the arm's process was ended", naming no rank and no log, while rank 1's log held the
+    line where it hung."""
+    dumps = {}
+    for rank, process in enumerate(processes):
+        try:
+            lines = process.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        starts = [i for i, line in enumerate(lines) if line.startswith("Current thread ")]
+        if starts:  # the thread that took the signal: the main one, where the step runs
+            dumps[rank] = "\n".join(lines[starts[-1] : starts[-1] + STACK_LINES])
+    ended = reason.removesuffix("; the arm's process was ended")
+    said = f"{ended}; the arm's {len(processes)} rank processes were ended"
+    if not dumps:
+        return {"reason": said}
+    logs = ", ".join(f"rank {rank}'s ({processes[rank].log_path.name})" for rank in dumps)
+    return {  # every rank's: the one that hung is the one not waiting in backward for the others
+        "reason": f"{said}; where their threads were is in the logs of {logs}",
+        "traceback": "\n".join(f"rank {rank}:\n{stack}" for rank, stack in dumps.items()),
+    }
+
+
+STACK_LINES = 12  # of a rank's stack, most recent call first: the user's line is near the top
+
+
 def run_in_fresh_process(
     spec,
     *,
@@ -272,6 +300,8 @@ def _run_ranks(
         raise Interrupted from None
     finally:
         watch.end_processes()
+    if watch.answer is not None and watch.timed_out and len(processes) > 1:
+        return {**watch.answer, **_where_the_ranks_hung(processes, watch.answer["reason"])}
     if watch.answer is not None:
         return watch.answer
     # The arm in flight when the block died is the likely cause; the worker names it when it knows.
@@ -300,6 +330,7 @@ class _RankWatch:
         self.answered_at: float | None = None
         self.open_channels = len(processes)
         self.stopped = False  # True when we end the children ourselves: timeout, Stop, Ctrl-C, a dead rank
+        self.timed_out = False
 
     def _read_messages(self, rank: int, process: subprocess.Popen) -> None:
         for line in process.stdout:
@@ -342,7 +373,7 @@ class _RankWatch:
     def _waiting_cannot_help(self) -> bool:
         """Overdue, answered but not exiting, or a rank lost: stop following."""
         if self.answer is None and self.timer.overdue():
-            self.stopped = True
+            self.stopped = self.timed_out = True
             self.answer = {
                 "type": "error",
                 "status": "failed",
