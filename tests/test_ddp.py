@@ -121,6 +121,16 @@ def _buckets_per_step(no_sync: bool) -> float:
 def test_no_sync_communicates_once_per_accumulation_window():
     once, every_micro_batch = _buckets_per_step(True), _buckets_per_step(False)
     assert every_micro_batch == 4 * once
+    # grad_accum alone under DDP says why its communication is k times the baseline's
+    from types import SimpleNamespace
+
+    from workbench.techniques import get_technique
+
+    grad_accum = get_technique("grad_accum")
+    for world_size, said in ((2, True), (1, False)):
+        setup = SimpleNamespace(world_size=world_size, split_batch=None)
+        note = grad_accum.apply(setup, grad_accum.Config(steps=4))
+        assert ("4x the baseline's communication, unless ddp_compression's no_sync" in note) == said, note
 
 
 def _log(name: str):

@@ -127,7 +127,13 @@ class GradAccum(Technique):
 
     def apply(self, setup, config: GradAccumConfig) -> str:
         setup.split_batch = MicroBatches(config.steps)
-        return f"{config.steps} micro-batches per optimizer step"
+        note = f"{config.steps} micro-batches per optimizer step"
+        if setup.world_size > 1 and config.steps > 1:  # its communication column doubled, unexplained
+            note += (
+                f"; under DDP each micro-batch's backward all-reduces, {config.steps}x the baseline's "
+                "communication, unless ddp_compression's no_sync (on by default) keeps all but the last local"
+            )
+        return note
 
 
 TECHNIQUE = GradAccum()
