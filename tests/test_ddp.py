@@ -97,6 +97,9 @@ def test_one_call_gives_no_hook_fp16_and_powersgd_rows_with_measured_bytes():
     )
     assert baseline.compression_ratio == 1.0 and baseline.comm_mb_per_step > 0.5  # resnet-mini: ~0.67 MB
     assert fp16.compression_ratio == pytest.approx(2.0)
+    # On the wire, with ring all-reduces: 2(N-1)/N of the payload, so the same halving
+    assert baseline.wire_mb_per_step == pytest.approx(2 * (WORLD - 1) / WORLD * baseline.comm_mb_per_step)
+    assert fp16.wire_ratio == pytest.approx(2.0)
     assert powersgd.compression_ratio > 10
     assert "one" in powersgd.notes and "bucket" in powersgd.notes  # gloo: a single bucket, said so
     for row in (baseline, fp16, powersgd):
@@ -104,6 +107,18 @@ def test_one_call_gives_no_hook_fp16_and_powersgd_rows_with_measured_bytes():
         assert 0 < row.comm_share < 1 and math.isfinite(row.final_loss)
     unit = next(u for u in res.record["units"] if u["arm"] == "baseline")
     assert [r["samples"] for r in unit["result"]["per_rank"]] == [16 * 4] * WORLD
+
+
+def test_a_gathers_payload_gain_beyond_what_it_saves_on_the_wire_is_said():
+    """int8 reads 4.0x smaller at any world size, but gathers (N-1) parts: at 16 ranks it sends
+    twice the baseline's bytes over a ring, which no column showed without a simulated link."""
+    from workbench.results import _wire_note
+
+    mib = 2**20
+    int8_at_16 = {"compression_ratio": 4.0, "wire_ratio": 0.5, "wire_mb_per_step": 4.07}
+    (note,) = _wire_note(int8_at_16, 2.03 * mib, 16)
+    assert "sends 4.07 MiB per step per rank, more than the baseline's 2.03 (wire_ratio 0.50)" in note
+    assert _wire_note({"compression_ratio": 2.0, "wire_ratio": 2.0, "wire_mb_per_step": 0.5}, mib, 4) == []
 
 
 def _buckets_per_step(no_sync: bool) -> float:

@@ -256,6 +256,26 @@ def test_the_terminal_table_fits_80_columns_and_aligns():
     assert "compile: failed: block 1: RuntimeError" in text.replace("\n    ", " ")
 
 
+def test_a_data_parallel_run_shows_what_each_arm_sent():
+    """The table of a DDP ablation left out every communication column: what a hook changes was
+    only in table.csv and the report."""
+    results = _results(
+        [
+            _row("baseline", speedup=1.0, low=1.0, high=1.0, comm_mb_per_step=1.08),
+            _row("baseline (control)", speedup=0.99, low=0.97, high=1.02, comm_mb_per_step=1.08),
+            _row("ddp_compression[hook=fp16]", speedup=1.1, low=1.05, high=1.15, comm_mb_per_step=0.542),
+        ],
+        ROLES,
+    )
+    text = results.summary(width=100)
+    header = next(line for line in text.splitlines() if line.startswith("arm "))
+    words = " ".join(text.split())
+    assert (
+        "comm" in header and "0.542" in text and "comm: what a rank's gradient synchronization sent" in words
+    )
+    assert "comm" not in _typical().summary(width=100).split("\n\n")[0]  # one process: no such column
+
+
 def test_a_table_with_no_speedup_keeps_its_heading_within_80_columns():
     """With every arm out of memory or not compared, the speedup column holds dashes alone, and
     its heading's "[95% interval]" ran 5 columns past the 80 (and past the column)."""

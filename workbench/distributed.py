@@ -150,6 +150,9 @@ class CommMeter:
     def reset(self) -> None:
         with self._lock:
             self.payload_bytes = 0
+            # What the collectives send per rank with ring algorithms, with or without a link:
+            # a gather's (N-1) parts can outweigh an all-reduce of the uncompressed payload.
+            self.wire_bytes = 0.0
             self.wire_bytes_charged = 0.0  # what the simulated link was charged for
             self.buckets = 0
             self.intervals: list[tuple[float, float]] = []  # per bucket: (ready, done)
@@ -208,6 +211,7 @@ class CommMeter:
                         self.wire_bytes_charged += wire
                 with self._lock:
                     self.payload_bytes += sent
+                    self.wire_bytes += wire
                     self.buckets += 1
                     self.intervals.append((started, time.perf_counter()))
                 return fut.value()

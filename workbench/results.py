@@ -32,6 +32,7 @@ from workbench.results_view import (
     loss_drifted,
     results_html,
     results_text,
+    shows_comm,
     shows_peak,
     verdicts,
 )
@@ -89,6 +90,10 @@ TABLE_COLUMNS = [
     "samples_per_s_per_rank",
     "comm_mb_per_step",
     "compression_ratio",
+    # What a rank sends per step with ring algorithms (a model, not a measurement): 2(N-1)/N of an
+    # all-reduce's payload, (N-1) parts of a gather's; and the baseline's over the arm's.
+    "wire_mb_per_step",
+    "wire_ratio",
     "link_mb_per_step",  # what the simulated link carried per rank (ring algorithms), with link=
     "comm_ms",
     "comm_share",
@@ -316,8 +321,12 @@ def _compare(
     fall = base_first - base_loss
     row["loss_gap_of_fall"] = (row["final_loss"] - base_loss) / fall if fall > 0 else math.nan
     if all("comm_bytes_per_step" in r for r in results):
-        base_comm = _median([r["comm_bytes_per_step"] for r in base_results if "comm_bytes_per_step" in r])
-        _communication(row, results, base_comm)
+        base_comm, base_wire = (
+            _median([r[key] for r in base_results if r.get(key) is not None])
+            for key in ("comm_bytes_per_step", "wire_bytes_per_step")
+        )
+        _communication(row, results, base_comm, base_wire)
+        notes += _wire_note(row, base_wire, results[0].get("world_size", 1))
     paired = [(base_ok[u["block"]], u["result"]) for u in ok if u["block"] in base_ok]
     row["speedup_blocks"] = len(paired)
     if arm["name"] == baseline:
@@ -574,11 +583,14 @@ def _utilization(row: dict, results: list[dict], telemetry: list[dict]) -> list[
     return notes
 
 
-def _communication(row: dict, results: list[dict], base_comm: float) -> None:
+def _communication(row: dict, results: list[dict], base_comm: float, base_wire: float) -> None:
     """The DDP columns: bytes the hooks handed to collectives, their ratio to the baseline's, time."""
     comm_bytes = _median([r["comm_bytes_per_step"] for r in results])
     row["comm_mb_per_step"] = comm_bytes / 2**20
     row["compression_ratio"] = base_comm / comm_bytes if comm_bytes else math.nan
+    wire = _median([r.get("wire_bytes_per_step") for r in results])  # nan in a record from before
+    row["wire_mb_per_step"] = wire / 2**20
+    row["wire_ratio"] = base_wire / wire if wire else math.nan
     row["comm_ms"] = _median([r["comm_ms_per_step"] for r in results])
     row["comm_share"] = row["comm_ms"] / row["step_ms"] if row["step_ms"] else math.nan
     row["link_mb_per_step"] = _median([r.get("link_bytes_per_step") for r in results]) / 2**20
@@ -592,6 +604,24 @@ def _communication(row: dict, results: list[dict], base_comm: float) -> None:
     row["samples_per_s_per_rank"] = _median(
         [float(np.mean([x["samples_per_s"] for x in ranks])) for ranks in per_rank]
     )
+
+
+WIRE_GAIN_SHORT = 1.5  # a payload gain this many times the wire's is worth a note
+
+
+def _wire_note(row: dict, base_wire: float, ranks: int) -> list[str]:
+    """Where a hook's payload shrinks far more than what goes over the wire: a gather (topk, int8)
+    sends its part to every other rank, so its compression_ratio (int8's 4.0 at any world size)
+    overstated the saving, and at 16 ranks int8 sends twice the baseline's bytes."""
+    payload, wire = row.get("compression_ratio", math.nan), row.get("wire_ratio", math.nan)
+    if not (math.isfinite(payload) and math.isfinite(wire)) or payload <= WIRE_GAIN_SHORT * wire:
+        return []
+    more = "more than" if wire < 1 else "against"
+    return [
+        f"its payload is {payload:.1f}x smaller than the baseline's, but on the wire (ring algorithms, "
+        f"{ranks} ranks) it sends {row['wire_mb_per_step']:.3g} MiB per step per rank, {more} the baseline's "
+        f"{base_wire / 2**20:.3g} (wire_ratio {wire:.2f}): a gather hands each rank's part to every other"
+    ]
 
 
 class Results:
@@ -910,7 +940,7 @@ class Results:
             for warning in self.warnings()
         )
         text += results_text(table, width, colour, self.path, spell)
-        peak = shows_peak(table)
+        peak, comm = shows_peak(table), shows_comm(table)
         text += "\n" + textwrap.fill(
             spell(
                 (
@@ -918,9 +948,18 @@ class Results:
                     if peak
                     else ""
                 )
-                + "activations: what autograd saved for backward (MiB). Every other column ("
+                + "activations: what autograd saved for backward (MiB). "
+                + (
+                    "comm: what a rank's gradient synchronization sent per optimizer step (MiB, the payload "
+                    "its hook handed over). "
+                    if comm
+                    else ""
+                )
+                + "Every other column ("
                 + ("" if peak else "peak memory, ")
-                + f"the step's phases, utilization, communication) {WHERE_OTHER_COLUMNS_ARE}."
+                + "the step's phases, utilization, "
+                + ("communication's time and share" if comm else "communication")
+                + f") {WHERE_OTHER_COLUMNS_ARE}."
             ),
             width,
             break_on_hyphens=False,

@@ -71,11 +71,18 @@ COLUMNS = {
 MFU_COLUMN = Column("MFU %")
 # Shown where memory_cap_mb refused an arm: the peak is what the cap is checked against.
 PEAK_COLUMN = Column("peak MiB")
+# Shown where ranks communicated (a data-parallel run): what a communication hook changes.
+COMM_COLUMN = Column("comm MiB/step")
 
 
 def shows_peak(table) -> bool:
     """Whether the reader's table has the peak column: some arm was over memory_cap_mb."""
     return bool(table.reason.fillna("").str.contains(OVER_THE_CAP, regex=False).any())
+
+
+def shows_comm(table) -> bool:
+    """Whether the reader's table has the communication column: some arm's ranks communicated."""
+    return "comm_mb_per_step" in table and bool(table.comm_mb_per_step.notna().any())
 
 
 def noise_band(row, table) -> tuple[float, float]:
@@ -221,6 +228,8 @@ def reader_rows(table) -> tuple[list[str], list[ReaderRow]]:
     columns = list(COLUMNS)
     if shows_peak(table):
         columns.insert(columns.index("activations"), "peak")
+    if shows_comm(table):
+        columns.insert(columns.index("loss"), "comm")
     if "mfu_pct" in table and table.mfu_pct.notna().any():
         columns.append("mfu")
     rows = []
@@ -235,13 +244,14 @@ def reader_rows(table) -> tuple[list[str], list[ReaderRow]]:
             "activations": plain_number(row.activation_mb, smallest=0.01),
             "loss": loss_text(row),
             "mfu": plain_number(getattr(row, "mfu_pct", math.nan)),
+            "comm": plain_number(getattr(row, "comm_mb_per_step", math.nan), smallest=0.01),
         }
         rows.append(ReaderRow(cells, row.verdict, row.reason if row.status != "ok" else ""))
     return columns, rows
 
 
 def _heading(column: str) -> Column:
-    return {"mfu": MFU_COLUMN, "peak": PEAK_COLUMN}.get(column) or COLUMNS[column]
+    return {"mfu": MFU_COLUMN, "peak": PEAK_COLUMN, "comm": COMM_COLUMN}.get(column) or COLUMNS[column]
 
 
 # --- HTML ------------------------------------------------------------------------------------
@@ -607,7 +617,7 @@ def fits_unbroken(
 # Where the reader's table is too wide for the terminal, these columns give way, first to
 # last, before an arm's name or its verdict is cut inside a word ("refere" / "nce"): the step
 # time says again what samples/s says, and all three stay in Results.table.
-GIVES_WAY_FIRST = ("step", "mfu", "activations", "peak")
+GIVES_WAY_FIRST = ("step", "mfu", "activations", "peak", "comm")
 
 
 def _columns_that_fit(columns: list[str], rows: list[ReaderRow], width: int) -> tuple[list[str], list[str]]:

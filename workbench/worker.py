@@ -430,6 +430,7 @@ def _comm_record(meter: CommMeter, steps: int) -> dict:
     exposed = meter.exposed_s()
     return {
         "comm_bytes_per_step": meter.payload_bytes / steps,
+        "wire_bytes_per_step": meter.wire_bytes / steps,
         "comm_ms_per_step": 1e3 * meter.busy_s() / steps,
         # The part of it the step waited for, after the gradient computation ended (None: unknown).
         "comm_exposed_ms_per_step": None if exposed is None else 1e3 * exposed / steps,
@@ -447,6 +448,7 @@ def _gather_ranks(result: dict, rank: Rank, device: torch.device) -> dict:
         "wall_s",
         "samples_per_s",
         "comm_bytes_per_step",
+        "wire_bytes_per_step",
         "comm_ms_per_step",
         "comm_exposed_ms_per_step",
         "link_bytes_per_step",
@@ -472,6 +474,7 @@ def all_ranks(result: dict, everyone: list[dict]) -> dict:
         "samples_per_s": aggregate,
         "samples": sum(r["samples"] for r in everyone),
         "comm_bytes_per_step": float(np.mean([r["comm_bytes_per_step"] for r in everyone])),
+        "wire_bytes_per_step": float(np.mean([r["wire_bytes_per_step"] for r in everyone])),
     }
 
 
