@@ -442,3 +442,11 @@ def test_plan_called_from_python_names_itself_in_its_refusals():
         wb.plan(model="mlp", blocks=0)
     with pytest.raises(ValueError, match=r"^ablate: blocks must be >= 1; got 0$"):
         wb.ablate(model="mlp", blocks=0, progress=False)
+
+
+def test_a_misspelt_choice_of_a_technique_setting_is_named():
+    """-t ddp_compression:hook=fp61 listed the hooks but, unlike a misspelt technique, offered none."""
+    with pytest.raises(ValueError, match=r"hook must be one of .*; got 'fp61' \(did you mean 'fp16'\?\)$"):
+        wb.plan(model="mlp", techniques={"ddp_compression": {"hook": "fp61"}}, world_size=2)
+    with pytest.raises(ValueError, match=r"got 'zzz'$"):  # nothing near it: nothing offered
+        wb.plan(model="mlp", techniques={"ddp_compression": {"hook": "zzz"}}, world_size=2)

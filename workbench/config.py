@@ -116,7 +116,9 @@ def check_choice(owner: str, field: str, value: object, choices: Iterable[str]) 
     choices = tuple(choices)
     if value not in choices:
         listed = " | ".join(repr(c) for c in choices)
-        raise ValueError(f"{owner}: {field} must be one of {listed}; got {value!r}")
+        close = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{owner}: {field} must be one of {listed}; got {value!r}{meant}")
     return value  # type: ignore[return-value]
 
 

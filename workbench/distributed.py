@@ -119,7 +119,7 @@ class CommSettings:
     density: float = 0.01  # topk: the share of entries sent
     int8_scale: str = "bucket"  # int8: one scale per bucket or per tensor
     ranks_per_node: int = 2  # hierarchical: ranks per simulated node
-    bucket_cap_mb: float | None = None  # None: DDP's default, 25 MB
+    bucket_cap_mb: float | None = None  # None: DDP's default, a first bucket of 1 MB, then 25 MB
     gradient_as_bucket_view: bool = False  # gradients live in DDP's buckets: no copy, less memory
     # Under grad_accum, communicate once per optimizer step. Off unless ddp_compression turns it
     # on: plain DDP all-reduces after every micro-batch, which is what the baseline measures.

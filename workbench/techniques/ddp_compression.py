@@ -61,8 +61,8 @@ Settings
     earlier ones all-reduce in full; default 2, the least PowerSGD accepts with error
     feedback), ``warm_start`` (reuse last step's Q, default True), ``density`` (topk's share
     of entries sent, default 0.01), ``scale`` (int8: ``bucket`` (default) or ``tensor``),
-    ``ranks_per_node`` (hierarchical, default 2), ``bucket_cap_mb`` (None: DDP's default of
-    25 MB), ``gradient_as_bucket_view`` (default False, DDP's default), ``no_sync`` (default
+    ``ranks_per_node`` (hierarchical, default 2), ``bucket_cap_mb`` (None: DDP's default, a
+    first bucket of 1 MB, then 25 MB each; 25 given here makes every bucket 25 MB), ``gradient_as_bucket_view`` (default False, DDP's default), ``no_sync`` (default
     True: with grad_accum, all-reduce once per optimizer step). Needs ``world_size`` > 1 in
     ``ablate``. Bytes are measured by wrapping the hook (see workbench.distributed); a
     simulated link (``ablate(link=...)``) delays each bucket in proportion to its bytes.
@@ -144,7 +144,8 @@ class DdpCompression(Technique):
             if left or nodes < 2:
                 return (
                     f"the hierarchical hook needs at least two nodes of ranks_per_node={config.ranks_per_node} "
-                    f"ranks; world_size={ctx.world_size} makes {ctx.world_size / config.ranks_per_node:g}"
+                    f"ranks each, so world_size a multiple of {config.ranks_per_node} from "
+                    f"{2 * config.ranks_per_node}; world_size={ctx.world_size} is not"
                 )
         return None
 
@@ -177,15 +178,19 @@ class DdpCompression(Technique):
         elif config.hook == "hierarchical":
             nodes = setup.world_size // config.ranks_per_node
             note += f" ({nodes} nodes of {config.ranks_per_node} ranks; simulated where the ranks share a machine)"
+        one_bucket = False
         if config.hook in POWERSGD:
             note += f" (rank {config.rank}, compressing from iteration {config.start_iter})"
             if setup.device.type != "cuda":
                 # gloo aborts PowerSGD when gradients arrive in more than one bucket: give it one.
                 single = parameter_mib(setup.model) + 1.0
                 if comm.bucket_cap_mb is None or comm.bucket_cap_mb < single:
-                    comm.bucket_cap_mb = single
-                    note += f"; one {single:.1f} MB bucket, because PowerSGD on gloo aborts with several"
-        if comm.bucket_cap_mb is not None:
+                    comm.bucket_cap_mb, one_bucket = single, True
+                    note += (
+                        f"; every gradient in one bucket (bucket_cap_mb={single:g}, above their "
+                        f"{single - 1.0:.2f} MiB), because PowerSGD on gloo aborts with several"
+                    )
+        if comm.bucket_cap_mb is not None and not one_bucket:
             note += f"; bucket_cap_mb={comm.bucket_cap_mb:g}"
         if comm.gradient_as_bucket_view:
             note += "; gradients are views into the buckets"
