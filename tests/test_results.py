@@ -290,6 +290,7 @@ def test_an_unavailable_value_is_one_thing_in_each_form(small_results, tmp_path)
     numbers = table.drop(columns=text + ["noisy", "blocks", "speedup_blocks"])
     assert all(dtype == np.float64 for dtype in numbers.dtypes)
     assert numbers.loc[table.arm == "tf32"].isna().all().all()  # unavailable here: every figure NaN
+    assert table.loc[table.arm == "tf32", "process"].tolist() == [""]  # it ran in no process (read "block")
     plan = wb.plan(model="mlp", techniques={"amp": True, "tf32": True}, device="cpu")
     for column in ("process", "techniques", "unavailable", "own_process"):
         assert plan[column].map(lambda v: isinstance(v, str)).all(), column

@@ -228,7 +228,8 @@ def _row(arm: dict, arm_units: list[dict], planned_blocks: int, complete: bool) 
     row.update(
         arm=arm["name"],
         kind=arm.get("kind", "train"),
-        process=arm.get("process", "block"),
+        # an arm that did not run ran in no process (it read "block", though DDP arms run alone)
+        process="" if arm.get("unavailable") else arm.get("process", "block"),
         techniques=arm["techniques"],
         status="ok",
         reason="",
