@@ -670,3 +670,19 @@ def test_a_notebook_kernel_gets_the_bar_whatever_its_shell_class(monkeypatch):
     assert _bar_can_redraw()
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
     assert not _bar_can_redraw()  # a plain script that imported IPython, into a pipe
+
+
+def test_under_torchrun_with_one_rank_ddp_says_how_to_start_more(capsys, monkeypatch):
+    """torchrun --nproc-per-node 1: ddp_compression said "pass --world-size 2 or more", which
+    torchrun refuses; it is torchrun's --nproc-per-node that sets the ranks."""
+    for name, value in {
+        "TORCHELASTIC_RUN_ID": "t",
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    done = run_here(capsys, "ablate", "--model", "mlp", "-t", "ddp_compression", "--dry-run")
+    assert done.returncode == 0 and "start torchrun with --nproc-per-node 2 or more" in " ".join(
+        done.stdout.split()
+    )
