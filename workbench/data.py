@@ -287,7 +287,8 @@ def resolve_data(data: object, model: object) -> DataSource:
             raise unknown_name_error("dataset", data, [*BUILTIN_DATA, f"{JPEG_FOLDER_PREFIX}PATH"])
         if builtin_model is None:
             raise ValueError(
-                f"built-in dataset {data!r} is sized for the built-in models; with your own model, pass your own data"
+                f"built-in dataset {data!r} is sized for the built-in models; with your own model, pass your own "
+                "data: a Dataset of (input, target) samples, a list of batches, or a DataLoader"
             )
         spec = builtin_spec(builtin_model.default_data if data == "synthetic" else data)
         if spec.kind not in builtin_model.accepts:
