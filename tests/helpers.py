@@ -113,6 +113,7 @@ RUN_SETTINGS = {
     "control": False,
     "loader_arms": False,
     "world_size": 2,
+    "find_unused_parameters": True,
     "isolate": True,
     "link": {"bandwidth_gbps": 1.0},
     "memory_cap_mb": 4096.0,

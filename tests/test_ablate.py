@@ -554,6 +554,18 @@ def test_an_edited_model_under_the_same_name_does_not_resume_into_the_earlier_ru
     plan["digest"] = "written-without-it"
     plan_path.write_text(json.dumps(plan))
     assert wb.ablate(_mlp_of_width(16), batches, **listed, **QUIET).complete
+    # A run setting added since (find_unused_parameters): a folder without it resumes at the value
+    # every run before it had, and one that holds another value is another job.
+    plan = json.loads(plan_path.read_text())
+    del plan["settings"]["find_unused_parameters"]
+    plan["digest"] = "written-before-the-setting"
+    plan_path.write_text(json.dumps(plan))
+    assert wb.ablate(_mlp_of_width(16), batches, **listed, **QUIET).complete
+    plan = json.loads(plan_path.read_text())
+    plan["settings"]["find_unused_parameters"], plan["digest"] = True, "with-the-setting-on"
+    plan_path.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match=r"differs in: find_unused_parameters\)"):
+        wb.ablate(_mlp_of_width(16), batches, **listed, **QUIET)
     # A loss module's settings are not in its repr: another label smoothing resumed into the old losses.
     smoothed = {**arguments, "out": tmp_path / "smoothed"}
     wb.ablate(_mlp_of_width(16), data, nn.CrossEntropyLoss(), **smoothed, **QUIET)

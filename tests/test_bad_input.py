@@ -450,3 +450,11 @@ def test_a_misspelt_choice_of_a_technique_setting_is_named():
         wb.plan(model="mlp", techniques={"ddp_compression": {"hook": "fp61"}}, world_size=2)
     with pytest.raises(ValueError, match=r"got 'zzz'$"):  # nothing near it: nothing offered
         wb.plan(model="mlp", techniques={"ddp_compression": {"hook": "zzz"}}, world_size=2)
+
+
+def test_find_unused_parameters_without_ranks_is_refused():
+    """A DDP option on a one-process run would be accepted and do nothing."""
+    with pytest.raises(
+        ValueError, match=r"^plan: find_unused_parameters is DistributedDataParallel's option"
+    ):
+        wb.plan(model="mlp", find_unused_parameters=True)

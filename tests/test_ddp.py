@@ -121,6 +121,32 @@ def test_a_gathers_payload_gain_beyond_what_it_saves_on_the_wire_is_said():
     assert _wire_note({"compression_ratio": 2.0, "wire_ratio": 2.0, "wire_mb_per_step": 0.5}, mib, 4) == []
 
 
+class SometimesUnused(nn.Module):
+    """A branch taken on every other step: its parameters get no gradient on the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.branch, self.calls = nn.Linear(8, 2), nn.Linear(2, 2), 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.trunk(x)
+        return self.branch(out) if self.calls % 2 else out
+
+
+def test_find_unused_parameters_lets_a_model_whose_steps_skip_a_branch_train():
+    """PyTorch's error told the user to pass find_unused_parameters=True, which workbench had no
+    way to pass: every arm of such a model failed."""
+    batches = [(torch.randn(8, 8), torch.randint(0, 2, (8,))) for _ in range(8)]
+    res = wb.ablate(
+        model=SometimesUnused, data=batches, techniques={"ddp_compression": {"hook": "fp16"}},
+        world_size=WORLD, steps=4, warmup=2, blocks=1, device="cpu", out=False, progress=False,
+        control=False, find_unused_parameters=True,
+    )  # fmt: skip
+    assert set(res.table.status) == {"ok"}, res.table[["arm", "reason"]]
+    assert res.record["config"]["find_unused_parameters"] is True
+
+
 def _buckets_per_step(no_sync: bool) -> float:
     spec = block_spec(
         "mlp",
@@ -235,7 +261,7 @@ def test_a_rank_that_dies_raises_or_hangs_fails_its_arm_and_the_rest_goes_on(how
 
 
 def test_bad_distributed_settings_fail_clearly():
-    with pytest.raises(ValueError, match="ablate: world_size must be >= 1; got 0"):
+    with pytest.raises(ValueError, match="plan: world_size must be >= 1; got 0"):
         wb.plan(world_size=0, device="cpu")
     with pytest.raises(
         ValueError, match="link simulates the network between ranks, so it needs world_size >= 2"

@@ -217,7 +217,7 @@ def test_cli_flags_give_the_same_run_as_the_api():
         "executor": "slurm", "slurm-partition": "debug", "slurm-time-min": "5", "timeout-s": "60",
     }  # fmt: skip
     argv = ["ablate", *[part for flag, text in typed.items() for part in (f"--{flag}", text)]]
-    args = _parser().parse_args([*argv, "--no-control", "--isolate"])
+    args = _parser().parse_args([*argv, "--no-control", "--isolate", "--find-unused-parameters"])
     assert RunConfig(**run_settings(args)) == RunConfig(**RUN_SETTINGS)
     assert run_settings(_parser().parse_args(["ablate"])) == {}, "a flag left out must leave the default"
 
@@ -232,7 +232,7 @@ def test_plan_checks_every_run_setting_as_ablate_does(setting):
     bad |= {"seed": -1, "mode": "random", "optimizer": "lamb", "lr": -1.0, "control": "yes"}
     bad |= {"loader_arms": "sometimes", "world_size": 0, "isolate": "yes", "link": 5, "timeout_s": 0.0}
     bad |= {"memory_cap_mb": 0.5, "profile_steps": -1, "trace_dir": 3, "start": "fork", "heap": "jemalloc"}
-    bad |= {"threads": 0}
+    bad |= {"threads": 0, "find_unused_parameters": "yes"}
     bad |= {"executor": "kubernetes", "slurm": {"partiton": "gpu"}}
     with pytest.raises(ValueError):
         wb.plan(**plan_arguments({"model": "mlp", setting: bad[setting]}))

@@ -456,6 +456,10 @@ def test_a_parameter_the_loss_never_reaches_is_refused_before_ddp_fails_every_ra
         check(_UnusedHead, 2)
     check(_UnusedHead, 1)  # one rank: no DDP, nothing waits for those gradients
     check(lambda: _frozen_unused(_UnusedHead()), 2)  # frozen: nothing to wait for
+    # DDP's own option, which the refusal names: DDP then finds such parameters every step
+    with pytest.raises(ValueError, match=r"or pass find_unused_parameters=True"):
+        check(_UnusedHead, 2)
+    check_the_loss(_UnusedHead, _PAIRS[0], None, torch.device(device), 2, find_unused_parameters=True)
 
 
 def _frozen_unused(model: _UnusedHead) -> _UnusedHead:

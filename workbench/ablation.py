@@ -150,17 +150,7 @@ def prepare(
     )
     source = resolve_data(data, model)
     run, first_batch = _with_batch_size(run, source)
-    own_model = not (
-        isinstance(model, str) and loss_fn is None
-    )  # a built-in with its own loss is known to fit
-    # the first batch checks the loss; a Dataset's or a list's, read again at no cost, identifies the data
-    if first_batch is None and (own_model or isinstance(source.user, (Dataset, list, tuple))):
-        first_batch = _first_batch(source, run.batch_size, run.seed)
-    default_loss = DEFAULT_LOSSES[0]  # a built-in model's, with no loss_fn: cross-entropy
-    if own_model:
-        default_loss = check_the_loss(
-            lambda: build_model(model, source.spec), first_batch, loss_fn, device, run.world_size
-        )
+    first_batch, default_loss = _check_the_first_batch(model, source, loss_fn, run, device, first_batch)
     ready_made = None if source.is_dataset else first_batch  # a Dataset's batches are workbench's own
     ctx = technique_context(run, model, source, inspected=inspected, first_batch=ready_made)
     label = ctx.model_name
@@ -192,6 +182,24 @@ def prepare(
     config = _config_of(label, source, loss_fn if loss_fn is not None else default_loss, chosen, run, device)
     identity = job_identity(model, inspected[0], source, first_batch, loss_fn, run.optimizer, optimizer_built)
     return Prepared(run, model, source, loss_fn, arms, config, identity)
+
+
+def _check_the_first_batch(
+    model: Any, source: DataSource, loss_fn: Callable | None, run: RunConfig, device, first_batch: Any
+) -> tuple[Any, str]:
+    """The job's first batch (read now where the checks or the job's identity need it), after one
+    forward and loss on it (``check_the_loss``); and the default loss the arms take, by name."""
+    own_model = not (isinstance(model, str) and loss_fn is None)  # a built-in with its own loss fits
+    # the first batch checks the loss; a Dataset's or a list's, read again at no cost, identifies the data
+    if first_batch is None and (own_model or isinstance(source.user, (Dataset, list, tuple))):
+        first_batch = _first_batch(source, run.batch_size, run.seed)
+    if not own_model:
+        return first_batch, DEFAULT_LOSSES[0]  # a built-in model's, with no loss_fn: cross-entropy
+    default_loss = check_the_loss(
+        lambda: build_model(model, source.spec), first_batch, loss_fn, device, run.world_size,
+        run.find_unused_parameters,
+    )  # fmt: skip
+    return first_batch, default_loss
 
 
 def _config_of(
@@ -485,6 +493,9 @@ def _fingerprint(prepared: Prepared) -> dict:
 ADDABLE = ("blocks",)  # settings a resumed ablation may raise: each block is a process of its own
 # Parts of a job's identity that workbench began to record after folders were written without them.
 RECORDED_SINCE = ("data_values",)
+# Run settings added since, with the value every run before them had: a folder without one
+# resumes at that value, and is refused at another.
+SETTINGS_ADDED = {"find_unused_parameters": False}
 
 
 def settings_fingerprint(settings: dict) -> dict:
@@ -702,7 +713,9 @@ def refuse_a_different_run(
         differing = sorted(
             k
             for k in set(old) | set(new)
-            if old.get(k) != new.get(k) and k not in addable and (k in old or k not in RECORDED_SINCE)
+            if old.get(k, SETTINGS_ADDED.get(k)) != new.get(k)
+            and k not in addable
+            and (k in old or k not in RECORDED_SINCE)
         )
         if not differing:
             return

@@ -199,7 +199,9 @@ class BlockArm:
             make_optimizer=make_optimizer(self.run.optimizer, self.run.lr),
             rank=self.rank.rank,
             world_size=self.rank.world_size,
-            comm=CommSettings() if distributed else None,
+            comm=CommSettings(find_unused_parameters=self.run.find_unused_parameters)
+            if distributed
+            else None,
         )
         self.setup = setup
         self.notes = self._apply_techniques(setup)

@@ -622,6 +622,12 @@ class RunConfig:
         int,
         least=1,
     )
+    find_unused_parameters: bool = option(
+        False,
+        "with world_size > 1: DDP's own option, for a model whose steps leave some parameters out "
+        "of the loss (a branch taken now and then); it walks the graph after every forward, at a cost",
+        bool,
+    )
     isolate: bool = option(
         False,
         "every arm in a process of its own, in every block, as before blocks: each ratio then "
@@ -732,6 +738,10 @@ class RunConfig:
             _check_trace_dir(self.trace_dir)
         if self.slurm is not None and self.executor != "slurm":
             raise ValueError("ablate: slurm options describe Slurm jobs, so they need executor='slurm'")
+        if self.find_unused_parameters and self.world_size < 2:
+            raise ValueError(
+                "ablate: find_unused_parameters is DistributedDataParallel's option, so it needs world_size=2 or more"
+            )
         if not isinstance(self.optimizer, str) and self.lr != DEFAULT_LR:
             raise ValueError(
                 f"ablate: lr={self.lr} is for the built-in optimizers; your optimizer factory "

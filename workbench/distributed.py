@@ -121,6 +121,7 @@ class CommSettings:
     ranks_per_node: int = 2  # hierarchical: ranks per simulated node
     bucket_cap_mb: float | None = None  # None: DDP's default, a first bucket of 1 MB, then 25 MB
     gradient_as_bucket_view: bool = False  # gradients live in DDP's buckets: no copy, less memory
+    find_unused_parameters: bool = False  # the run's setting (RunConfig), for every arm alike
     # Under grad_accum, communicate once per optimizer step. Off unless ddp_compression turns it
     # on: plain DDP all-reduces after every micro-batch, which is what the baseline measures.
     no_sync: bool = False
@@ -349,7 +350,10 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, settings: CommSetting
     """Wrap ``model`` in DDP with the measured hook; return the wrapped model."""
     from torch.nn.parallel import DistributedDataParallel
 
-    options: dict[str, Any] = {"gradient_as_bucket_view": settings.gradient_as_bucket_view}
+    options: dict[str, Any] = {
+        "gradient_as_bucket_view": settings.gradient_as_bucket_view,
+        "find_unused_parameters": settings.find_unused_parameters,
+    }
     if settings.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = settings.bucket_cap_mb
     if device.type == "cuda":

@@ -156,6 +156,7 @@ def check_the_loss(
     loss_fn: Callable | None,
     device: torch.device,
     world_size: int = 1,
+    find_unused_parameters: bool = False,
 ) -> str:
     """One forward and loss before any arm starts, so that a mistake every arm would make fails
     in one line that says what to change: a model with nothing to train, a ``loss_fn`` that
@@ -170,7 +171,8 @@ def check_the_loss(
     judged: the arms, on their own device, will say what went wrong. A factory that cannot build
     on meta is built for real on a CPU run, as each arm will build it; elsewhere it is not
     checked, nor is a model too large to build twice. With several ranks, a trainable parameter
-    the loss does not reach is refused too (``_check_every_parameter_learns``).
+    the loss does not reach is refused too (``_check_every_parameter_learns``), unless
+    ``find_unused_parameters`` lets DDP look for such parameters itself.
 
     Returns which default loss the arms will take, as config.DEFAULT_LOSSES names it (the
     model's own, cross-entropy, or the rule where it could not tell); "" with a ``loss_fn``.
@@ -198,7 +200,7 @@ def check_the_loss(
             loss = _check_the_default_loss(trial)
         else:
             loss = _check_the_users_loss(trial, loss_fn, isinstance(batch, Mapping))
-        if world_size > 1 and loss is not None:
+        if world_size > 1 and loss is not None and not find_unused_parameters:
             _check_every_parameter_learns(trial.model, loss, world_size)
     if loss_fn is not None:
         return ""
@@ -376,8 +378,8 @@ def _check_something_trains(model: nn.Module) -> None:
 def _check_every_parameter_learns(model: nn.Module, loss: torch.Tensor, world_size: int) -> None:
     """Under DDP every rank waits, at each step, for the gradient of every trainable parameter;
     one the loss never reaches (an unused head, a pooler) fails every arm after its process
-    started, with DDP's advice to set an option workbench does not expose. So: one backward of
-    the first batch's loss, before any arm starts (on meta tensors, for a run elsewhere)."""
+    started, with DDP's advice to set find_unused_parameters. So: one backward of the first
+    batch's loss, before any arm starts (on meta tensors, for a run elsewhere)."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     try:
         gradients = torch.autograd.grad(loss, [p for _, p in trainable], allow_unused=True)
@@ -389,7 +391,8 @@ def _check_every_parameter_learns(model: nn.Module, loss: torch.Tensor, world_si
             f"with world_size={world_size}, DDP needs a gradient for every trainable parameter at each step, "
             f"and {', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''} get{'s' * (len(unused) == 1)} none "
             "from the first batch's loss: every rank would fail. Freeze them (requires_grad_(False)), "
-            "or leave them out of the model"
+            "leave them out of the model, or pass find_unused_parameters=True (DDP then looks for such "
+            "parameters after every forward, at a cost)"
         )
 
 

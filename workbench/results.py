@@ -333,46 +333,51 @@ def _compare(
     if arm["name"] == baseline:
         row.update(speedup=1.0, speedup_low=1.0, speedup_high=1.0)
     elif paired:
-        shared = row["process"] == "block"  # then window i of both ran in round i of one process
-        sides = [(_side(b), _side(a)) for b, a in paired]
-        measured = stats.arm_speedup(sides, paired=shared)
-        speedup = measured.speedup
-        row.update(
-            speedup=speedup.point,
-            speedup_low=speedup.low,
-            speedup_high=speedup.high,
-            within_block_pct=speedup.within_block_pct,
-            between_block_pct=speedup.between_block_pct,
-        )
-        if speedup.blocks == 1 and not math.isfinite(speedup.low):
-            notes.append(
-                "1 block of 1 step: no interval (one step says nothing of the noise); time more steps"
-            )
-        elif speedup.blocks == 1:
-            notes.append("1 block: the interval ignores process-to-process variation")
-        if speedup.blocks_disagree:
-            notes.append(
-                f"blocks disagree: their ratios spread {speedup.between_block_pct:.1f}% where the noise inside a "
-                f"block is {speedup.within_block_pct:.1f}%; the processes (or nodes) differed, or the machine's "
-                "state changed what this arm gains, in a way the ratio does not cancel; more blocks, spread in "
-                "time, average it"
-            )
-        if not shared:
-            notes.append(_own_process_note(speedup.blocks))
-        wall = _wall_ratio(paired)
-        _in_the_baselines_typical_block(row, wall, base_results)
-        notes += _slow_step_notes(measured, sides, shared)
-        in_blocks = [
-            (base["samples_per_s"] and arm_result["samples_per_s"] / base["samples_per_s"],
-             math.exp(stats.block_ratio(b, a, paired=shared, estimator=measured.estimator).log_ratio))
-            for (base, arm_result), (b, a) in zip(paired, sides, strict=True)
-        ]  # fmt: skip
-        notes += _wall_clock_notes(speedup.point, wall, measured.estimator, in_blocks)
+        notes += _speedup(row, paired, base_results)
     else:
         notes.append("no baseline block to compare with")
     row["noisy"] = stats.is_noisy(row["speedup"], row["speedup_low"], row["speedup_high"])
     notes += _parity_notes(row, arm, baseline)
     return notes
+
+
+def _speedup(row: dict, paired: list[tuple[dict, dict]], base_results: list[dict]) -> list[str]:
+    """The arm's speedup over the baseline from its blocks' pairs (each block's baseline result and
+    its own), with its interval, into ``row``; and the notes on how far to trust it."""
+    notes = []
+    shared = row["process"] == "block"  # then window i of both ran in round i of one process
+    sides = [(_side(b), _side(a)) for b, a in paired]
+    measured = stats.arm_speedup(sides, paired=shared)
+    speedup = measured.speedup
+    row.update(
+        speedup=speedup.point,
+        speedup_low=speedup.low,
+        speedup_high=speedup.high,
+        within_block_pct=speedup.within_block_pct,
+        between_block_pct=speedup.between_block_pct,
+    )
+    if speedup.blocks == 1 and not math.isfinite(speedup.low):
+        notes.append("1 block of 1 step: no interval (one step says nothing of the noise); time more steps")
+    elif speedup.blocks == 1:
+        notes.append("1 block: the interval ignores process-to-process variation")
+    if speedup.blocks_disagree:
+        notes.append(
+            f"blocks disagree: their ratios spread {speedup.between_block_pct:.1f}% where the noise inside a "
+            f"block is {speedup.within_block_pct:.1f}%; the processes (or nodes) differed, or the machine's "
+            "state changed what this arm gains, in a way the ratio does not cancel; more blocks, spread in "
+            "time, average it"
+        )
+    if not shared:
+        notes.append(_own_process_note(speedup.blocks))
+    wall = _wall_ratio(paired)
+    _in_the_baselines_typical_block(row, wall, base_results)
+    notes += _slow_step_notes(measured, sides, shared)
+    in_blocks = [
+        (base["samples_per_s"] and arm_result["samples_per_s"] / base["samples_per_s"],
+         math.exp(stats.block_ratio(b, a, paired=shared, estimator=measured.estimator).log_ratio))
+        for (base, arm_result), (b, a) in zip(paired, sides, strict=True)
+    ]  # fmt: skip
+    return notes + _wall_clock_notes(speedup.point, wall, measured.estimator, in_blocks)
 
 
 def _summed_loss(ratio: float, arm: dict) -> str | None:

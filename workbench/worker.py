@@ -474,8 +474,14 @@ def all_ranks(result: dict, everyone: list[dict]) -> dict:
         "samples_per_s": aggregate,
         "samples": sum(r["samples"] for r in everyone),
         "comm_bytes_per_step": float(np.mean([r["comm_bytes_per_step"] for r in everyone])),
-        "wire_bytes_per_step": float(np.mean([r["wire_bytes_per_step"] for r in everyone])),
+        # a rank of an older workbench (another node) sends no such figure: the mean of those that do
+        "wire_bytes_per_step": _mean_of_known([r.get("wire_bytes_per_step") for r in everyone]),
     }
+
+
+def _mean_of_known(values: list[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return float(np.mean(known)) if known else None
 
 
 def classify_error(error: BaseException) -> str:
