@@ -477,8 +477,10 @@ def _fingerprint(prepared: Prepared) -> dict:
     # Where the blocks run and how long one may take do not change what is measured: a run
     # started locally may be resumed on a cluster, and the other way round.
     settings = {k: v for k, v in prepared.config.items() if k not in ("timeout_s", "executor", "slurm")}
-    if settings["loss_fn"] in DEFAULT_LOSSES:  # one rule, however it is named (a run before the
-        settings["loss_fn"] = DEFAULT_LOSSES[0]  # model's own loss was named still resumes)
+    # The default loss is one rule, however results name it: a folder written before the model's
+    # own loss was named so still resumes.
+    if settings["loss_fn"] in DEFAULT_LOSSES:
+        settings["loss_fn"] = DEFAULT_LOSSES[0]
     settings |= prepared.identity
     settings["arms"] = [
         [arm.name, arm.record()["techniques"], arm.process] for arm in prepared.arms if not arm.unavailable
@@ -1294,8 +1296,10 @@ class _Runner:
                 self.sampler.start()
                 self.template = self._start_template(bar)
                 self._run_here(bar)
-            elif here:  # a finished run opened again: nothing runs, so nothing is sampled (its
-                pass  # samples and load warning are those it was measured under, kept as they were)
+            elif here:
+                # A finished run opened again: nothing runs, so nothing is sampled; its samples and
+                # its load warning stay those it was measured under.
+                pass
             else:  # each job samples its own node and starts its own template; this process does neither
                 self._run_on_slurm(bar)
         except (Interrupted, KeyboardInterrupt):

@@ -1150,7 +1150,7 @@ def _torchrun_rank() -> int | None:
 
 def _say_failed(text: str) -> None:
     """Why the command failed, on stderr in one write: torchrun's ranks share the terminal, and
-    two ranks' lines ran together on one. A rank but rank 0 names itself (on another node its
+    two ranks' lines ran together on one. A rank other than 0 names itself (on another node its
     reason may be its own: a module that is not installed there)."""
     rank = _torchrun_rank()
     who = "workbench" if not rank else f"workbench (rank {rank})"
