@@ -251,9 +251,11 @@ def test_a_rank_that_dies_raises_or_hangs_fails_its_arm_and_the_rest_goes_on(how
     for arm in ("baseline", "ddp_compression"):  # both arms hit it; the second still ran
         assert table.loc[arm, "status"] == "failed"
         assert message in table.loc[arm, "reason"]
+    unit = next(u for u in res.record["units"] if u["arm"] == "baseline")
+    if how != "hang":  # the log of the rank that failed: rank 0's said nothing of it
+        assert unit["log"].endswith(".rank1.log"), unit["log"]
     if how == "hang":
         assert "rank 1's (" in table.loc["baseline", "reason"]
-        unit = next(u for u in res.record["units"] if u["arm"] == "baseline")
         rank_1 = unit["traceback"].partition("rank 1:\n")[2]
         assert "test_ddp.py" in rank_1 and "in forward" in rank_1, unit["traceback"]  # where it hung
     assert time.monotonic() - started < 90

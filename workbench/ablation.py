@@ -1619,7 +1619,12 @@ class _Runner:
             "status": status,
             "reason": reason,
             "result": result,
-            "log": str(self._log_path(job, attempt).relative_to(self.folder)),
+            # the log of the rank whose failure it was (rank 0's said nothing of rank 1's error)
+            "log": str(
+                rank_log(self._log_path(job, attempt), (detail or {}).get("rank") or 0).relative_to(
+                    self.folder
+                )
+            ),
         }
         if status != "ok":
             unit["traceback"] = (detail or {}).get("traceback", "")

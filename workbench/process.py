@@ -489,12 +489,13 @@ def _failure(
             "signal": -code if code < 0 else None,
             "reason": f"rank {rank} of {len(processes)} {how} without a result; the other ranks were ended",
             "traceback": _log_tail(processes[rank].log_path),
+            "rank": rank,  # whose log the unit points to
         }
     if rank_errors:
         rank = first_cause(rank_errors)
         error = rank_errors[rank]
         prefix = "" if single else f"rank {rank} of {len(processes)}: "
-        return {**error, "reason": prefix + error["reason"]}
+        return {**error, "reason": prefix + error["reason"], "rank": rank}
     code = processes[0].returncode
     tail = _log_tail(processes[0].log_path)
     status, how = (
