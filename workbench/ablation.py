@@ -1612,6 +1612,7 @@ class _Runner:
 
     def _unit(self, arm: Arm, job: Job, attempt: int, status: str, reason: str, detail: dict | None = None,
               result: dict | None = None) -> dict:  # fmt: skip
+        failed_rank = (detail or {}).get("rank") or 0  # the rank whose failure it was
         unit = {
             "arm": arm.name,
             "block": job.block,
@@ -1619,12 +1620,8 @@ class _Runner:
             "status": status,
             "reason": reason,
             "result": result,
-            # the log of the rank whose failure it was (rank 0's said nothing of rank 1's error)
-            "log": str(
-                rank_log(self._log_path(job, attempt), (detail or {}).get("rank") or 0).relative_to(
-                    self.folder
-                )
-            ),
+            # its log, not rank 0's, which said nothing of rank 1's error
+            "log": str(rank_log(self._log_path(job, attempt), failed_rank).relative_to(self.folder)),
         }
         if status != "ok":
             unit["traceback"] = (detail or {}).get("traceback", "")

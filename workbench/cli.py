@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from workbench.config import NothingMeasured, cli_flag, name_as_typed
+from workbench.config import NothingMeasured, cli_flag, name_as_typed, started_by_torchrun
 
 PRESETS: dict[str, dict[str, Any]] = {
     # A CPU ablation that finishes in under a minute on 2 cores: a conv net, where layout and
@@ -123,10 +123,11 @@ def _none_where_it_is_a_choice(name: str, value: Any) -> Any:
     "got None")."""
     if not isinstance(value, dict):
         return value
-    from workbench.techniques import all_techniques
+    from workbench.techniques import get_technique
 
-    technique = next((t for t in all_techniques() if t.name == name), None)
-    if technique is None:  # an unknown name: parse_techniques refuses it, naming the valid ones
+    try:
+        technique = get_technique(name)
+    except ValueError:  # an unknown name: parse_techniques refuses it, naming the valid ones
         return value
     choices = {f.name: f.metadata.get("choices", ()) for f in dataclasses.fields(technique.Config)}
 
@@ -980,7 +981,7 @@ def _prewarm_template(args: argparse.Namespace) -> None:
         runs_here
         and getattr(args, "executor", None) != "slurm"  # each Slurm job starts its own
         and getattr(args, "start", None) != "spawn"
-        and "TORCHELASTIC_RUN_ID" not in os.environ  # a torchrun rank is the process that measures
+        and not started_by_torchrun()  # a torchrun rank is the process that measures
     ):
         from workbench.template import prewarm
 
@@ -1143,9 +1144,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _torchrun_rank() -> int | None:
     """This process's rank when torchrun started it, else None (read without importing torch)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    return int(os.environ.get("RANK", "0"))
+    return int(os.environ.get("RANK", "0")) if started_by_torchrun() else None
 
 
 def _say_failed(text: str) -> None:

@@ -50,6 +50,12 @@ SMOKE_NOTE = (
 )
 
 
+def started_by_torchrun() -> bool:
+    """Whether torchrun (torch.distributed's elastic agent) started this process, read from the
+    environment it sets, without importing torch: its world size is then the run's."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def smoke_test() -> bool:
     """Whether WORKBENCH_SMOKE asks for smoke-test budgets; a value that is neither on nor off
     is refused, naming both, rather than read as either."""

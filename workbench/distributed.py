@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench.config import Link
+from workbench.config import Link, started_by_torchrun
 
 # The model is wrapped in DDP after every technique that changes the model (order below this)
 # and before those that must see the wrapped model (compile, order 90).
@@ -417,7 +417,7 @@ class Torchrun:
     @classmethod
     def detect(cls) -> Torchrun | None:
         rank = Rank.from_env()
-        if "TORCHELASTIC_RUN_ID" in os.environ and rank.distributed:
+        if started_by_torchrun() and rank.distributed:
             return cls(rank)
         return None
 

@@ -148,8 +148,9 @@ def _log_tail(path: Path, lines: int = 15) -> str:
 
 
 def _where_the_ranks_hung(processes: list[subprocess.Popen], reason: str) -> dict:
-    """A timed-out arm of several ranks: which ranks' logs show where their threads were when they
-    were ended (faulthandler writes each thread's stack on SIGTERM), and the top of those stacks.
+    """A timed-out arm of several ranks: ``reason`` with the ranks' logs that show where their threads
+    were when they were ended (faulthandler writes each thread's stack on SIGTERM), and the top of
+    those stacks; nothing to add where no log holds one.
     It said "the arm's process was ended", naming no rank and no log, while rank 1's log held the
     line where it hung."""
     dumps = {}
@@ -161,13 +162,11 @@ def _where_the_ranks_hung(processes: list[subprocess.Popen], reason: str) -> dic
         starts = [i for i, line in enumerate(lines) if line.startswith("Current thread ")]
         if starts:  # the thread that took the signal: the main one, where the step runs
             dumps[rank] = "\n".join(lines[starts[-1] : starts[-1] + STACK_LINES])
-    ended = reason.removesuffix("; the arm's process was ended")
-    said = f"{ended}; the arm's {len(processes)} rank processes were ended"
     if not dumps:
-        return {"reason": said}
+        return {}
     logs = ", ".join(f"rank {rank}'s ({processes[rank].log_path.name})" for rank in dumps)
     return {  # every rank's: the one that hung is the one not waiting in backward for the others
-        "reason": f"{said}; where their threads were is in the logs of {logs}",
+        "reason": f"{reason}; where their threads were is in the logs of {logs}",
         "traceback": "\n".join(f"rank {rank}:\n{stack}" for rank, stack in dumps.items()),
     }
 
@@ -374,10 +373,13 @@ class _RankWatch:
         """Overdue, answered but not exiting, or a rank lost: stop following."""
         if self.answer is None and self.timer.overdue():
             self.stopped = self.timed_out = True
+            ended = (
+                "process was" if len(self.processes) == 1 else f"{len(self.processes)} rank processes were"
+            )
             self.answer = {
                 "type": "error",
                 "status": "failed",
-                "reason": f"{self.timer.describe()}; the arm's process was ended",
+                "reason": f"{self.timer.describe()}; the arm's {ended} ended",
                 "arm": self.timer.current,
             }
             return True

@@ -372,11 +372,13 @@ def _speedup(row: dict, paired: list[tuple[dict, dict]], base_results: list[dict
     wall = _wall_ratio(paired)
     _in_the_baselines_typical_block(row, wall, base_results)
     notes += _slow_step_notes(measured, sides, shared)
-    in_blocks = [
-        (base["samples_per_s"] and arm_result["samples_per_s"] / base["samples_per_s"],
-         math.exp(stats.block_ratio(b, a, paired=shared, estimator=measured.estimator).log_ratio))
-        for (base, arm_result), (b, a) in zip(paired, sides, strict=True)
-    ]  # fmt: skip
+    in_blocks = [  # each block's samples/s ratio beside the ratio its speedup combined
+        (
+            base["samples_per_s"] and arm_result["samples_per_s"] / base["samples_per_s"],
+            math.exp(ratio.log_ratio),
+        )
+        for (base, arm_result), ratio in zip(paired, measured.ratios, strict=True)
+    ]
     return notes + _wall_clock_notes(speedup.point, wall, measured.estimator, in_blocks)
 
 

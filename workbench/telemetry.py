@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from workbench.config import started_by_torchrun
 from workbench.optional import install_hint, missing
 from workbench.stats import PHASES
 
@@ -657,7 +658,7 @@ class CompetingLoad:
         self._psutil = psutil
         # Under torchrun the run is every local rank: their agent's tree, not this rank's alone
         # (the other rank's core was warned about as another program's).
-        self._agent = psutil.Process().parent() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self._agent = psutil.Process().parent() if started_by_torchrun() else None
         self._last = (time.monotonic(), self._machine_busy_s(), self._run_cpu_s(), self._steal_s())
 
     def _machine_busy_s(self) -> float:

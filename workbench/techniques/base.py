@@ -35,7 +35,6 @@ when it hurts, its settings, and where the idea comes from.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -44,6 +43,7 @@ import torch
 from torch import nn
 
 from workbench import optional
+from workbench.config import started_by_torchrun
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,7 @@ def _needs_jpeg_files(ctx: Context) -> str | None:
 def _needs_ranks(ctx: Context) -> str | None:
     if ctx.world_size >= 2:
         return None
-    if (
-        "TORCHELASTIC_RUN_ID" in os.environ
-    ):  # torchrun's world size is the run's: --world-size cannot change it
+    if started_by_torchrun():  # torchrun's world size is the run's: --world-size cannot change it
         return "needs several ranks to communicate: start torchrun with --nproc-per-node 2 or more (or more nodes)"
     return "needs several ranks to communicate: pass world_size=2 or more to ablate"
 
